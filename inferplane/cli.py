@@ -1,0 +1,55 @@
+"""The `inferplane` console script.
+
+Each subcommand lives in its own module, imported only when it runs, so that `inferplane operator`
+does not pay for importing torch and `inferplane worker` does not import the control plane.
+A subcommand module provides `configure(parser)` and `run(args) -> int`; `configure` must stay
+cheap (no heavy imports), since every module's `configure` runs to build `--help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "worker": ("inferplane.worker.cli", "run one model replica as a gRPC worker"),
+    "bench": ("inferplane.bench_cli", "run a benchmark against its peers"),
+    "operator": ("inferplane.operator.cli", "run the Kubernetes operator (kopf)"),
+    "up": ("inferplane.local.cli", "run the whole platform on this machine"),
+    "gateway": ("inferplane.control_plane.cli", "run the control plane gateway"),
+    "models": ("inferplane.control_plane.cli_models", "model registry: register|list|show|delete"),
+    "tenants": ("inferplane.control_plane.cli_tenants", "tenants: create|list"),
+    "keys": ("inferplane.control_plane.cli_keys", "API keys: create|list|revoke"),
+    "quant-check": ("inferplane.worker.quant.cli", "int8 quality gate: perplexity, agreement, KL"),
+}
+
+
+def _available() -> dict[str, tuple[str, str]]:
+    """Only subcommands whose module exists are offered, so --help never lists a dead end."""
+    found = {}
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        try:
+            spec = importlib.util.find_spec(module)
+        except ModuleNotFoundError:
+            spec = None
+        if spec is not None:
+            found[name] = (module, help_text)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="inferplane", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, (module_name, help_text) in _available().items():
+        module = importlib.import_module(module_name)
+        module.configure(sub.add_parser(name, help=help_text))
+        modules[name] = module
+    args = parser.parse_args(argv)
+    return int(modules[args.command].run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
