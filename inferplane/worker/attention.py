@@ -1,0 +1,106 @@
+"""Attention over the paged KV cache.
+
+The portable path gathers each sequence's blocks into a contiguous view and runs PyTorch's
+scaled_dot_product_attention: it works on any device. Decodes are batched into one SDPA call (the
+query heads of a KV group are laid out as a short query axis, so grouped-query attention needs no
+repeat); prefill chunks run one sequence each, since their causal masks differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    """One sequence's chunk of new tokens: rows [start, start + length) of the flat batch."""
+
+    start: int
+    length: int
+    context_len: int  # tokens in the cache after this chunk, this chunk included
+    block_table: torch.Tensor  # [num_blocks] int64
+
+
+@dataclass
+class AttentionBatch:
+    """Everything one forward pass needs to find and write its KV. Decode rows come first."""
+
+    slot_mapping: torch.Tensor  # [T] flat slot index per token
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
+    decode_context_lens: torch.Tensor | None = None  # [B]
+    prefills: list[PrefillSegment] = field(default_factory=list)
+
+
+class PagedKVCache:
+    """The preallocated pool: per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[index, 0], self.data[index, 1]
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    heads, dim = k_cache.shape[-2:]
+    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[..., blocks] table → [..., length, kv_heads, head_dim] contiguous keys or values."""
+    blocks = cache[block_table]  # [..., nb, bs, h, d]
+    flat = blocks.flatten(-4, -3)
+    return flat[..., :length, :, :]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    """q: [T, heads, d]; k, v: this step's [T, kv_heads, d] (already stored). Returns [T, heads, d]."""
+    heads, dim = q.shape[1:]
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    nd = batch.num_decodes
+    if nd:
+        max_len = int(batch.decode_context_lens.max())
+        keys = _gather(k_cache, batch.decode_block_tables, max_len).transpose(1, 2)  # [B, kvh, L, d]
+        values = _gather(v_cache, batch.decode_block_tables, max_len).transpose(1, 2)
+        query = q[:nd].view(nd, kv_heads, group, dim)
+        positions = torch.arange(max_len, device=q.device)
+        mask = (positions[None, :] < batch.decode_context_lens[:, None])[:, None, None, :]
+        out[:nd] = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale).reshape(
+            nd, heads, dim
+        )
+    for seg in batch.prefills:
+        rows = slice(seg.start, seg.start + seg.length)
+        query = q[rows].transpose(0, 1)  # [heads, n, d]
+        if seg.context_len == seg.length:  # nothing cached before this chunk: use this step's k, v
+            keys, values = k[rows], v[rows]
+            causal, mask = True, None
+        else:
+            keys = _gather(k_cache, seg.block_table, seg.context_len)
+            values = _gather(v_cache, seg.block_table, seg.context_len)
+            causal = False
+            offset = seg.context_len - seg.length
+            qpos = torch.arange(seg.length, device=q.device)[:, None] + offset
+            mask = torch.arange(seg.context_len, device=q.device)[None, :] <= qpos
+        keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)
+        values = values.transpose(0, 1).repeat_interleave(group, dim=0)
+        res = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal, scale=scale)
+        out[rows] = res.transpose(0, 1)
+    return out

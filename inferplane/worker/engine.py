@@ -1,0 +1,262 @@
+"""The engine: one scheduler, one model runner, one KV manager, stepped in a loop.
+
+`Engine.step()` schedules a batch, runs it and returns what each request gained (tokens, text,
+whether it finished). The offline `LLM` and the gRPC worker both drive this same loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from inferplane.worker.attention import PagedKVCache
+from inferplane.worker.kv.paged import blocks_for
+from inferplane.worker.model.loader import LoadedModel
+from inferplane.worker.model.tokenizer import IncrementalDetokenizer
+from inferplane.worker.model_runner import ModelRunner
+from inferplane.worker.options import EngineOptions, parse_memory
+from inferplane.worker.runtimes import build_kv_manager
+from inferplane.worker.sampling import SamplingParams
+from inferplane.worker.scheduler import Scheduler
+from inferplane.worker.sequence import Sequence
+
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+_GPU_DEFAULT_KV_FRACTION = 0.85
+
+
+@dataclass
+class StepOutput:
+    """What one request gained in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineCounters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, options: EngineOptions, device: torch.device, dtype: torch.dtype):
+        options.validate()
+        self.loaded = loaded
+        self.options = options
+        self.device = device
+        self.dtype = dtype
+        config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(options.max_model_len or config.max_position_embeddings,
+                                 config.max_position_embeddings)
+        self.block_size = options.block_size
+        num_blocks = self._num_blocks()
+        self.cache = PagedKVCache(config.num_layers, num_blocks, self.block_size, config.num_kv_heads,
+                                  config.head_dim, dtype, device)
+        self.kv = build_kv_manager(options, num_blocks)
+        self.scheduler = self._build_scheduler()
+        self.runner = ModelRunner(loaded.model, self.cache, device)
+        self.eos_ids = set(config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.requests: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.counters = EngineCounters()
+
+    def _build_scheduler(self) -> Scheduler:
+        from inferplane.worker.runtimes import build_scheduler
+
+        return build_scheduler(self.options, self.kv)
+
+    def _num_blocks(self) -> int:
+        config = self.loaded.config
+        per_block = PagedKVCache.bytes_per_block(config.num_layers, self.block_size, config.num_kv_heads,
+                                                 config.head_dim, self.dtype)
+        if self.options.num_kv_blocks is not None:
+            return int(self.options.num_kv_blocks)
+        budget = self.options.kv_cache_memory
+        if budget is None:
+            budget = _GPU_DEFAULT_KV_FRACTION if self.device.type == "cuda" else _CPU_DEFAULT_KV_BYTES
+        amount = parse_memory(budget)
+        if isinstance(amount, float):
+            if self.device.type != "cuda":
+                raise ValueError("kv_cache_memory: a fraction of free memory needs a GPU; give bytes (e.g. 1GiB)")
+            free, _ = torch.cuda.mem_get_info(self.device)
+            amount = int(free * amount)
+        # No point in more blocks than every sequence slot could fill at full context.
+        cap = blocks_for(self.max_model_len, self.block_size) * self.options.max_num_seqs
+        return max(1, min(amount // per_block, cap))
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; send token ids")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, cache_salt: str = "") -> Sequence:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            token_ids = self.tokenize(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+            vocab = self.loaded.config.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary (size {vocab})")
+        max_tokens = params.validate(len(token_ids), self.max_model_len)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
+        needed = blocks_for(len(token_ids) + max_tokens, self.block_size)
+        if needed > self.kv.num_blocks:
+            raise ValueError(
+                f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) needs {needed} KV "
+                f"blocks but the pool has {self.kv.num_blocks}; lower max_tokens or raise kv_cache_memory"
+            )
+        request_id = request_id or self.new_request_id()
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
+        seq = Sequence(request_id=request_id, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
+                       generator=generator, cache_salt=cache_salt)
+        self.requests[request_id] = seq
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
+        self.scheduler.add(seq)
+        self.counters.prompt_tokens += len(token_ids)
+        return seq
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        """Frees the request's blocks at once. Returns its final output, or None if unknown."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        self._finish(seq, "abort")
+        return self._output(seq, [], [], "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        tokens, logprobs = self.runner.execute(plan.scheduled)
+        outputs = []
+        sampled = 0
+        for item in plan.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.on_computed(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that is not the last one
+            token = tokens[sampled]
+            logprob = logprobs[sampled] if logprobs is not None else None
+            sampled += 1
+            outputs.append(self._append_token(seq, token, logprob))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float | None) -> StepOutput:
+        now = time.perf_counter()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.output_token_ids.append(token)
+        self.counters.generation_tokens += 1
+        new_logprobs = []
+        if seq.params.logprobs and logprob is not None:
+            seq.output_logprobs.append(logprob)
+            new_logprobs = [logprob]
+        delta = ""
+        detok = self._detok.get(seq.request_id)
+        if detok is not None:
+            delta = detok.add(token)
+        reason = None
+        if token in seq.params.stop_token_ids or (not seq.params.ignore_eos and token in self.eos_ids):
+            reason = "stop"
+        if delta and seq.params.stop:
+            delta, hit = self._cut_at_stop(seq, delta)
+            if hit:
+                reason = "stop"
+        else:
+            seq.output_text += delta
+        if reason is None and (len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, reason)
+        return self._output(seq, [token], new_logprobs, delta)
+
+    def _cut_at_stop(self, seq: Sequence, delta: str) -> tuple[str, bool]:
+        """Appends delta to the output text unless a stop string completes in it; the stop string
+        and what follows are not returned (vLLM's default)."""
+        before = len(seq.output_text)
+        text = seq.output_text + delta
+        window = max(len(s) for s in seq.params.stop) + len(delta)
+        search_from = max(0, len(text) - window)
+        cut = None
+        for stop in seq.params.stop:
+            idx = text.find(stop, search_from)
+            if idx != -1 and (cut is None or idx < cut):
+                cut = idx
+        if cut is None:
+            seq.output_text = text
+            return delta, False
+        seq.output_text = text[:cut]
+        return seq.output_text[before:], True
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+        self._detok.pop(seq.request_id, None)
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+
+    def _output(self, seq: Sequence, tokens: list[int], logprobs: list[float], delta: str) -> StepOutput:
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            new_logprobs=logprobs,
+            text_delta=delta,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    # -- introspection ----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        stats: dict[str, float] = dict(self.kv.stats())
+        stats.update(
+            preemptions=self.scheduler.num_preemptions,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            prompt_tokens_total=self.counters.prompt_tokens,
+            generation_tokens_total=self.counters.generation_tokens,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+        )
+        return stats

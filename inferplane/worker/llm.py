@@ -1,0 +1,106 @@
+"""The offline API, shaped like vLLM's: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+
+from inferplane.worker.engine import Engine
+from inferplane.worker.model.loader import load_model
+from inferplane.worker.options import EngineOptions
+from inferplane.worker.runtimes import check_runtime
+from inferplane.worker.sampling import SamplingParams
+from inferplane.worker.sequence import Sequence
+
+
+@dataclass
+class RequestMetrics:
+    ttft: float | None  # seconds from submission to the first generated token
+    latency: float  # seconds from submission to the last token
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    metrics: RequestMetrics
+    logprobs: list[float] | None = None
+    num_cached_tokens: int = 0
+    outputs: list = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        # vLLM users write out.outputs[0].text; one completion per prompt here.
+        self.outputs = [self]
+
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str, runtime: str = "paged", device: str = "auto", dtype: str | None = None,
+                 **engine_options):
+        check_runtime(runtime)
+        options = EngineOptions.from_kwargs(runtime=runtime, device=device, dtype=dtype, **engine_options)
+        options.validate()
+        torch_device = options.resolve_device()
+        torch_dtype = options.resolve_dtype(torch_device)
+        max_len = options.max_model_len
+        loaded = load_model(model, torch_device, torch_dtype, max_positions=max_len)
+        self.engine = Engine(loaded, options, torch_device, torch_dtype)
+        self.tokenizer = loaded.tokenizer
+
+    def generate(self, prompts: Prompt | SequenceABC[Prompt],
+                 params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+                 cache_salt: str = "") -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"params: {len(params_list)} given for {len(prompts)} prompts")
+        # Validate everything before submitting anything: a bad prompt must not leave others queued.
+        seqs: list[Sequence] = []
+        try:
+            for prompt, p in zip(prompts, params_list, strict=True):
+                seqs.append(self.engine.add_request(prompt, p, cache_salt=cache_salt))
+        except Exception:
+            for seq in seqs:
+                self.engine.abort(seq.request_id)
+            raise
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [self._result(s) for s in seqs]
+
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+             cache_salt: str = "") -> list[RequestOutput]:
+        if self.tokenizer is None:
+            raise ValueError("chat: this model has no tokenizer")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, params, cache_salt=cache_salt)
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+    @staticmethod
+    def _result(seq: Sequence) -> RequestOutput:
+        ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+        latency = (seq.finish_time or seq.arrival_time) - seq.arrival_time
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=seq.output_text,
+            finish_reason=seq.finish_reason,
+            metrics=RequestMetrics(ttft=ttft, latency=latency),
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
+            num_cached_tokens=seq.num_cached_tokens,
+        )

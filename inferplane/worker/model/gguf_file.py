@@ -1,0 +1,166 @@
+"""Reading GGUF files: metadata → ModelConfig, tensors → float torch tensors in HF naming.
+
+The dequantizers are our own (a few lines each, vectorised in torch) so that the set of supported
+tensor types is explicit: anything else fails with an error that names the type.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from inferplane.worker.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+
+# Block layouts (ggml): Q4_0 = f16 scale + 16 bytes of nibbles (32 weights);
+# Q4_1 = f16 scale + f16 min + 16 bytes; Q8_0 = f16 scale + 32 int8.
+_BLOCK = 32
+
+
+def _dequant_q8_0(raw: np.ndarray) -> torch.Tensor:
+    blocks = torch.from_numpy(raw.reshape(-1, 34).copy())
+    scale = blocks[:, :2].contiguous().view(torch.float16).float()
+    q = blocks[:, 2:].contiguous().view(torch.int8).float()
+    return q * scale
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    # ggml stores the low nibbles of all 16 bytes first, then the high nibbles.
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.cat([low, high], dim=1).float()
+
+
+def _dequant_q4_0(raw: np.ndarray) -> torch.Tensor:
+    blocks = torch.from_numpy(raw.reshape(-1, 18).copy())
+    scale = blocks[:, :2].contiguous().view(torch.float16).float()
+    return (_nibbles(blocks[:, 2:]) - 8.0) * scale
+
+
+def _dequant_q4_1(raw: np.ndarray) -> torch.Tensor:
+    blocks = torch.from_numpy(raw.reshape(-1, 20).copy())
+    scale = blocks[:, :2].contiguous().view(torch.float16).float()
+    minimum = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    return _nibbles(blocks[:, 4:]) * scale + minimum
+
+
+_QUANTIZED = {"Q8_0": _dequant_q8_0, "Q4_0": _dequant_q4_0, "Q4_1": _dequant_q4_1}
+
+
+def dequantize(type_name: str, raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """Returns a float32 tensor of `shape` (rows first, as PyTorch orders a weight)."""
+    if type_name == "F32":
+        return torch.from_numpy(np.array(raw, dtype=np.float32)).reshape(shape)
+    if type_name == "F16":
+        return torch.from_numpy(np.array(raw).view(np.float16)).float().reshape(shape)
+    if type_name == "BF16":
+        as_int = torch.from_numpy(np.array(raw).view(np.int16))
+        return as_int.view(torch.bfloat16).float().reshape(shape)
+    if type_name in _QUANTIZED:
+        return _QUANTIZED[type_name](np.asarray(raw).view(np.uint8)).reshape(shape)
+    raise ModelLoadError(
+        f"GGUF tensor type {type_name} is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)"
+    )
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def open_gguf(path: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises assorted errors on a corrupt file
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+
+
+def config_from_gguf(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}")
+    p = f"{arch}."
+    heads = int(_field(reader, p + "attention.head_count"))
+    hidden = int(_field(reader, p + "embedding_length"))
+    vocab = _field(reader, p + "vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    names = {t.name for t in reader.tensors}
+    scaling = None
+    scaling_type = _field(reader, p + "rope.scaling.type")
+    if scaling_type and scaling_type != "none":
+        scaling = {"rope_type": scaling_type, "factor": float(_field(reader, p + "rope.scaling.factor", 1.0))}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, p + "feed_forward_length")),
+        num_layers=int(_field(reader, p + "block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, p + "attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, p + "attention.key_length", hidden // heads)),
+        rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(_field(reader, p + "context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def _unpermute_rope(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves the rotary halves of q/k rows (its RoPE pairs adjacent
+    elements); HF-style rotate_half pairs the two halves, so the rows are put back."""
+    out = weight.shape[0]
+    rest = weight.shape[1:]
+    return weight.reshape(n_heads, out // n_heads // 2, 2, *rest).transpose(1, 2).reshape(out, *rest)
+
+
+def load_gguf_tensors(reader, config: ModelConfig):
+    """Yields (hf_name, float32 tensor) for every tensor in the file."""
+    for t in reader.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        tensor = dequantize(t.tensor_type.name, t.data, shape)
+        name = hf_name(t.name)
+        if config.architecture in ("llama", "mistral"):
+            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+                tensor = _unpermute_rope(tensor, config.num_heads)
+            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+                tensor = _unpermute_rope(tensor, config.num_kv_heads)
+        yield name, tensor

