@@ -1,0 +1,225 @@
+"""Served model name -> deployment (A/B weight, tier) -> replica (prefix affinity under bounded load).
+
+The router holds no per-prefix state: a replica is a pure function of the prompt's prefix key, the
+member set and current loads. Several gateway replicas therefore agree on where a prefix lives
+without talking to each other, and a restarted gateway loses nothing.
+
+Deployment choice, in order (one step wins):
+  1. on a retry, the deployment of the failed attempt, if it still has an unsaturated replica
+     (keeps an A/B assignment through retries);
+  2. a weighted choice among primaries that are not saturated (weights renormalised over them);
+  3. a weighted choice among spillover deployments that are not saturated;
+  4. saturated primaries, then saturated spillover (the workers queue: better than refusing).
+A deployment is saturated when each of its healthy, untried replicas is at ``max_outstanding`` in
+flight (or reports ``max_waiting`` queued). The A/B split is therefore exact while no arm is saturated;
+a saturated arm's excess goes to the other primaries before spillover is touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import weakref
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from inferplane.control_plane.routing.endpoints import Endpoint, EndpointSource
+from inferplane.control_plane.routing.errors import NoReplicaAvailable, UnknownModel
+from inferplane.control_plane.routing.health import HealthTracker
+from inferplane.control_plane.routing.load import LoadTracker
+from inferplane.control_plane.routing.prefix import prefix_key
+from inferplane.control_plane.routing.ring import HashRing, bounded_pick
+
+
+class Tier(StrEnum):
+    PRIMARY = "primary"
+    SPILLOVER = "spillover"
+
+
+@dataclass(eq=False)
+class Deployment:
+    """One deployment behind a served model name (an ``InferenceDeployment`` or a local group)."""
+
+    name: str
+    source: EndpointSource
+    weight: float = 1.0
+    tier: Tier = Tier.PRIMARY
+    block_size: int = 16            # the workers' KV block size (``InfoResponse.block_size``)
+    affinity_blocks: int = 2        # how many leading full blocks make the prefix key
+    max_outstanding: int = 64       # in flight per replica (from this gateway) that counts as saturated
+    max_waiting: int | None = None  # worker-reported queue length that counts as saturated
+    load_epsilon: float = 0.25      # bounded-load slack: a replica may hold (1 + eps) x the average
+    vnodes: int = 160
+
+    def __post_init__(self) -> None:
+        self.tier = Tier(self.tier)
+        if self.weight < 0:
+            raise ValueError(f"deployment {self.name}: weight must be >= 0")
+        if self.max_outstanding < 1 or self.block_size < 1 or self.affinity_blocks < 1:
+            raise ValueError(f"deployment {self.name}: max_outstanding, block_size and "
+                             "affinity_blocks must be >= 1")
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    model: str
+    token_ids: Sequence[int] | None = None  # tokenized prompt; None routes by load alone
+    cache_salt: str = ""                    # the tenant's salt (see ``salt.tenant_cache_salt``)
+    ab_key: str | None = None               # e.g. a user id: pins the A/B arm; None draws at random
+
+
+@dataclass(eq=False)
+class Lease:
+    """A picked replica with one outstanding request counted on it until ``release``."""
+
+    endpoint: Endpoint
+    deployment: Deployment
+    _load: LoadTracker = field(repr=False)
+    _health: HealthTracker = field(repr=False)
+    released: bool = False
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+    def release(self, success: bool | None = None) -> None:
+        """End the request: ``True`` worker served it, ``False`` worker failed (counts toward
+        ejection), ``None`` no verdict (client went away, request was invalid). Idempotent."""
+        if self.released:
+            return
+        self.released = True
+        self._load.release(self.address)
+        if success is True:
+            self._health.record_success(self.address)
+        elif success is False:
+            self._health.record_failure(self.address)
+
+
+@dataclass
+class _Candidates:
+    deployment: Deployment
+    endpoints: dict[str, Endpoint]
+    all_addresses: frozenset[str]
+
+
+class Router:
+    def __init__(self, routes: Mapping[str, Iterable[Deployment]] | None = None, *,
+                 health: HealthTracker | None = None, load: LoadTracker | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.health = health or HealthTracker()
+        self.load = load or LoadTracker()
+        self._rng = rng or random.Random()
+        self._routes: dict[str, tuple[Deployment, ...]] = {}
+        self._rings: weakref.WeakKeyDictionary[Deployment, HashRing] = weakref.WeakKeyDictionary()
+        for model, deployments in (routes or {}).items():
+            self.set_route(model, deployments)
+
+    # -- configuration ---------------------------------------------------------------------------
+    def set_route(self, model: str, deployments: Iterable[Deployment]) -> None:
+        """Replace a served model's deployments (the registry refresh calls this)."""
+        deps = tuple(deployments)
+        names = [d.name for d in deps]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model {model}: duplicate deployment names {names}")
+        self._routes[model] = deps
+
+    def remove_route(self, model: str) -> None:
+        self._routes.pop(model, None)
+
+    def models(self) -> list[str]:
+        return sorted(self._routes)
+
+    def deployments(self, model: str) -> tuple[Deployment, ...]:
+        try:
+            return self._routes[model]
+        except KeyError:
+            raise UnknownModel(model) from None
+
+    def addresses(self) -> set[str]:
+        """Every listed replica of every route: what the health poller should check."""
+        return {ep.address for deps in self._routes.values() for d in deps for ep in d.source.endpoints()}
+
+    # -- picking ---------------------------------------------------------------------------------
+    def pick(self, request: RouteRequest, *, exclude: Collection[str] = (),
+             prefer: str | None = None) -> Lease:
+        """Choose a replica and count a request on it. Raises ``UnknownModel`` or
+        ``NoReplicaAvailable``; the caller must ``release`` the lease when the stream ends."""
+        deployments = self.deployments(request.model)
+        cands = [self._candidates(d, exclude) for d in deployments]
+        usable = [c for c in cands if c.endpoints]
+        if not usable:
+            raise NoReplicaAvailable(request.model, tuple(exclude))
+        chosen = self._choose_deployment(request, usable, prefer)
+        address = self._choose_replica(request, chosen)
+        self.load.acquire(address)
+        return Lease(chosen.endpoints[address], chosen.deployment, self.load, self.health)
+
+    def _candidates(self, d: Deployment, exclude: Collection[str]) -> _Candidates:
+        listed = d.source.endpoints()
+        eligible = {ep.address: ep for ep in listed
+                    if ep.address not in exclude and self.health.is_healthy(ep.address)}
+        return _Candidates(d, eligible, frozenset(ep.address for ep in listed))
+
+    def _replica_saturated(self, d: Deployment, address: str) -> bool:
+        if self.load.outstanding(address) >= d.max_outstanding:
+            return True
+        waiting = self.load.waiting(address) if d.max_waiting is not None else None
+        return waiting is not None and waiting >= d.max_waiting  # type: ignore[operator]
+
+    def _saturated(self, c: _Candidates) -> bool:
+        return all(self._replica_saturated(c.deployment, a) for a in c.endpoints)
+
+    def _choose_deployment(self, request: RouteRequest, usable: list[_Candidates],
+                           prefer: str | None) -> _Candidates:
+        open_ = [c for c in usable if not self._saturated(c)]
+        if prefer is not None:
+            for c in open_:
+                if c.deployment.name == prefer:
+                    return c
+        for group in (open_, usable):
+            for tier in (Tier.PRIMARY, Tier.SPILLOVER):
+                tiered = [c for c in group if c.deployment.tier is tier]
+                if tiered:
+                    return self._weighted(request, tiered)
+        raise AssertionError("unreachable: usable is non-empty")
+
+    def _weighted(self, request: RouteRequest, options: list[_Candidates]) -> _Candidates:
+        if len(options) == 1:
+            return options[0]
+        weights = [c.deployment.weight for c in options]
+        total = sum(weights)
+        if total <= 0:  # only zero-weight (drained) arms are left: spread evenly rather than refuse
+            weights, total = [1.0] * len(options), float(len(options))
+        u = _unit(request.ab_key) if request.ab_key is not None else self._rng.random()
+        acc = 0.0
+        for c, w in zip(options, weights, strict=True):
+            acc += w / total
+            if u < acc:
+                return c
+        return options[-1]
+
+    def _ring(self, c: _Candidates) -> HashRing:
+        ring = self._rings.get(c.deployment)
+        if ring is None or ring.members != c.all_addresses:
+            ring = self._rings[c.deployment] = HashRing(c.all_addresses, c.deployment.vnodes)
+        return ring
+
+    def _choose_replica(self, request: RouteRequest, c: _Candidates) -> str:
+        d = c.deployment
+        key = prefix_key(request.token_ids, d.block_size, request.cache_salt, d.affinity_blocks)
+        # A saturated replica is passed over while its siblings have room, whatever the ring says.
+        room = [a for a in c.endpoints if not self._replica_saturated(d, a)] or list(c.endpoints)
+        loads = {a: self.load.outstanding(a) for a in room}
+        if key is not None:
+            picked = bounded_pick(self._ring(c), key, loads, d.load_epsilon)
+            if picked is not None:
+                return picked
+        low = min(loads.values())
+        return self._rng.choice(sorted(a for a, n in loads.items() if n == low))
+
+
+def _unit(key: str) -> float:
+    """Stable uniform number in [0, 1) for a key, equal on every gateway replica."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8, person=b"ab-split").digest()
+    return int.from_bytes(digest, "big") / 2**64
