@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from inferplane.worker.engine import Engine
 from inferplane.worker.model.loader import load_model
 from inferplane.worker.options import EngineOptions
-from inferplane.worker.runtimes import check_runtime
+from inferplane.worker.runtimes import check_runtime, prepare_weights
 from inferplane.worker.sampling import SamplingParams
 from inferplane.worker.sequence import Sequence
 
@@ -49,6 +49,7 @@ class LLM:
         torch_dtype = options.resolve_dtype(torch_device)
         max_len = options.max_model_len
         loaded = load_model(model, torch_device, torch_dtype, max_positions=max_len)
+        self.weight_report = prepare_weights(options, loaded)
         self.engine = Engine(loaded, options, torch_device, torch_dtype)
         self.tokenizer = loaded.tokenizer
 
@@ -88,7 +89,7 @@ class LLM:
         return self.generate(prompts, params, cache_salt=cache_salt)
 
     def stats(self) -> dict[str, float]:
-        return self.engine.stats()
+        return {**self.engine.stats(), **self.weight_report}
 
     @staticmethod
     def _result(seq: Sequence) -> RequestOutput:

@@ -41,6 +41,8 @@ class EngineOptions:
     max_model_len: int | None = None
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     cache_isolation: str = "tenant"  # radix: "shared" lets every salt share one namespace
+    kv_manager: str | None = None  # cpu-int8: "paged" or "radix" (default radix)
+    skip_quality_gate: bool = False  # cpu-int8: serve even if the int8 quality gate fails
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineOptions:

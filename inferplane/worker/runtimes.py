@@ -1,27 +1,82 @@
-"""Runtime presets: a runtime is a KV manager plus a weight format on the one engine.
+"""Runtime presets: a runtime is a KV manager, a scheduler ordering and a weight format on the
+one engine.
 
 Everything a runtime differs in is chosen here, so `LLM(runtime=...)`, `inferplane worker
---runtime` and the operator agree on what each name means.
+--runtime` and the operator agree on what each name means:
+
+- paged:    PagedKV, first-come-first-served, dense weights.
+- radix:    RadixKV (prefix tree over the block pool), cache-aware ordering, dense weights.
+- cpu-int8: int8 weight-only/dynamic linear layers on the CPU, with a KV manager chosen by the
+            `kv_manager` option (radix by default).
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 from inferplane.worker.kv.paged import PagedKV
 from inferplane.worker.options import EngineOptions
 from inferplane.worker.scheduler import Scheduler
 
-RUNTIMES = ("paged",)
+_RADIX_MODULE = "inferplane.worker.kv.radix"
+_QUANT_MODULE = "inferplane.worker.quant.convert"
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def available_runtimes() -> tuple[str, ...]:
+    names = ["paged"]
+    if _module_exists(_RADIX_MODULE):
+        names.append("radix")
+    if _module_exists(_QUANT_MODULE):
+        names.append("cpu-int8")
+    return tuple(names)
 
 
 def check_runtime(name: str) -> None:
-    if name not in RUNTIMES:
-        raise ValueError(f"runtime: {name!r} is not available; choose one of {', '.join(RUNTIMES)}")
+    runtimes = available_runtimes()
+    if name not in runtimes:
+        raise ValueError(f"runtime: {name!r} is not available; choose one of {', '.join(runtimes)}")
+
+
+def kv_manager_kind(options: EngineOptions) -> str:
+    """'paged' or 'radix': the KV manager a runtime uses."""
+    if options.runtime == "cpu-int8":
+        kind = options.kv_manager or ("radix" if _module_exists(_RADIX_MODULE) else "paged")
+    else:
+        kind = options.runtime
+    if kind not in ("paged", "radix"):
+        raise ValueError(f"kv_manager: must be 'paged' or 'radix', got {kind!r}")
+    return kind
 
 
 def build_kv_manager(options: EngineOptions, num_blocks: int):
     check_runtime(options.runtime)
+    if kv_manager_kind(options) == "radix":
+        from inferplane.worker.kv.radix import RadixKV
+
+        return RadixKV(num_blocks, options.block_size, shared_namespace=options.cache_isolation == "shared")
     return PagedKV(num_blocks, options.block_size)
 
 
 def build_scheduler(options: EngineOptions, kv) -> Scheduler:
+    if kv_manager_kind(options) == "radix":
+        from inferplane.worker.kv.radix import RadixScheduler
+
+        return RadixScheduler(kv, options.max_num_seqs, options.max_num_batched_tokens)
     return Scheduler(kv, options.max_num_seqs, options.max_num_batched_tokens)
+
+
+def prepare_weights(options: EngineOptions, loaded) -> dict[str, float]:
+    """Converts the loaded model's weights to the runtime's format in place; returns figures to
+    report (weight bytes, quality-gate results), empty for dense runtimes."""
+    if options.runtime != "cpu-int8":
+        return {}
+    from inferplane.worker.quant.convert import quantize_loaded_model
+
+    return quantize_loaded_model(loaded, options)
