@@ -1,0 +1,29 @@
+"""`inferplane bench NAME`: dispatches to the benchmark modules (never part of the tests)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "engine": ("inferplane.bench.engine", "paged runtime vs HF generate_batch and generate"),
+    "scenarios": ("inferplane.bench.scenarios", "radix vs paged: multi-turn, agent, no reuse"),
+    "cpu": ("inferplane.bench.cpu", "cpu-int8 vs our float32 engine vs HF float32 generate"),
+    "gateway": ("inferplane.bench.gateway", "gateway requests/s and added latency vs direct worker calls"),
+    "operator": ("inferplane.operator.bench", "200 InferenceDeployments against the test API"),
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for that benchmark (see NAME --help)")
+
+
+def run(args: argparse.Namespace) -> int:
+    module_name, _ = BENCHMARKS[args.name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        print(f"benchmark {args.name!r} is not part of this build ({exc.name} is missing)")
+        return 2
+    return int(module.main(args.args) or 0)
