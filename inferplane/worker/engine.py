@@ -41,6 +41,8 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    ttft: float | None = None  # seconds, on the finished output
+    latency: float | None = None  # seconds from arrival to finish, on the finished output
 
 
 @dataclass
@@ -234,6 +236,11 @@ class Engine:
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
 
     def _output(self, seq: Sequence, tokens: list[int], logprobs: list[float], delta: str) -> StepOutput:
+        ttft = latency = None
+        if seq.is_finished:
+            latency = seq.finish_time - seq.arrival_time
+            if seq.first_token_time is not None:
+                ttft = seq.first_token_time - seq.arrival_time
         return StepOutput(
             request_id=seq.request_id,
             new_token_ids=tokens,
@@ -244,6 +251,8 @@ class Engine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
+            ttft=ttft,
+            latency=latency,
         )
 
     # -- introspection ----------------------------------------------------------------------------

@@ -1,0 +1,102 @@
+"""`inferplane worker`: one process, one model replica, served over gRPC.
+
+The arguments mirror an InferenceDeployment's `engine` section; the operator's manifests and the
+local supervisor both start workers with exactly these flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="alias (e.g. smollm2-135m), .gguf file or HF folder")
+    parser.add_argument("--runtime", default="paged", choices=["paged", "radix", "cpu-int8"])
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
+    parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0 disables)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory", default=None,
+                        help="KV pool size: bytes like 2GiB, or a fraction of free GPU memory like 0.9")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--served-model-name", default=None, help="name reported to the gateway")
+    parser.add_argument("--cache-isolation", default="tenant", choices=["tenant", "shared"])
+    parser.add_argument("--kv-manager", default=None, choices=["paged", "radix"], help="cpu-int8 only")
+    parser.add_argument("--drain-grace-seconds", type=float, default=30.0)
+    parser.add_argument("--skip-quality-gate", action="store_true", help="cpu-int8: serve even if the gate fails")
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture CUDA graphs")
+
+
+def _build_engine(args: argparse.Namespace):
+    from inferplane.worker.engine import Engine
+    from inferplane.worker.model.loader import load_model
+    from inferplane.worker.options import EngineOptions
+    from inferplane.worker.runtimes import check_runtime, prepare_weights
+
+    check_runtime(args.runtime)
+    options = EngineOptions(
+        runtime=args.runtime, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager, cache_isolation=args.cache_isolation, kv_manager=args.kv_manager,
+        skip_quality_gate=args.skip_quality_gate,
+    )
+    options.validate()
+    device = options.resolve_device()
+    dtype = options.resolve_dtype(device)
+    loaded = load_model(args.model, device, dtype, max_positions=args.max_model_len)
+    report = prepare_weights(options, loaded)
+    return Engine(loaded, options, device, dtype), report
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from prometheus_client import start_http_server
+
+    from inferplane.worker.async_engine import AsyncEngine
+    from inferplane.worker.metrics import WorkerMetrics
+    from inferplane.worker.server import WorkerServer, WorkerState, print_line
+
+    name = args.served_model_name or args.model
+    state = WorkerState(model=name, runtime=args.runtime)
+    server = WorkerServer(state, args.host, args.port)
+    await server.start()
+    print_line(f"worker loading: model={args.model} runtime={args.runtime} grpc={args.host}:{server.port}")
+    try:
+        engine, report = await asyncio.get_running_loop().run_in_executor(None, _build_engine, args)
+    except Exception as exc:  # any load failure: one line, non-zero exit
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        await server.server.stop(0)
+        return 1
+    state.extra_stats = {k: float(v) for k, v in report.items()}
+    state.info = dict(model=name, runtime=args.runtime, max_model_len=engine.max_model_len,
+                      block_size=engine.block_size, architecture=engine.loaded.config.architecture,
+                      device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."))
+    metrics = WorkerMetrics(name, args.runtime, lambda: {**state.engine.last_stats, **state.extra_stats})
+    state.engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr=args.host, registry=metrics.registry)
+    if not server.stop_requested.is_set():
+        await server.set_serving(True)
+        print_line(f"worker ready: model={name} runtime={args.runtime} grpc={args.host}:{server.port} "
+                   f"metrics={args.metrics_port or 'off'} kv_blocks={engine.kv.num_blocks}")
+    await server.stop_requested.wait()
+    print_line("worker draining")
+    await server.drain(args.drain_grace_seconds)
+    print_line("worker stopped")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(_serve(args))

