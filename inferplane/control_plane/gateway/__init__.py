@@ -1,0 +1,1 @@
+"""The gateway: OpenAI-compatible REST and gRPC tenant APIs in front of the workers."""

@@ -1,0 +1,45 @@
+"""Everything a gateway process holds: database sessions, key cache, limits, usage, catalog, router."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from inferplane.control_plane.auth import KeyCache, Principal
+from inferplane.control_plane.errors import Unauthenticated
+from inferplane.control_plane.gateway.catalog import Catalog
+from inferplane.control_plane.gateway.inference import InferenceService
+from inferplane.control_plane.gateway.metrics import GatewayMetrics
+from inferplane.control_plane.tokens import AdminTokenVerifier, authenticate_admin
+
+
+@dataclass
+class GatewayContext:
+    sessions: sessionmaker[Session]
+    keys: KeyCache
+    catalog: Catalog
+    inference: InferenceService
+    metrics: GatewayMetrics
+    bootstrap_key: str | None = None
+    jwt_verifier: AdminTokenVerifier | None = None
+    max_body_bytes: int = 1 << 20
+
+    def tenant_principal(self, credential: str | None) -> Principal:
+        if not credential:
+            raise Unauthenticated("missing API key: send 'Authorization: Bearer ip_...'")
+        return self.keys.verify(credential)
+
+    def admin_principal(self, credential: str | None) -> Principal:
+        if not credential:
+            raise Unauthenticated("missing admin credential")
+        return authenticate_admin(credential, jwt_verifier=self.jwt_verifier, bootstrap_key=self.bootstrap_key,
+                                  key_cache=self.keys)
+
+
+def bearer(header: str | None) -> str | None:
+    """'Bearer x' → 'x'; a bare key is accepted too (gRPC metadata often carries it that way)."""
+    if not header:
+        return None
+    scheme, _, value = header.partition(" ")
+    return value.strip() if scheme.lower() == "bearer" and value else header.strip()

@@ -1,0 +1,88 @@
+"""Every failure becomes OpenAI's error body with the right status, never a bare 500.
+
+`{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}` is what the official
+client parses into its exception types (AuthenticationError, NotFoundError, RateLimitError...).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from inferplane.control_plane.errors import ControlPlaneError, RateLimited
+from inferplane.control_plane.routing import NoReplicaAvailable, UnknownModel
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+          422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
+
+
+class GatewayError(Exception):
+    """An error the gateway itself raises, with its HTTP status and OpenAI code."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.param = param
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
+
+
+def as_error(exc: BaseException) -> tuple[int, str, str | None, dict[str, str] | None]:
+    """Maps any exception the request path can raise to (status, message, code, headers)."""
+    if isinstance(exc, RateLimited):
+        return 429, str(exc), exc.code, {"Retry-After": exc.retry_after_header}
+    if isinstance(exc, ControlPlaneError):
+        return exc.status, str(exc), exc.code, None
+    if isinstance(exc, GatewayError):
+        return exc.status, str(exc), exc.code, None
+    if isinstance(exc, UnknownModel):
+        return 404, str(exc), "model_not_found", None
+    if isinstance(exc, NoReplicaAvailable):
+        return 503, str(exc), "no_replica_available", {"Retry-After": "1"}
+    log.exception("unexpected error on the request path", exc_info=exc)
+    return 500, "internal error", "internal_error", None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return error_response(400, "request body is not valid JSON", "invalid_json")
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
+        return error_response(422, message, "invalid_value", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), None)
+
+    @app.exception_handler(Exception)
+    async def _any(request: Request, exc: Exception):
+        status, message, code, headers = as_error(exc)
+        return error_response(status, message, code, headers=headers)
+
+
+def sse_error(exc: BaseException) -> str:
+    """The error event a stream ends with when it breaks after it started."""
+    status, message, code, _ = as_error(exc)
+    return f"data: {json.dumps(error_body(status, message, code))}\n\n"

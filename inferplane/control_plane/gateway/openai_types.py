@@ -1,0 +1,105 @@
+"""OpenAI-compatible request bodies, validated by pydantic, and their mapping to sampling params.
+
+Unknown fields are ignored (clients send assorted extras); fields we cannot honour (n > 1,
+penalties) are refused with a message naming them rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from inferplane.v1 import worker_pb2
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+
+
+class _Sampling(_Base):
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0)
+    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="not supported")
+    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="not supported")
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    def default_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, max_tokens: int, want_logprobs: bool) -> worker_pb2.SamplingParams:
+        params = worker_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0,
+            stop=list(self.stop or []), logprobs=want_logprobs,
+        )
+        if self.seed is not None:
+            params.seed = self.seed
+        return params
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] = Field(description="a string (a list must hold exactly one)")
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: Literal[False] = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, list):
+            if len(value) != 1:
+                raise ValueError("send one prompt per request")
+            value = value[0]
+        if not value:
+            raise ValueError("prompt must not be empty")
+        return value
+
+
+class ChatMessage(_Base):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: only text parts are understood
+            parts = []
+            for part in self.content:
+                if part.get("type") != "text":
+                    raise ValueError(f"content part type {part.get('type')!r} is not supported")
+                parts.append(str(part.get("text", "")))
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+
+    def default_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens

@@ -1,0 +1,107 @@
+"""Assembles a gateway process: database, key cache, limits, usage, router, REST and gRPC servers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass
+
+import grpc
+import uvicorn
+
+from inferplane.control_plane.auth import KeyCache
+from inferplane.control_plane.db import init_db, session_factory
+from inferplane.control_plane.gateway.catalog import Catalog
+from inferplane.control_plane.gateway.context import GatewayContext
+from inferplane.control_plane.gateway.grpc_api import InferenceServicer
+from inferplane.control_plane.gateway.inference import InferenceService
+from inferplane.control_plane.gateway.metrics import GatewayMetrics
+from inferplane.control_plane.gateway.rest import create_app
+from inferplane.control_plane.gateway.worker_client import WorkerChannels
+from inferplane.control_plane.limits import QuotaTracker, RateLimiter
+from inferplane.control_plane.routing import HealthPoller, HealthTracker, Router
+from inferplane.control_plane.tokens import AdminTokenVerifier, JWTSettings
+from inferplane.control_plane.usage import UsageRecorder
+from inferplane.v1 import inference_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GatewaySettings:
+    db_url: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    grpc_port: int | None = None  # None: no tenant gRPC API
+    bootstrap_key: str | None = None
+    jwt_algorithm: str | None = None  # "HS256" or "RS256"
+    jwt_key: str | None = None  # the HS256 secret or the RS256 public key (PEM)
+    jwt_audience: str = "inferplane-admin"
+    salt_secret: bytes = b""
+    key_refresh_interval: float = 1.0
+    usage_flush_interval: float = 2.0
+    health_poll_interval: float = 2.0
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings, catalog: Catalog | None = None, router: Router | None = None):
+        self.settings = settings
+        self.engine = init_db(settings.db_url)
+        self.sessions = session_factory(self.engine)
+        self.catalog = catalog or Catalog()
+        self.router = router or Router(health=HealthTracker())
+        self.keys = KeyCache(self.sessions, refresh_interval=settings.key_refresh_interval)
+        self.usage = UsageRecorder(self.sessions, flush_interval=settings.usage_flush_interval)
+        self.quota = QuotaTracker(self.sessions, recorder=self.usage)
+        self.channels = WorkerChannels()
+        jwt_verifier = None
+        if settings.jwt_algorithm and settings.jwt_key:
+            jwt_verifier = AdminTokenVerifier(JWTSettings(algorithm=settings.jwt_algorithm, key=settings.jwt_key,
+                                                          audience=settings.jwt_audience))
+        inference = InferenceService(self.catalog, self.router, self.channels, limiter=RateLimiter(),
+                                     quota=self.quota, usage=self.usage,
+                                     salt_secret=settings.salt_secret or secrets.token_bytes(32))
+        self.context = GatewayContext(sessions=self.sessions, keys=self.keys, catalog=self.catalog,
+                                      inference=inference, metrics=GatewayMetrics(),
+                                      bootstrap_key=settings.bootstrap_key, jwt_verifier=jwt_verifier)
+        self.app = create_app(self.context)
+        self._http: uvicorn.Server | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self.keys.start()
+        self.usage.start()
+        self.quota.start()
+        poller = HealthPoller(self.router.health, self.router.addresses)
+        self._tasks.append(asyncio.create_task(poller.run(self.settings.health_poll_interval)))
+        config = uvicorn.Config(self.app, host=self.settings.host, port=self.settings.port, log_level="warning",
+                                lifespan="off", timeout_graceful_shutdown=5)
+        self._http = uvicorn.Server(config)
+        self._http.install_signal_handlers = lambda: None  # the caller owns Ctrl-C
+        self._tasks.append(asyncio.create_task(self._http.serve()))
+        if self.settings.grpc_port is not None:
+            self._grpc = grpc.aio.server()
+            inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(self.context), self._grpc)
+            self._grpc.add_insecure_port(f"{self.settings.host}:{self.settings.grpc_port}")
+            await self._grpc.start()
+        while not self._http.started:
+            if self._tasks[-1].done():
+                self._tasks[-1].result()  # raises why the HTTP server could not start (port taken...)
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        if self._http is not None:
+            self._http.should_exit = True
+        if self._grpc is not None:
+            await self._grpc.stop(grace=2)
+        for task in self._tasks:
+            if task is not self._tasks[-1]:
+                task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.channels.close()
+        self.quota.stop()
+        self.usage.stop()
+        self.keys.stop()
+        self.engine.dispose()

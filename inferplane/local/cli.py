@@ -1,0 +1,91 @@
+"""`inferplane up`: run the platform on this machine; Ctrl-C stops everything."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="*", help="InferenceDeployment YAML files (default: smollm2-135m on the CPU)")
+    parser.add_argument("--home", default=os.environ.get("INFERPLANE_HOME", str(Path.home() / ".inferplane")),
+                        help="state folder (SQLite database, keys, logs)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080, help="REST gateway port")
+    parser.add_argument("--grpc-port", type=int, default=8081, help="tenant gRPC API port (0 disables)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the workers")
+
+
+def _banner(platform, host: str, port: int, grpc_port: int | None) -> str:
+    base = f"http://{host}:{port}"
+    model = next(iter(d.served_model_name for d in platform.supervisor.deployments.values()))
+    key = platform.tenant_key
+    lines = ["", f"inferplane is up: {base}/v1  (models: "
+             f"{', '.join(sorted(d.served_model_name for d in platform.supervisor.deployments.values()))})"]
+    if key:
+        lines += [f"tenant '{'default'}' API key (shown once, keep it): {key}"]
+    else:
+        key = "$INFERPLANE_API_KEY"
+        lines += ["the bootstrap tenant key was shown on first start; make another with:",
+                  f"  inferplane keys create --tenant default --home {platform.home}"]
+    lines += [f"admin key: in {platform.home / 'admin-key'}",
+              "", "try it:",
+              f"  curl -s {base}/v1/chat/completions -H 'Authorization: Bearer {key}' "
+              "-H 'Content-Type: application/json' \\",
+              f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+              f"\"max_tokens\": 32}}'",
+              "",
+              f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='{key}'); "
+              f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello!'}}], "
+              f"max_tokens=32).choices[0].message.content)\""]
+    if grpc_port:
+        lines += ["", f"gRPC tenant API (inferplane.v1.Inference) on {host}:{grpc_port}"]
+    lines += ["", "Ctrl-C stops everything.", ""]
+    return "\n".join(lines)
+
+
+async def _main(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from inferplane.api.deployment import SpecError
+    from inferplane.local.platform import LocalPlatform, read_manifests
+
+    try:
+        manifests = read_manifests(args.files)
+    except (OSError, SpecError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    grpc_port = args.grpc_port or None
+    platform = LocalPlatform(Path(args.home).expanduser(), manifests, args.host, args.port, grpc_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await platform.start()
+        print(f"starting workers (logs in {platform.home / 'logs'}) ...", flush=True)
+        ready = asyncio.create_task(platform.wait_ready(args.ready_timeout))
+        done, _ = await asyncio.wait({ready, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+        if ready in done and not ready.result():
+            problems = platform.supervisor.failed_to_start() or ["workers did not become ready in time"]
+            print("error: " + "; ".join(problems), file=sys.stderr, flush=True)
+            return 1
+        if not stop.is_set():
+            print(_banner(platform, args.host, args.port, grpc_port), flush=True)
+            await stop.wait()
+        print("stopping ...", flush=True)
+        return 0
+    finally:
+        await platform.stop()
+        print("stopped", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(_main(args))

@@ -1,0 +1,174 @@
+"""`inferplane up`: the whole platform on one machine.
+
+State lives in SQLite under the home folder; the supervisor runs one worker process per replica
+of each InferenceDeployment; the gateway serves the OpenAI-compatible API. On first start a
+bootstrap tenant, tenant key and admin key are created and printed once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
+from inferplane.control_plane import auth, registry, tenants
+from inferplane.control_plane.errors import Conflict, NotFound
+from inferplane.control_plane.gateway.catalog import ServedModel
+from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
+from inferplane.control_plane.routing import Deployment
+from inferplane.local.supervisor import LocalDeployment, Replica, Supervisor
+from inferplane.operator.selection import engine_settings
+from inferplane.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+BOOTSTRAP_TENANT = "default"
+DEFAULT_DEPLOYMENT = {
+    "apiVersion": "inferplane.io/v1alpha1",
+    "kind": "InferenceDeployment",
+    "metadata": {"name": "smollm2-135m"},
+    "spec": {"model": {"name": "smollm2-135m"}, "runtime": "auto", "replicas": 1,
+             "resources": {"cpu": "2", "memory": "4Gi"}, "engine": {"kvCacheMemory": "512Mi"}},
+}
+
+
+@dataclass
+class Manifest:
+    name: str
+    spec: InferenceDeploymentSpec
+
+
+def read_manifests(paths: list[str]) -> list[Manifest]:
+    """The same YAML `kubectl apply -f` takes (several documents per file allowed)."""
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            docs.extend((path, d) for d in yaml.safe_load_all(f) if d)
+    if not docs:
+        docs = [("(built-in default)", DEFAULT_DEPLOYMENT)]
+    manifests = []
+    for path, doc in docs:
+        if doc.get("kind") != "InferenceDeployment":
+            raise SpecError("kind", f"{path}: expected kind InferenceDeployment, got {doc.get('kind')!r}")
+        name = (doc.get("metadata") or {}).get("name")
+        if not name:
+            raise SpecError("metadata.name", f"{path}: required")
+        manifests.append(Manifest(name, InferenceDeploymentSpec.from_dict(doc.get("spec"))))
+    return manifests
+
+
+def _secret_file(path: Path, value: str) -> None:
+    path.write_text(value + "\n")
+    os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+
+
+class LocalPlatform:
+    def __init__(self, home: Path, manifests: list[Manifest], host: str, port: int, grpc_port: int | None):
+        self.home = home
+        self.manifests = manifests
+        home.mkdir(parents=True, exist_ok=True)
+        admin_file = home / "admin-key"
+        if not admin_file.exists():
+            _secret_file(admin_file, "ipadmin_" + secrets.token_urlsafe(32))
+        salt_file = home / "salt-secret"
+        if not salt_file.exists():
+            _secret_file(salt_file, secrets.token_hex(32))
+        self.admin_key = admin_file.read_text().strip()
+        settings = GatewaySettings(db_url=f"sqlite:///{home / 'inferplane.db'}", host=host, port=port,
+                                   grpc_port=grpc_port, bootstrap_key=self.admin_key,
+                                   salt_secret=bytes.fromhex(salt_file.read_text().strip()))
+        self.gateway = Gateway(settings)
+        self.supervisor = Supervisor(home, on_ready=self._replica_ready)
+        self.tenant_key: str | None = None
+        self._tokenizers: dict[str, asyncio.Future] = {}
+
+    def bootstrap(self) -> None:
+        """First start only: the default tenant and its key (printed once, never stored)."""
+        with self.gateway.sessions.begin() as session:
+            try:
+                tenants.get_tenant(session, BOOTSTRAP_TENANT)
+                return
+            except NotFound:
+                pass
+            tenants.create_tenant(session, BOOTSTRAP_TENANT, actor="inferplane-up", display_name="bootstrap tenant")
+            created = auth.create_key(session, BOOTSTRAP_TENANT, actor="inferplane-up", name="bootstrap",
+                                      scopes=(auth.SCOPE_INFER, auth.SCOPE_MODELS_READ))
+            self.tenant_key = created.secret
+
+    def _model_path(self, manifest: Manifest) -> str:
+        """Registers the deployment's model (once) and returns what the worker should load."""
+        model = manifest.spec.model
+        with self.gateway.sessions.begin() as session:
+            if model.name is not None:
+                try:
+                    info = registry.resolve_model(session, auth.ALL_TENANTS, model.name if model.version is None
+                                                  else f"{model.name}:{model.version}")
+                    return str(info.path)
+                except NotFound:
+                    info = registry.register_model(session, model.name, actor="inferplane-up", name=model.name)
+                    return str(info.path)
+            uri = model.uri or ""
+            try:
+                registry.register_model(session, uri, actor="inferplane-up", name=manifest.name)
+            except Conflict:
+                pass
+            return uri.removeprefix("file://")
+
+    async def start(self) -> None:
+        self.bootstrap()
+        await self.gateway.start()
+        loop = asyncio.get_running_loop()
+        groups: dict[str, list[Deployment]] = {}
+        for manifest in self.manifests:
+            path = await loop.run_in_executor(None, self._model_path, manifest)
+            deployment = self.supervisor.add(manifest.name, manifest.spec, path)
+            served = deployment.served_model_name
+            if served not in self._tokenizers:
+                from inferplane.worker.model.loader import load_tokenizer
+
+                self._tokenizers[served] = loop.run_in_executor(None, load_tokenizer, path)
+            serving = manifest.spec.serving
+            block_size = engine_settings(manifest.spec, deployment.selection).block_size
+            groups.setdefault(served, []).append(Deployment(manifest.name, deployment.source, weight=serving.weight,
+                                                            tier=serving.tier, block_size=block_size))
+        for served, deployments in groups.items():
+            self.gateway.router.set_route(served, deployments)
+
+    def _replica_ready(self, deployment: LocalDeployment, replica: Replica) -> None:
+        served = deployment.served_model_name
+        if served not in {m.name for m in self.gateway.catalog.visible(None)}:
+            asyncio.get_running_loop().create_task(self._publish(deployment, replica))
+
+    async def _publish(self, deployment: LocalDeployment, replica: Replica) -> None:
+        """Adds the served model to the catalog with the context length the worker reports."""
+        import grpc
+
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            info = await worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=10)
+        tokenizer = await self._tokenizers[deployment.served_model_name]
+        self.gateway.catalog.put(ServedModel(name=deployment.served_model_name, tokenizer=tokenizer,
+                                             max_model_len=info.max_model_len,
+                                             cache_isolation=deployment.spec.cache_isolation))
+
+    async def wait_ready(self, timeout: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        wanted = {d.served_model_name for d in self.supervisor.deployments.values()}
+        while loop.time() < deadline:
+            if wanted <= {m.name for m in self.gateway.catalog.visible(None)}:
+                return True
+            if self.supervisor.failed_to_start():
+                return False
+            await asyncio.sleep(0.2)
+        return False
+
+    async def stop(self) -> None:
+        await self.supervisor.stop()
+        await self.gateway.stop()

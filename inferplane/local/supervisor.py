@@ -1,0 +1,199 @@
+"""Runs InferenceDeployments as local worker processes.
+
+The command line comes from `operator.manifests.worker_invocation`, the same function the
+operator puts into pod specs, so a worker starts the same way on a laptop and in a cluster; only
+the actuator differs (processes here, Deployments there). Each replica gets its own ports; an
+endpoint is published to the router only once its worker reports SERVING, and a crashed worker
+is taken out of rotation and restarted with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from inferplane.api.deployment import InferenceDeploymentSpec
+from inferplane.control_plane.routing import StaticEndpointSource
+from inferplane.operator.manifests import worker_invocation
+from inferplane.operator.selection import Selection, select_runtime
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Replica:
+    index: int
+    port: int
+    metrics_port: int
+    log_path: Path
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    ready: bool = False
+    stopping: bool = False
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class LocalDeployment:
+    name: str
+    spec: InferenceDeploymentSpec
+    selection: Selection
+    model_arg: str
+    source: StaticEndpointSource = field(default_factory=StaticEndpointSource)
+    replicas: list[Replica] = field(default_factory=list)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.spec.served_model_name(self.name)
+
+
+class Supervisor:
+    """Starts, watches, scales and stops the worker processes of local deployments."""
+
+    def __init__(self, home: Path, on_ready: Callable[[LocalDeployment, Replica], None] | None = None,
+                 restart_backoff: float = 2.0):
+        self.home = home
+        self.logs = home / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.deployments: dict[str, LocalDeployment] = {}
+        self._on_ready = on_ready
+        self._backoff = restart_backoff
+        self._tasks: set[asyncio.Task] = set()
+        self._stopping = False
+
+    def add(self, name: str, spec: InferenceDeploymentSpec, model_arg: str) -> LocalDeployment:
+        deployment = LocalDeployment(name, spec, select_runtime(spec), model_arg)
+        self.deployments[name] = deployment
+        self.scale(name, spec.replicas)
+        return deployment
+
+    def scale(self, name: str, replicas: int) -> None:
+        """The local Scaler: start or stop processes until `replicas` run."""
+        deployment = self.deployments[name]
+        while len(deployment.replicas) < replicas:
+            index = len(deployment.replicas)
+            replica = Replica(index, free_port(), free_port(), self.logs / f"{name}-{index}.log")
+            deployment.replicas.append(replica)
+            self._spawn(deployment, replica)
+        while len(deployment.replicas) > replicas:
+            replica = deployment.replicas.pop()
+            self._retire(deployment, replica)
+
+    def command(self, deployment: LocalDeployment, replica: Replica) -> tuple[list[str], dict[str, str]]:
+        invocation = worker_invocation(deployment.name, deployment.spec, selection=deployment.selection,
+                                       host="127.0.0.1", port=replica.port, metrics_port=replica.metrics_port,
+                                       model_root=str(self.home / "models"))
+        args = list(invocation.args)
+        args[args.index("--model") + 1] = deployment.model_arg
+        # `inferplane worker` as this interpreter runs it, so the process uses the same environment.
+        command = [sys.executable, "-m", "inferplane.cli", *invocation.command[1:], *args]
+        env = {**os.environ, **invocation.env, "PYTHONUNBUFFERED": "1"}
+        return command, env
+
+    def _spawn(self, deployment: LocalDeployment, replica: Replica) -> None:
+        command, env = self.command(deployment, replica)
+        log_file = open(replica.log_path, "ab")  # noqa: SIM115 (owned by the child for its lifetime)
+        replica.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                           start_new_session=True)
+        log_file.close()
+        replica.ready = False
+        self._track(asyncio.get_running_loop().create_task(self._watch(deployment, replica)))
+
+    def _track(self, task: asyncio.Task) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch(self, deployment: LocalDeployment, replica: Replica) -> None:
+        """Publishes the replica once SERVING; on an unexpected exit unpublishes and restarts it."""
+        process = replica.process
+        channel = grpc.aio.insecure_channel(replica.address)
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            while process.poll() is None and not replica.stopping:
+                if not replica.ready:
+                    try:
+                        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                            replica.ready = True
+                            deployment.source.add(replica.address)
+                            log.info("%s replica %d ready at %s", deployment.name, replica.index, replica.address)
+                            if self._on_ready is not None:
+                                self._on_ready(deployment, replica)
+                    except grpc.aio.AioRpcError:
+                        pass
+                await asyncio.sleep(0.25)
+        finally:
+            await channel.close()
+        deployment.source.remove(replica.address)
+        replica.ready = False
+        if replica.stopping or self._stopping:
+            return
+        tail = _tail(replica.log_path)
+        log.warning("%s replica %d exited with %s; restarting. Last log line: %s",
+                    deployment.name, replica.index, process.returncode, tail)
+        replica.restarts += 1
+        await asyncio.sleep(min(60.0, self._backoff * 2 ** min(replica.restarts - 1, 5)))
+        if not (replica.stopping or self._stopping) and replica in deployment.replicas:
+            self._spawn(deployment, replica)
+
+    def _retire(self, deployment: LocalDeployment, replica: Replica) -> None:
+        replica.stopping = True
+        deployment.source.remove(replica.address)
+        if replica.process is not None and replica.process.poll() is None:
+            replica.process.send_signal(signal.SIGTERM)  # the worker drains in-flight requests, then exits
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        for deployment in self.deployments.values():
+            for replica in deployment.replicas:
+                self._retire(deployment, replica)
+        deadline = time.monotonic() + timeout
+        for deployment in self.deployments.values():
+            for replica in deployment.replicas:
+                process = replica.process
+                while process is not None and process.poll() is None and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                if process is not None and process.poll() is None:
+                    process.kill()
+                    process.wait()
+        for task in list(self._tasks):
+            task.cancel()
+
+    def failed_to_start(self) -> list[str]:
+        """Replicas that exited before ever serving, with the reason from their log."""
+        problems = []
+        for deployment in self.deployments.values():
+            for replica in deployment.replicas:
+                if replica.process is not None and replica.process.poll() not in (None, 0) and not replica.ready:
+                    problems.append(f"{deployment.name}[{replica.index}]: {_tail(replica.log_path)}")
+        return problems
+
+
+def _tail(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    errors = [line for line in lines if line.startswith("error: ")]
+    return (errors or lines or [""])[-1]

@@ -1,0 +1,42 @@
+from inferplane.v1 import worker_pb2 as _worker_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CompleteRequest(_message.Message):
+    __slots__ = ("model", "prompt", "params")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt: str
+    params: _worker_pb2.SamplingParams
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., params: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class ChatRequest(_message.Message):
+    __slots__ = ("model", "messages", "params")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    messages: _containers.RepeatedCompositeFieldContainer[_worker_pb2.ChatMessage]
+    params: _worker_pb2.SamplingParams
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_worker_pb2.ChatMessage, _Mapping]]] = ..., params: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class CompleteResponse(_message.Message):
+    __slots__ = ("id", "text", "finished", "finish_reason", "usage")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    text: str
+    finished: bool
+    finish_reason: str
+    usage: _worker_pb2.Usage
+    def __init__(self, id: _Optional[str] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_worker_pb2.Usage, _Mapping]] = ...) -> None: ...
