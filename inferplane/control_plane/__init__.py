@@ -3,7 +3,8 @@
 Data and security layer (one job per module, nothing imported here so `import inferplane.control_plane`
 stays free):
 
-- `db`        engines, sessions, `init_db(url)` (Alembic migrations in `migrations/`), CLI helpers
+- `db`        engines, sessions, `init_db(url)` (Alembic migrations in `migrations/`)
+- `cli_models`, `cli_tenants`, `cli_keys` (+ `cli_common`): the `inferplane models|tenants|keys` commands
 - `orm`       the tables
 - `errors`    `ControlPlaneError` (a `ValueError`) and one subclass per HTTP status (400/401/403/404/409/429)
 - `tenants`   create/list/get/delete tenants, monthly quota

@@ -1,0 +1,427 @@
+"""API keys: creation, listing, revocation, and verification from memory through `KeyCache`.
+
+A key reads `ip_<id>_<secret>`. The id (16 hex digits) is public and indexes the row; the secret
+(43 alphanumerics, ~256 bits) is shown once and only its sha256 is stored. A plain sha256 is enough
+because the secret is random and long: there is nothing for a slow hash to protect against that
+brute force could find. Digests are compared with `hmac.compare_digest`.
+
+The gateway never reads the database on the request path: `KeyCache` holds every live key in memory
+and refreshes in the background (changes since the last refresh every `refresh_interval` seconds,
+everything every `full_reload_interval`), so a key revoked on one replica is refused by all within
+about two refresh intervals.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import re
+import secrets
+import string
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from inferplane.control_plane import audit
+from inferplane.control_plane.errors import Forbidden, InvalidInput, NotFound, Unauthenticated
+from inferplane.control_plane.orm import ApiKey, Tenant, utcnow
+
+log = logging.getLogger(__name__)
+
+SCOPE_INFER = "infer"
+SCOPE_MODELS_READ = "models:read"
+SCOPE_ADMIN = "admin"
+SCOPES = frozenset({SCOPE_INFER, SCOPE_MODELS_READ, SCOPE_ADMIN})
+DEFAULT_SCOPES = (SCOPE_INFER, SCOPE_MODELS_READ)
+
+KEY_PREFIX = "ip_"
+_KEY_RE = re.compile(r"^ip_([0-9a-f]{16})_([A-Za-z0-9]{43})$")
+_SECRET_ALPHABET = string.ascii_letters + string.digits
+# Compared against when the key id is unknown, so unknown and wrong keys take the same time.
+_DUMMY_DIGEST = hashlib.sha256(b"inferplane-dummy").digest()
+
+
+class AllTenants:
+    """Marker for a platform-admin query over every tenant; passed instead of a tenant id.
+
+    A distinct object rather than `None`, so a forgotten tenant id can never widen a query by accident.
+    """
+
+    _instance: AllTenants | None = None
+
+    def __new__(cls) -> AllTenants:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "ALL_TENANTS"
+
+
+ALL_TENANTS = AllTenants()
+TenantScope = str | AllTenants
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: `tenant_id` None means a platform admin (JWT or bootstrap key)."""
+
+    subject: str
+    tenant_id: str | None
+    scopes: frozenset[str]
+    via: str  # "key" | "jwt" | "bootstrap"
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+    @property
+    def key_id(self) -> str | None:
+        return self.subject.removeprefix("key:") if self.via == "key" else None
+
+    @property
+    def actor(self) -> str:
+        """The audit log's name for this caller."""
+        return self.subject
+
+    def require(self, scope: str) -> None:
+        if scope not in self.scopes:
+            raise Forbidden(f"this credential lacks the {scope!r} scope")
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """A key as listed: everything except the secret and its hash."""
+
+    id: str
+    tenant_id: str
+    name: str | None
+    scopes: tuple[str, ...]
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    last_used_at: datetime | None
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None and (self.expires_at is None or self.expires_at > utcnow())
+
+
+@dataclass(frozen=True)
+class CreatedKey:
+    """The result of `create_key`: `secret` (the full `ip_...` string) exists only here, once."""
+
+    secret: str
+    info: KeyInfo
+
+
+def _key_info(row: ApiKey) -> KeyInfo:
+    return KeyInfo(
+        id=row.id,
+        tenant_id=row.tenant_id,
+        name=row.name,
+        scopes=tuple(row.scopes.split()),
+        requests_per_minute=row.requests_per_minute,
+        tokens_per_minute=row.tokens_per_minute,
+        created_at=row.created_at,
+        expires_at=row.expires_at,
+        revoked_at=row.revoked_at,
+        last_used_at=row.last_used_at,
+    )
+
+
+def parse_scopes(scopes: str | Iterable[str]) -> tuple[str, ...]:
+    """Accepts "infer,models:read", "infer models:read" or a list; rejects unknown scopes."""
+    items = scopes.replace(",", " ").split() if isinstance(scopes, str) else list(scopes)
+    unknown = sorted(set(items) - SCOPES)
+    if unknown:
+        raise InvalidInput(f"unknown scope(s) {', '.join(unknown)}; known: {', '.join(sorted(SCOPES))}")
+    if not items:
+        raise InvalidInput("a key needs at least one scope")
+    return tuple(sorted(set(items)))
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def parse_key(presented: str) -> tuple[str, str]:
+    """Splits `ip_<id>_<secret>` into (id, secret); raises `Unauthenticated` if it is not that shape."""
+    match = _KEY_RE.match(presented or "")
+    if match is None:
+        raise Unauthenticated("malformed API key (expected ip_<id>_<secret>)")
+    return match.group(1), match.group(2)
+
+
+def _positive_or_none(name: str, value: int | None) -> int | None:
+    if value is not None and (not isinstance(value, int) or value <= 0):
+        raise InvalidInput(f"{name} must be a positive integer or unset, got {value!r}")
+    return value
+
+
+def create_key(
+    session: Session,
+    tenant_id: str,
+    *,
+    actor: str,
+    scopes: str | Iterable[str] = DEFAULT_SCOPES,
+    name: str | None = None,
+    expires_in: timedelta | None = None,
+    requests_per_minute: int | None = None,
+    tokens_per_minute: int | None = None,
+) -> CreatedKey:
+    """Creates a key for `tenant_id` (NotFound if no such tenant); the secret is returned only here."""
+    scope_tuple = parse_scopes(scopes)
+    _positive_or_none("requests_per_minute", requests_per_minute)
+    _positive_or_none("tokens_per_minute", tokens_per_minute)
+    if expires_in is not None and expires_in <= timedelta(0):
+        raise InvalidInput("a key's lifetime must be positive")
+    if session.get(Tenant, tenant_id) is None:
+        raise NotFound(f"tenant {tenant_id!r} not found")
+    key_id = secrets.token_hex(8)
+    secret = "".join(secrets.choice(_SECRET_ALPHABET) for _ in range(43))
+    now = utcnow()
+    row = ApiKey(
+        id=key_id,
+        tenant_id=tenant_id,
+        name=name,
+        secret_hash=hash_secret(secret),
+        scopes=" ".join(scope_tuple),
+        requests_per_minute=requests_per_minute,
+        tokens_per_minute=tokens_per_minute,
+        created_at=now,
+        updated_at=now,
+        expires_at=now + expires_in if expires_in is not None else None,
+    )
+    session.add(row)
+    session.flush()
+    audit.record(
+        session,
+        actor=actor,
+        action="key.create",
+        target=key_id,
+        tenant_id=tenant_id,
+        detail={
+            "scopes": list(scope_tuple),
+            "expires_at": row.expires_at.isoformat() if row.expires_at else None,
+        },
+    )
+    return CreatedKey(secret=f"{KEY_PREFIX}{key_id}_{secret}", info=_key_info(row))
+
+
+def _owned_key(session: Session, key_id: str, tenant: TenantScope) -> ApiKey:
+    row = session.get(ApiKey, key_id)
+    # Another tenant's key is "not found", not "forbidden": its existence is not the caller's business.
+    if row is None or (tenant is not ALL_TENANTS and row.tenant_id != tenant):
+        raise NotFound(f"API key {key_id!r} not found")
+    return row
+
+
+def list_keys(session: Session, tenant: TenantScope, *, include_revoked: bool = True) -> list[KeyInfo]:
+    """Keys of one tenant (or every tenant with `ALL_TENANTS`), oldest first, without secrets."""
+    query = select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)
+    if tenant is not ALL_TENANTS:
+        query = query.where(ApiKey.tenant_id == tenant)
+    if not include_revoked:
+        query = query.where(ApiKey.revoked_at.is_(None))
+    return [_key_info(r) for r in session.scalars(query)]
+
+
+def get_key(session: Session, key_id: str, tenant: TenantScope) -> KeyInfo:
+    return _key_info(_owned_key(session, key_id, tenant))
+
+
+def revoke_key(session: Session, key_id: str, tenant: TenantScope, *, actor: str) -> KeyInfo:
+    """Revokes a key (idempotent: revoking twice keeps the first time). Caches drop it on refresh."""
+    row = _owned_key(session, key_id, tenant)
+    if row.revoked_at is None:
+        now = utcnow()
+        row.revoked_at = now
+        row.updated_at = now
+        session.flush()
+        audit.record(session, actor=actor, action="key.revoke", target=key_id, tenant_id=row.tenant_id)
+    return _key_info(row)
+
+
+# --- verification ---
+
+
+@dataclass(frozen=True)
+class _CachedKey:
+    id: str
+    tenant_id: str
+    digest: bytes
+    scopes: frozenset[str]
+    expires_at: float | None  # epoch seconds
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+
+
+def verify_bootstrap_key(presented: str, configured: str | None) -> Principal:
+    """Checks the bootstrap admin key (from the gateway's config) in constant time.
+
+    Both sides are hashed first so `compare_digest` sees equal lengths and the length of the
+    configured key does not leak through timing.
+    """
+    if not configured:
+        raise Unauthenticated("no bootstrap admin key is configured")
+    a = hashlib.sha256(presented.encode()).digest()
+    b = hashlib.sha256(configured.encode()).digest()
+    if not hmac.compare_digest(a, b):
+        raise Unauthenticated("invalid admin credential")
+    return Principal(subject="bootstrap", tenant_id=None, scopes=SCOPES, via="bootstrap")
+
+
+class KeyCache:
+    """Verifies API keys from memory; a background thread keeps it in step with the database.
+
+    Use: `cache = KeyCache(sessions); cache.start()` (loads everything once, synchronously, so the
+    first request does not see an empty cache), then `cache.verify(key, scope)` per request, and
+    `cache.stop()` at shutdown (it also writes pending `last_used_at`). `refresh()` may be called
+    directly (tests, or a gateway that prefers its own scheduler).
+
+    A key created on another replica becomes valid here after at most one refresh interval; a key
+    revoked anywhere stops working here after at most one interval. If the database is unreachable the
+    cache keeps serving what it has (and logs), which keeps inference up during a database outage at
+    the cost of not seeing revocations until it is back.
+    """
+
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        *,
+        refresh_interval: float = 1.0,
+        full_reload_interval: float = 60.0,
+        overlap: timedelta = timedelta(seconds=30),
+        clock: Callable[[], float] = time.time,
+    ):
+        self._sessions = sessions
+        self.refresh_interval = refresh_interval
+        self.full_reload_interval = full_reload_interval
+        # Rows are re-read this far behind the newest `updated_at` seen: a writer's transaction may
+        # commit after a later-stamped one, and replicas' clocks differ a little.
+        self._overlap = overlap
+        self._clock = clock
+        self._keys: dict[str, _CachedKey] = {}
+        self._watermark: datetime | None = None
+        self._last_full = float("-inf")
+        self._used: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __enter__(self) -> KeyCache:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.refresh(full=True)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="inferplane-key-cache", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        self._flush_last_used()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.refresh_interval):
+            try:
+                self.refresh()
+            except Exception:
+                log.exception("API key cache refresh failed; serving the cached keys")
+
+    def refresh(self, *, full: bool | None = None) -> None:
+        """Reads changed keys (or all of them) and drops keys of deleted tenants."""
+        now = self._clock()
+        if full is None:
+            full = self._watermark is None or now - self._last_full >= self.full_reload_interval
+        with self._sessions() as session:
+            query = select(ApiKey)
+            if not full:
+                query = query.where(ApiKey.updated_at >= self._watermark - self._overlap)
+            rows = list(session.scalars(query))
+            tenants = set(session.scalars(select(Tenant.id)))
+        fresh = {r.id: self._cached(r) for r in rows if r.revoked_at is None}
+        gone = {r.id for r in rows if r.revoked_at is not None}
+        newest = max((r.updated_at for r in rows), default=None)
+        with self._lock:
+            if full:
+                keys = fresh
+            else:
+                keys = dict(self._keys)
+                for key_id in gone:
+                    keys.pop(key_id, None)
+                keys.update(fresh)
+            self._keys = {k: v for k, v in keys.items() if v.tenant_id in tenants}
+            if newest is not None and (self._watermark is None or newest > self._watermark):
+                self._watermark = newest
+            if self._watermark is None:
+                self._watermark = utcnow()
+            if full:
+                self._last_full = now
+        self._flush_last_used()
+
+    @staticmethod
+    def _cached(row: ApiKey) -> _CachedKey:
+        return _CachedKey(
+            id=row.id,
+            tenant_id=row.tenant_id,
+            digest=bytes.fromhex(row.secret_hash),
+            scopes=frozenset(row.scopes.split()),
+            expires_at=row.expires_at.timestamp() if row.expires_at else None,
+            requests_per_minute=row.requests_per_minute,
+            tokens_per_minute=row.tokens_per_minute,
+        )
+
+    def verify(self, presented: str, scope: str | None = None) -> Principal:
+        """Returns who holds `presented`; `Unauthenticated` (401) if not a live key, `Forbidden` (403)
+        if it lacks `scope`. Never touches the database."""
+        key_id, secret = parse_key(presented)
+        cached = self._keys.get(key_id)
+        digest = hashlib.sha256(secret.encode()).digest()
+        ok = hmac.compare_digest(digest, cached.digest if cached else _DUMMY_DIGEST)
+        if cached is None or not ok:
+            raise Unauthenticated("invalid API key")
+        now = self._clock()
+        if cached.expires_at is not None and now >= cached.expires_at:
+            raise Unauthenticated("API key expired")
+        if scope is not None and scope not in cached.scopes:
+            raise Forbidden(f"this API key lacks the {scope!r} scope")
+        self._used[key_id] = now
+        return Principal(
+            subject=f"key:{key_id}",
+            tenant_id=cached.tenant_id,
+            scopes=cached.scopes,
+            via="key",
+            requests_per_minute=cached.requests_per_minute,
+            tokens_per_minute=cached.tokens_per_minute,
+        )
+
+    def _flush_last_used(self) -> None:
+        """Writes `last_used_at` for keys used since the last write, in one transaction."""
+        used, self._used = self._used, {}
+        if not used:
+            return
+        try:
+            with self._sessions.begin() as session:
+                for key_id, at in used.items():
+                    stamp = datetime.fromtimestamp(at, tz=utcnow().tzinfo)
+                    session.execute(update(ApiKey).where(ApiKey.id == key_id).values(last_used_at=stamp))
+        except Exception:
+            log.exception("could not record API key last use")

@@ -1,0 +1,72 @@
+"""Helpers shared by `cli_models`, `cli_tenants` and `cli_keys`.
+
+Kept apart from `db` and free of heavy imports at module level: every subcommand's `configure` runs
+to build `inferplane --help`, so importing SQLAlchemy here would slow down `inferplane worker` too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+ENV_DB_URL = "INFERPLANE_DB_URL"
+
+
+def add_db_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--db-url",
+        default=None,
+        help=f"database URL (default: ${ENV_DB_URL}, else sqlite:///<home>/inferplane.db)",
+    )
+    parser.add_argument("--home", default=None, help="state folder (default: ~/.inferplane)")
+
+
+def sessions_from_args(args: argparse.Namespace) -> Any:
+    """Migrates the database the CLI points at and returns its session factory."""
+    from inferplane.control_plane.db import default_db_url, init_db, session_factory
+
+    url = args.db_url or default_db_url(args.home)
+    return session_factory(init_db(url))
+
+
+def cli_actor() -> str:
+    """Who the audit log names for a CLI action: the OS user (the CLI has no other identity)."""
+    import getpass
+
+    try:
+        return f"cli:{getpass.getuser()}"
+    except Exception:  # no passwd entry in some containers
+        return f"cli:{os.getuid()}"
+
+
+def run_cli_command(command: Any, args: argparse.Namespace) -> int:
+    """Runs `command(args, sessions)` and turns control plane errors into a message and exit code 1,
+    so a typo in a model name prints one line instead of a traceback."""
+    from inferplane.control_plane.errors import ControlPlaneError
+
+    sessions = sessions_from_args(args)
+    try:
+        return int(command(args, sessions) or 0)
+    except ControlPlaneError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        sessions.kw["bind"].dispose()
+
+
+def print_json(value: Any) -> None:
+    """Prints dataclasses (and lists of them) as JSON, datetimes as ISO 8601."""
+    import dataclasses
+    import json
+    from datetime import datetime
+
+    def default(o: Any) -> Any:
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            return dataclasses.asdict(o)
+        if isinstance(o, datetime):
+            return o.isoformat()
+        raise TypeError(f"cannot serialize {type(o).__name__}")
+
+    print(json.dumps(value, default=default, indent=2))

@@ -1,0 +1,139 @@
+"""`inferplane models register|list|show|versions|delete|verify`: the model registry from a shell.
+
+The CLI acts as a platform admin on the database it points at; `--tenant` registers a tenant's
+model (private unless `--public`) or, for list/show, shows what that tenant would see.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from inferplane.control_plane.cli_common import add_db_arguments, cli_actor, print_json, run_cli_command
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="models_command", required=True)
+    register = sub.add_parser("register", help="register weights from a path or alias (e.g. smollm2-135m)")
+    register.add_argument("source", help="a GGUF file, a Hugging Face model folder, or an alias")
+    register.add_argument("--name", default=None, help="served name (default: alias or file name)")
+    register.add_argument("--version", default=None, help="default: the next integer")
+    register.add_argument("--sha256", default=None, help="expected checksum; a mismatch marks it failed")
+    register.add_argument("--tenant", default=None, help="owner tenant (default: a public platform model)")
+    register.add_argument("--public", action="store_true", help="a tenant's model visible to everyone")
+    register.add_argument("--json", action="store_true")
+    add_db_arguments(register)
+    for name, help_text in (
+        ("list", "list models"),
+        ("show", "show one model version"),
+        ("versions", "list the versions of one model"),
+        ("delete", "delete a model version (name:version) or all versions (name)"),
+        ("verify", "re-check a model's weights against its recorded checksum"),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        if name != "list":
+            p.add_argument("ref", help="name or name:version")
+        p.add_argument("--tenant", default=None, help="act as this tenant (default: platform admin)")
+        if name != "delete":
+            p.add_argument("--json", action="store_true")
+        add_db_arguments(p)
+
+
+def _scope(args: argparse.Namespace) -> Any:
+    from inferplane.control_plane.auth import ALL_TENANTS
+
+    return args.tenant if args.tenant else ALL_TENANTS
+
+
+def _print_table(models: list[Any]) -> None:
+    print(f"{'NAME':<32} {'VERSION':<8} {'STATUS':<10} {'FORMAT':<6} {'ARCH':<18} {'CTX':>7} {'SIZE':>10}  "
+          "OWNER")  # fmt: skip
+    for m in models:
+        size = f"{m.size_bytes / 2**20:.1f}M" if m.size_bytes is not None else "-"
+        owner = f"{m.owner_tenant_id} ({m.visibility})" if m.owner_tenant_id else "platform"
+        print(f"{m.name:<32} {m.version:<8} {m.status:<10} {m.format:<6} {m.architecture or '-':<18} "
+              f"{m.context_length or '-':>7} {size:>10}  {owner}")  # fmt: skip
+
+
+_SHOWN = ("name", "version", "status", "status_detail", "uri", "format", "sha256", "size_bytes",
+          "architecture", "context_length", "owner_tenant_id", "visibility", "created_at")  # fmt: skip
+
+
+def _print_one(m: Any) -> None:
+    for field in _SHOWN:
+        value = getattr(m, field)
+        if value is not None:
+            print(f"{field + ':':<17} {value}")
+
+
+def _register(args: argparse.Namespace, sessions: Any) -> int:
+    from inferplane.control_plane.registry import register_model
+
+    with sessions.begin() as s:
+        model = register_model(
+            s,
+            args.source,
+            actor=cli_actor(),
+            name=args.name,
+            version=args.version,
+            owner_tenant_id=args.tenant,
+            visibility="public" if args.public or not args.tenant else "private",
+            expected_sha256=args.sha256,
+        )
+    if args.json:
+        print_json(model)
+    else:
+        _print_one(model)
+    return 0 if model.status == "verified" else 1
+
+
+def _list(args: argparse.Namespace, sessions: Any) -> int:
+    from inferplane.control_plane.registry import list_models
+
+    with sessions() as s:
+        models = list_models(s, _scope(args))
+    print_json(models) if args.json else _print_table(models)
+    return 0
+
+
+def _show(args: argparse.Namespace, sessions: Any) -> int:
+    from inferplane.control_plane.registry import get_model
+
+    with sessions() as s:
+        model = get_model(s, _scope(args), args.ref)
+    print_json(model) if args.json else _print_one(model)
+    return 0
+
+
+def _versions(args: argparse.Namespace, sessions: Any) -> int:
+    from inferplane.control_plane.registry import list_versions
+
+    with sessions() as s:
+        models = list_versions(s, _scope(args), args.ref)
+    print_json(models) if args.json else _print_table(models)
+    return 0
+
+
+def _delete(args: argparse.Namespace, sessions: Any) -> int:
+    from inferplane.control_plane.registry import delete_model
+
+    with sessions.begin() as s:
+        deleted = delete_model(s, _scope(args), args.ref, actor=cli_actor())
+    for m in deleted:
+        print(f"deleted {m.name}:{m.version}")
+    return 0
+
+
+def _verify(args: argparse.Namespace, sessions: Any) -> int:
+    from inferplane.control_plane.registry import verify_model
+
+    with sessions.begin() as s:
+        model = verify_model(s, _scope(args), args.ref, actor=cli_actor())
+    print_json(model) if args.json else _print_one(model)
+    return 0 if model.status == "verified" else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    commands = {"register": _register, "list": _list, "show": _show, "versions": _versions,
+                "delete": _delete, "verify": _verify}  # fmt: skip
+    return run_cli_command(commands[args.models_command], args)

