@@ -1,0 +1,161 @@
+"""The radix runtime's KV manager: the paged block pool plus a prefix tree of finished KV.
+
+A sequence starts by borrowing the longest cached prefix of its tokens (reference-counted, locked
+against eviction) and computes only the rest into fresh blocks of its own. Its full blocks join the
+tree after each prefill chunk, so requests queued behind it can reuse them at once, and again when
+it ends (finished, aborted or preempted), so the answer of turn N is cached for turn N+1. The tree
+keeps those blocks after the sequence lets go; when the pool runs short, `allocate` evicts the least
+recently used unlocked leaves.
+
+Accounting, so that the runtimes compare on the same footing: `blocks_used` counts blocks some
+running sequence references, each shared block once; `blocks_cached` counts blocks only the tree
+holds, which are reclaimable at any time.
+"""
+
+from __future__ import annotations
+
+from inferplane.worker.kv.block_pool import BlockPool
+from inferplane.worker.kv.paged import blocks_for
+from inferplane.worker.kv.radix_scheduler import RadixScheduler
+from inferplane.worker.kv.radix_tree import BlockKey, Node, RadixTree, block_keys
+from inferplane.worker.sequence import Sequence
+
+__all__ = ["RadixKV", "RadixScheduler"]
+
+
+class RadixKV:
+    name = "radix"
+
+    def __init__(self, num_blocks: int, block_size: int, shared_namespace: bool = False):
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.tree = RadixTree(self.pool)
+        # Off by default: tenants sharing blocks could learn each other's prompts from hit timing.
+        self.shared_namespace = shared_namespace
+        self.peak_blocks_used = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        # First-admission lookups, counted only once the admission succeeds: a sequence may be
+        # matched several times before it gets in, and a preempted one must not count again.
+        self._pending_query: dict[Sequence, tuple[int, int]] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def namespace(self, seq: Sequence) -> str:
+        return "" if self.shared_namespace else seq.cache_salt
+
+    def blocks_used(self) -> int:
+        return self.pool.num_used - self.tree.evictable_blocks
+
+    def blocks_cached(self) -> int:
+        return self.tree.evictable_blocks
+
+    def _matchable_keys(self, seq: Sequence) -> list[BlockKey]:
+        """Full blocks strictly before the last token: one token is always left to compute, since
+        sampling needs its logits."""
+        tokens = seq.all_token_ids
+        return block_keys(tokens, self.block_size, (len(tokens) - 1) // self.block_size)
+
+    def peek_match(self, seq: Sequence) -> int:
+        """Tokens `match_prefix` would find now, without locking or touching anything."""
+        return self.tree.peek(self.namespace(seq), self._matchable_keys(seq)) * self.block_size
+
+    def _note_peak(self) -> None:
+        self.peak_blocks_used = max(self.peak_blocks_used, self.blocks_used())
+
+    # -- the KV-manager interface -----------------------------------------------------------------
+
+    def match_prefix(self, seq: Sequence) -> None:
+        if seq.block_table or seq.num_computed_tokens:
+            raise AssertionError(f"{seq.request_id}: match_prefix on a sequence that holds KV")
+        node, blocks = self.tree.match(self.namespace(seq), self._matchable_keys(seq))
+        for block in blocks:
+            self.pool.retain(block)
+        self._relock(seq, node)
+        seq.block_table = list(blocks)
+        matched = len(blocks) * self.block_size
+        seq.num_computed_tokens = matched
+        seq.num_cached_tokens = min(matched, seq.num_prompt_tokens)
+        if seq.num_preemptions == 0:
+            self._pending_query[seq] = (seq.num_prompt_tokens, seq.num_cached_tokens)
+        self._note_peak()
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        needed = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table)
+        if needed > 0:
+            short = needed - self.pool.num_free
+            if short > 0:
+                if short > self.tree.evictable_blocks:
+                    return False  # evict nothing for an allocation that would fail anyway
+                self.tree.evict(short)
+            seq.block_table.extend(self.pool.allocate(needed))
+        query = self._pending_query.pop(seq, None)
+        if query is not None:
+            self.prefix_query_tokens += query[0]
+            self.prefix_hit_tokens += query[1]
+        self._note_peak()
+        return True
+
+    def on_computed(self, seq: Sequence) -> None:
+        """Publishes prompt blocks as soon as they are computed, so that followers waiting on this
+        prefix start early; decode blocks wait until the sequence ends."""
+        if seq.num_computed_tokens <= seq.num_prompt_tokens:
+            self._insert(seq)
+
+    def free(self, seq: Sequence) -> None:
+        self._pending_query.pop(seq, None)
+        if seq.block_table:
+            self._insert(seq)
+        for block in seq.block_table:
+            self.pool.release(block)
+        self._relock(seq, None)
+        seq.block_table = []
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "blocks_total": self.pool.num_blocks,
+            "blocks_used": self.blocks_used(),
+            "peak_blocks_used": self.peak_blocks_used,
+            "blocks_cached": self.blocks_cached(),
+            "prefix_query_tokens": self.prefix_query_tokens,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "evicted_blocks": self.tree.evicted_blocks,
+            "tree_nodes": self.tree.num_nodes,
+        }
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _deepest(self, seq: Sequence) -> Node | None:
+        return seq.locked_nodes[0] if seq.locked_nodes else None
+
+    def _relock(self, seq: Sequence, node: Node | None) -> None:
+        """Moves the sequence's lock to `node`'s path (lock first, so shared ancestors never pass
+        through unlocked). `seq.locked_nodes` holds just the deepest node: its path is locked."""
+        old = self._deepest(seq)
+        if node is not None and not node.is_root:
+            self.tree.lock(node)
+            seq.locked_nodes = [node]
+        else:
+            seq.locked_nodes = []
+        self.tree.unlock(old)
+
+    def _insert(self, seq: Sequence) -> None:
+        """Adds the sequence's full computed blocks to the tree. Where the tree already had a block
+        for the same tokens (two sequences computed one prefix), the sequence switches to the
+        tree's copy and frees its own, so the prefix is held once."""
+        full = seq.num_computed_tokens // self.block_size
+        start = self._deepest(seq)
+        depth = start.depth if start is not None else 0
+        if full <= depth:
+            return
+        keys = block_keys(seq.all_token_ids, self.block_size, full)
+        node, held = self.tree.insert(self.namespace(seq), start, keys, seq.block_table[:full])
+        for i, block in enumerate(held, start=depth):
+            own = seq.block_table[i]
+            if own != block:
+                self.pool.retain(block)
+                self.pool.release(own)
+                seq.block_table[i] = block
+        self._relock(seq, node)

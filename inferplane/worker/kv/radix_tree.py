@@ -1,0 +1,207 @@
+"""A radix tree over token blocks: the prefix cache of the radix runtime.
+
+Edges are labelled with whole blocks of tokens (one tuple of `block_size` ids per block) and carry
+the pool block that holds each block's KV. Keys are block-aligned on purpose: a block is shared only
+once all of its slots are written, so no reader ever sees a half-written block and no writer ever
+writes into a block someone else reads.
+
+The tree holds one pool reference on every block it stores. A node's `lock_ref` counts the running
+sequences whose path passes through it; locked nodes are never evicted. Because every sequence
+that locks a node also holds its own reference on that node's blocks, an unlocked node's blocks are
+held by the tree alone: `evictable_blocks` is both what eviction can free and what the runtime
+reports as cached.
+
+Each namespace (cache salt) has its own root, so two tenants never reach each other's blocks, and
+one LRU order spans them all, since they share one pool.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator, Sequence
+
+from inferplane.worker.kv.block_pool import BlockPool
+
+BlockKey = tuple[int, ...]
+
+
+def block_keys(tokens: Sequence[int], block_size: int, num_blocks: int) -> list[BlockKey]:
+    return [tuple(tokens[i * block_size:(i + 1) * block_size]) for i in range(num_blocks)]
+
+
+class Node:
+    __slots__ = ("keys", "blocks", "children", "parent", "lock_ref", "last_access", "depth")
+
+    def __init__(self, keys: list[BlockKey], blocks: list[int], parent: Node | None, depth: int):
+        self.keys = keys
+        self.blocks = blocks
+        self.children: dict[BlockKey, Node] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = 0
+        # Blocks from the root to the end of this node. A split keeps the original object as the
+        # lower half, so a sequence holding its deepest node keeps a valid depth.
+        self.depth = depth
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+
+def _common(keys: list[BlockKey], query: Sequence[BlockKey], start: int) -> int:
+    n = 0
+    while n < len(keys) and start + n < len(query) and keys[n] == query[start + n]:
+        n += 1
+    return n
+
+
+class RadixTree:
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.roots: dict[str, Node] = {}
+        self.num_nodes = 0  # roots excluded
+        self.num_blocks = 0  # blocks the tree holds a reference on
+        self.evictable_blocks = 0  # blocks in unlocked nodes: held by the tree alone
+        self.evicted_blocks = 0
+        self._clock = itertools.count(1)  # logical LRU time: deterministic, never ties on one path
+
+    # -- lookups ----------------------------------------------------------------------------------
+
+    def peek(self, namespace: str, keys: Sequence[BlockKey]) -> int:
+        """Blocks of `keys` the tree holds, changing nothing (for the scheduler's ordering)."""
+        node = self.roots.get(namespace)
+        matched = 0
+        while node is not None and matched < len(keys):
+            child = node.children.get(keys[matched])
+            if child is None:
+                break
+            k = _common(child.keys, keys, matched)
+            matched += k
+            if k < len(child.keys):
+                break
+            node = child
+        return matched
+
+    def match(self, namespace: str, keys: Sequence[BlockKey]) -> tuple[Node | None, list[int]]:
+        """The longest cached prefix of `keys`: its deepest node and its blocks. A node matched part
+        way is split so that the match ends on a node boundary and can be locked exactly."""
+        node = self.roots.get(namespace)
+        if node is None:
+            return None, []
+        now = next(self._clock)
+        blocks: list[int] = []
+        while len(blocks) < len(keys):
+            child = node.children.get(keys[len(blocks)])
+            if child is None:
+                break
+            k = _common(child.keys, keys, len(blocks))
+            if k < len(child.keys):
+                child = self._split(child, k)
+            child.last_access = now
+            blocks.extend(child.blocks)
+            node = child
+        return node, blocks
+
+    # -- updates ----------------------------------------------------------------------------------
+
+    def insert(self, namespace: str, start: Node | None, keys: Sequence[BlockKey],
+               blocks: Sequence[int]) -> tuple[Node, list[int]]:
+        """Adds `keys[start.depth:]` below `start` (the root when None), adopting the caller's blocks
+        where the tree has none. Returns the deepest node and, per inserted key, the block the tree
+        now holds for it: where that differs from the caller's, the caller should switch to it."""
+        node = start if start is not None else self.roots.setdefault(namespace, Node([], [], None, 0))
+        now = next(self._clock)
+        i = node.depth
+        held: list[int] = []
+        while i < len(keys):
+            child = node.children.get(keys[i])
+            if child is None:
+                child = Node(list(keys[i:]), list(blocks[i:]), node, len(keys))
+                for block in child.blocks:
+                    self.pool.retain(block)
+                node.children[child.keys[0]] = child
+                self.num_nodes += 1
+                self.num_blocks += len(child.blocks)
+                self.evictable_blocks += len(child.blocks)
+                child.last_access = now
+                held.extend(child.blocks)
+                return child, held
+            k = _common(child.keys, keys, i)
+            if k < len(child.keys):
+                child = self._split(child, k)
+            child.last_access = now
+            held.extend(child.blocks)
+            node = child
+            i += k
+        return node, held
+
+    def _split(self, node: Node, k: int) -> Node:
+        """Cuts `node` after its first k blocks; the new upper node inherits its lock and age."""
+        upper = Node(node.keys[:k], node.blocks[:k], node.parent, node.depth - len(node.keys) + k)
+        upper.lock_ref = node.lock_ref
+        upper.last_access = node.last_access
+        upper.children = {node.keys[k]: node}
+        node.parent.children[upper.keys[0]] = upper
+        node.keys = node.keys[k:]
+        node.blocks = node.blocks[k:]
+        node.parent = upper
+        self.num_nodes += 1
+        return upper
+
+    def lock(self, node: Node | None) -> None:
+        while node is not None and not node.is_root:
+            if node.lock_ref == 0:
+                self.evictable_blocks -= len(node.blocks)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node | None) -> None:
+        while node is not None and not node.is_root:
+            if node.lock_ref <= 0:
+                raise AssertionError("unlock of an unlocked radix node")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_blocks += len(node.blocks)
+            node = node.parent
+
+    def evict(self, count: int) -> int:
+        """Frees up to `count` blocks from unlocked leaves, least recently used first, trimming a
+        leaf from its tail so that no more is dropped than asked for. Returns the blocks freed."""
+        order = itertools.count()  # tie-break: nodes are not comparable
+        heap = [(n.last_access, next(order), n) for n in self.nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < count and heap:
+            _, _, leaf = heapq.heappop(heap)
+            take = min(len(leaf.blocks), count - freed)
+            first_key = leaf.keys[0]
+            for block in leaf.blocks[len(leaf.blocks) - take:]:
+                if not self.pool.release(block):
+                    raise AssertionError(f"evicted block {block} is still referenced")
+            del leaf.blocks[len(leaf.blocks) - take:]
+            del leaf.keys[len(leaf.keys) - take:]
+            leaf.depth -= take
+            freed += take
+            if leaf.blocks:
+                continue
+            parent = leaf.parent
+            del parent.children[first_key]
+            self.num_nodes -= 1
+            if not parent.is_root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, next(order), parent))
+        self.num_blocks -= freed
+        self.evictable_blocks -= freed
+        self.evicted_blocks += freed
+        self.roots = {ns: root for ns, root in self.roots.items() if root.children}
+        return freed
+
+    # -- introspection ----------------------------------------------------------------------------
+
+    def nodes(self) -> Iterator[Node]:
+        """Every node but the roots, parents before children."""
+        stack = [child for root in self.roots.values() for child in root.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
