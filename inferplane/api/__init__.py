@@ -1,0 +1,1 @@
+"""Types shared by the operator, the control plane and the local supervisor."""

@@ -1,0 +1,66 @@
+"""`inferplane operator`: run the kopf operator that reconciles InferenceDeployments.
+
+configure() stays import-light (argparse only): the top-level CLI calls it to build --help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from inferplane.operator.manifests import DEFAULT_IMAGE
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
+                       help="watch this namespace (repeatable; globs allowed); default: $WATCH_NAMESPACE")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch the whole cluster")
+    parser.add_argument("--peering", default=os.environ.get("INFERPLANE_PEERING", "inferplane"),
+                        help="kopf peering name: among replicas sharing it, only one acts (default: %(default)s)")
+    parser.add_argument("--standalone", action="store_true", help="no peering (a single replica; development)")
+    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
+                        help="liveness endpoint for the kubelet, or '' for none (default: %(default)s)")
+    parser.add_argument("--worker-image", default=os.environ.get("INFERPLANE_WORKER_IMAGE", DEFAULT_IMAGE),
+                        help="image for worker pods when spec.image is unset (default: %(default)s)")
+    parser.add_argument("--no-monitoring", action="store_true",
+                        help="do not create ServiceMonitor/PrometheusRule (no Prometheus operator CRDs)")
+    parser.add_argument("--no-events", action="store_true", help="do not post Kubernetes Events")
+    hook = parser.add_argument_group("admission webhook (off unless --webhook-port is given)")
+    hook.add_argument("--webhook-port", type=int, default=None, help="serve the validating webhook on this port")
+    hook.add_argument("--webhook-host", default=None,
+                      help="the name the API server dials, e.g. inferplane-operator.inferplane.svc")
+    hook.add_argument("--webhook-cert", default=None, help="TLS certificate (PEM) for the webhook")
+    hook.add_argument("--webhook-key", default=None, help="TLS private key (PEM) for the webhook")
+    hook.add_argument("--webhook-ca", default=None, help="CA bundle that signed the certificate (for caBundle)")
+    hook.add_argument("--webhook-configuration", default="inferplane.io",
+                      help="ValidatingWebhookConfiguration kopf keeps up to date, or '' to leave it to helm")
+    parser.add_argument("--verbose", "-v", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    import kopf
+
+    import inferplane.operator.handlers  # noqa: F401  (registers the handlers)
+    from inferplane.operator.config import OperatorConfig, WebhookConfig
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    webhook = None
+    if args.webhook_port is not None:
+        webhook = WebhookConfig(port=args.webhook_port, host=args.webhook_host, certfile=args.webhook_cert,
+                                pkeyfile=args.webhook_key, cafile=args.webhook_ca,
+                                managed=args.webhook_configuration or None)
+    config = OperatorConfig(worker_image=args.worker_image, monitoring=not args.no_monitoring, webhook=webhook,
+                            post_events=not args.no_events, peering_name=args.peering)
+    namespaces = args.namespace or [ns for ns in os.environ.get("WATCH_NAMESPACE", "").split(",") if ns]
+    if not namespaces and not args.all_namespaces:
+        namespaces = ["default"]
+    asyncio.run(kopf.operator(
+        clusterwide=args.all_namespaces, namespaces=[] if args.all_namespaces else namespaces,
+        standalone=args.standalone, peering_name=args.peering, liveness_endpoint=args.liveness or None,
+        memo=kopf.Memo(config=config)))
+    return 0

@@ -1,0 +1,32 @@
+"""What an operator process is configured with; the CLI builds it, tests and the bench pass their own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from inferplane.operator.manifests import DEFAULT_IMAGE
+
+
+@dataclass(frozen=True)
+class WebhookConfig:
+    """The admission webhook's listener. insecure (plain HTTP) is for tests only: Kubernetes needs HTTPS."""
+
+    port: int = 9443
+    addr: str = "0.0.0.0"
+    host: str | None = None  # the name the API server dials, e.g. <service>.<namespace>.svc
+    certfile: str | None = None
+    pkeyfile: str | None = None
+    cafile: str | None = None
+    insecure: bool = False
+    managed: str | None = "inferplane.io"  # the ValidatingWebhookConfiguration kopf keeps up to date
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    worker_image: str = DEFAULT_IMAGE
+    monitoring: bool = True  # create ServiceMonitor/PrometheusRule (needs the Prometheus operator's CRDs)
+    webhook: WebhookConfig | None = None
+    post_events: bool = True
+    peering_name: str = "inferplane"
+    max_backoff_seconds: float = 60.0
+    extra: dict[str, str] = field(default_factory=dict)

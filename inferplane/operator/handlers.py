@@ -1,0 +1,219 @@
+"""kopf handlers: the lifecycle of an InferenceDeployment.
+
+    admitted   → validate_spec (admission webhook) refuses specs the schema cannot catch
+    created    → reconcile: apply the children, write status Progressing with the chosen runtime
+    changed    → reconcile again: only children whose content changed are written
+    resumed    → reconcile after an operator restart, in case anything drifted meanwhile
+    child Deployment changes → child_deployment_changed: status follows the workers' readiness
+    deleted    → finalize: remove the children (owner references would too) before the finalizer goes
+
+Objects are built by `manifests` (pure); this module only talks to the API and kopf.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import kopf
+
+from inferplane.api.deployment import GROUP, PLURAL, VERSION, InferenceDeploymentSpec, SpecError
+from inferplane.operator import manifests
+from inferplane.operator.config import OperatorConfig
+from inferplane.operator.kube import ApiError, KubeClient, path_for, path_of
+from inferplane.operator.selection import select_runtime
+from inferplane.operator.status import compute_status, condition, invalid_status
+
+FINALIZER = "inferplane.io/finalizer"
+
+
+def _config(memo: kopf.Memo) -> OperatorConfig:
+    return memo.get("config") or OperatorConfig()
+
+
+def _client(memo: kopf.Memo) -> KubeClient:
+    client = memo.get("client")
+    if client is None:
+        raise kopf.TemporaryError("no API client yet (login pending)", delay=1)
+    return client
+
+
+async def _no_webhook_server(fn: Any) -> AsyncIterator[Any]:
+    """Stands in for a webhook server when admission is off, so that kopf accepts the validate handler."""
+    await asyncio.Event().wait()
+    yield  # pragma: no cover
+
+
+# ---- operator start-up --------------------------------------------------------------------------
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    config = _config(memo)
+    # Progress and the last-handled spec go into annotations: the CRD's structural schema would
+    # prune kopf's default status.kopf, and status belongs to the user-facing conditions.
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="inferplane.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="inferplane.io", key="last-handled-configuration")
+    settings.posting.enabled = config.post_events
+    settings.posting.level = logging.WARNING
+    settings.peering.name = config.peering_name
+    settings.networking.error_backoffs = [1, 2, 5, 10, 20]  # kopf's own API calls
+    settings.batching.worker_limit = 256
+    if config.webhook is None:
+        settings.admission.server = _no_webhook_server
+    else:
+        hook = config.webhook
+        settings.admission.server = kopf.WebhookServer(
+            addr=hook.addr, port=hook.port, host=hook.host, insecure=hook.insecure,
+            certfile=hook.certfile, pkeyfile=hook.pkeyfile, cafile=hook.cafile)
+        settings.admission.managed = hook.managed
+
+
+@kopf.on.login()
+async def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In-cluster service account first, then $KUBECONFIG; our own client shares the credentials."""
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if info is not None:
+        old = memo.get("client")
+        memo["client"] = KubeClient.from_connection_info(info)
+        if old is not None:
+            await old.close()
+    return info
+
+
+@kopf.on.cleanup()
+async def close_client(memo: kopf.Memo, **_: Any) -> None:
+    client = memo.pop("client", None)
+    if client is not None:
+        await client.close()
+
+
+# ---- admission ----------------------------------------------------------------------------------
+
+@kopf.on.validate(GROUP, VERSION, PLURAL, id="validate-spec", operations=["CREATE", "UPDATE"])
+async def validate_spec(spec: Mapping[str, Any], **_: Any) -> None:
+    """The full validation of inferplane.api.deployment, including rules that CEL cannot express."""
+    try:
+        InferenceDeploymentSpec.from_dict(spec)
+    except SpecError as exc:
+        raise kopf.AdmissionError(str(exc), code=422) from exc
+
+
+# ---- reconciliation -----------------------------------------------------------------------------
+
+def _retry_delay(retry: int, config: OperatorConfig) -> float:
+    return min(config.max_backoff_seconds, 2.0 ** retry)
+
+
+async def _apply(client: KubeClient, desired: dict[str, Any], logger: logging.Logger) -> str:
+    """Write a child only when its content hash changed, so a repeated reconcile writes nothing."""
+    live = await client.get(path_of(desired))
+    want = desired["metadata"]["annotations"][manifests.ANNOTATION_HASH]
+    if live is not None and (live.get("metadata", {}).get("annotations") or {}).get(manifests.ANNOTATION_HASH) == want:
+        return "unchanged"
+    await client.apply(desired)
+    action = "created" if live is None else "updated"
+    logger.info(f"{desired['kind']} {desired['metadata']['name']} {action}")
+    return action
+
+
+def _parse(spec: Mapping[str, Any], patch: kopf.Patch, meta: Mapping[str, Any], status: Mapping[str, Any]
+           ) -> InferenceDeploymentSpec:
+    try:
+        return InferenceDeploymentSpec.from_dict(spec)
+    except SpecError as exc:
+        # Reachable when no webhook guards the API; say so in status rather than retrying forever.
+        patch.status.update(invalid_status(str(exc), generation=meta.get("generation"),
+                                           previous_conditions=status.get("conditions") or []))
+        raise kopf.PermanentError(str(exc)) from exc
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, name: str,
+                    namespace: str, patch: kopf.Patch, retry: int, memo: kopf.Memo,
+                    logger: logging.Logger, **_: Any) -> None:
+    config, client = _config(memo), _client(memo)
+    parsed = _parse(spec, patch, meta, status)
+    selection = select_runtime(parsed)
+    desired = manifests.children(body, parsed, image=config.worker_image, monitoring=config.monitoring,
+                                 selection=selection)
+    try:
+        for child in desired:
+            await _apply(client, child, logger)
+        deployment = await client.get(path_of(desired[0]))
+    except ApiError as exc:
+        if exc.retryable:
+            raise kopf.TemporaryError(str(exc), delay=_retry_delay(retry, config)) from exc
+        patch.status.update({"phase": "Degraded", "conditions": [
+            _degraded("ApplyFailed", str(exc), meta, status)]})
+        raise kopf.PermanentError(str(exc)) from exc
+    patch.status.update(compute_status(
+        name=name, namespace=namespace, desired_replicas=parsed.replicas, selection=selection,
+        deployment=deployment, generation=meta.get("generation"),
+        previous_conditions=status.get("conditions") or []))
+
+
+def _degraded(reason: str, message: str, meta: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, Any]:
+    return condition("Degraded", True, reason, message, previous=status.get("conditions") or [],
+                     generation=meta.get("generation"))
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY})
+async def child_deployment_changed(type: str | None, body: kopf.Body, namespace: str, memo: kopf.Memo,
+                                   logger: logging.Logger, **_: Any) -> None:
+    """The workers' readiness moved: bring the owner's status up to date (only if it changed)."""
+    owner = (body.get("metadata", {}).get("labels") or {}).get(manifests.LABEL_DEPLOYMENT)
+    if not owner or type == "DELETED" or memo.get("client") is None:
+        return
+    client = _client(memo)
+    owner_path = path_for(f"{GROUP}/{VERSION}", PLURAL, namespace, owner)
+    parent = await client.get(owner_path)
+    if parent is None or parent.get("metadata", {}).get("deletionTimestamp"):
+        return
+    try:
+        parsed = InferenceDeploymentSpec.from_dict(parent.get("spec") or {})
+    except SpecError:
+        return  # reconcile reports invalid specs
+    current = parent.get("status") or {}
+    new = compute_status(
+        name=owner, namespace=namespace, desired_replicas=parsed.replicas, selection=select_runtime(parsed),
+        deployment=body, generation=parent.get("metadata", {}).get("generation"),
+        previous_conditions=current.get("conditions") or [])
+    if any(current.get(key) != value for key, value in new.items()):
+        await client.patch_status(owner_path, new)
+
+
+# ---- deletion -----------------------------------------------------------------------------------
+
+@kopf.on.delete(GROUP, VERSION, PLURAL)
+async def finalize(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, retry: int, memo: kopf.Memo,
+                   logger: logging.Logger, **_: Any) -> None:
+    """Delete the Deployment first (its pods drain within their grace period), then the rest.
+
+    Owner references would garbage-collect them too; deleting explicitly makes the order certain
+    and works where the garbage collector lags.
+    """
+    config, client = _config(memo), _client(memo)
+    kinds = [("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget")]
+    if config.monitoring:
+        kinds += [("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")]
+    try:
+        for api_version, kind in kinds:
+            path = path_of({"apiVersion": api_version, "kind": kind,
+                            "metadata": {"name": name, "namespace": namespace}})
+            live = await client.get(path)
+            owned = live is not None and any(
+                ref.get("kind") == "InferenceDeployment" and ref.get("name") == name
+                for ref in live.get("metadata", {}).get("ownerReferences") or [])
+            if owned:
+                await client.delete(path)
+    except ApiError as exc:
+        if exc.retryable:
+            raise kopf.TemporaryError(str(exc), delay=_retry_delay(retry, config)) from exc
+        raise
+    logger.info(f"workers of {namespace}/{name} removed")

@@ -1,0 +1,386 @@
+"""Pure functions from an InferenceDeployment to the Kubernetes objects that serve it.
+
+No I/O, no kopf, no Kubernetes client: the same spec always gives the same objects, which is
+what makes reconciling twice a no-op (see `spec_hash`) and lets the local supervisor start
+workers from `worker_invocation` exactly as the cluster does. This module is the single source
+of truth for how a worker is started.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from inferplane.api.deployment import API_VERSION, KIND, InferenceDeploymentSpec
+from inferplane.api.quantities import parse_quantity
+from inferplane.operator.selection import Selection, engine_settings, select_runtime
+
+GRPC_PORT = 50051
+METRICS_PORT = 9090
+MODEL_ROOT = "/models"
+DEFAULT_IMAGE = "ghcr.io/inferplane/inferplane:0.1.0"
+PRE_STOP_SECONDS = 5  # lets endpoints drop a terminating pod before it starts refusing work
+
+# Labels: selectors use only LABEL_DEPLOYMENT, which never changes, so a Deployment's immutable
+# selector survives every spec change; the others describe the pods for the gateway and humans.
+LABEL_DEPLOYMENT = "inferplane.io/deployment"
+LABEL_RUNTIME = "inferplane.io/runtime"
+LABEL_TIER = "inferplane.io/tier"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "inferplane-operator"
+ANNOTATION_HASH = "inferplane.io/spec-hash"
+ANNOTATION_SERVED_MODEL = "inferplane.io/served-model-name"
+ANNOTATION_WEIGHT = "inferplane.io/weight"
+
+# Worker metrics the SLO alerts read (exported by the worker on --metrics-port).
+METRIC_TTFT = "inferplane_worker_time_to_first_token_seconds"
+METRIC_REQUESTS = "inferplane_worker_requests_total"  # label outcome="ok"|"error"|...
+
+
+@dataclass(frozen=True)
+class WorkerInvocation:
+    """How to start one worker process: what a container runs, and what the local supervisor runs."""
+
+    command: list[str]
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The InferenceDeployment that owns the objects built here (enough of its metadata for references)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Owner:
+        meta = body.get("metadata", {})
+        return cls(name=meta["name"], namespace=meta.get("namespace", "default"), uid=meta.get("uid", ""))
+
+    def reference(self) -> dict[str, Any]:
+        """controller=True and blockOwnerDeletion=True: deleting the resource garbage-collects its children."""
+        return {"apiVersion": API_VERSION, "kind": KIND, "name": self.name, "uid": self.uid,
+                "controller": True, "blockOwnerDeletion": True}
+
+
+def _label_value(text: str) -> str:
+    """A label-safe rendering of free text (63 chars, alphanumerics at both ends)."""
+    value = re.sub(r"[^A-Za-z0-9._-]", "-", text)[:63]
+    return value.strip("-._") or "none"
+
+
+def model_argument(name: str, spec: InferenceDeploymentSpec, model_root: str = MODEL_ROOT) -> str:
+    """--model: the registry name, or the weights' path as the worker sees it (PVCs mount at model_root)."""
+    model = spec.model
+    if model.name is not None:
+        return model.name
+    pvc = model.pvc
+    if pvc is not None:
+        return f"{model_root}/{pvc[1]}".rstrip("/")
+    assert model.uri is not None
+    return model.uri
+
+
+def worker_invocation(
+    name: str,
+    spec: InferenceDeploymentSpec,
+    *,
+    selection: Selection | None = None,
+    host: str = "0.0.0.0",
+    port: int = GRPC_PORT,
+    metrics_port: int = METRICS_PORT,
+    model_root: str = MODEL_ROOT,
+) -> WorkerInvocation:
+    """The worker's command line and environment for one replica of `name`."""
+    selection = selection or select_runtime(spec)
+    engine = engine_settings(spec, selection)
+    args = [
+        "--model", model_argument(name, spec, model_root),
+        "--runtime", selection.runtime,
+        "--host", host,
+        "--port", str(port),
+        "--metrics-port", str(metrics_port),
+        "--device", selection.device,
+        "--dtype", engine.dtype,
+        "--block-size", str(engine.block_size),
+        "--max-num-seqs", str(engine.max_num_seqs),
+        "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
+        "--kv-cache-memory", engine.kv_cache_memory,
+    ]
+    if engine.max_model_len is not None:
+        args += ["--max-model-len", str(engine.max_model_len)]
+    args += [
+        "--served-model-name", spec.served_model_name(name),
+        "--cache-isolation", spec.cache_isolation,
+        "--drain-grace-seconds", str(spec.drain_grace_seconds),
+    ]
+    env = {"INFERPLANE_MODEL_CACHE": model_root, "INFERPLANE_DEPLOYMENT": name}
+    if spec.model.version is not None:
+        env["INFERPLANE_MODEL_VERSION"] = spec.model.version
+    if spec.model.format is not None:
+        env["INFERPLANE_MODEL_FORMAT"] = spec.model.format
+    if selection.device == "cpu":
+        # torch otherwise sizes its pool to the node's cores, not the pod's CPU allowance.
+        env["OMP_NUM_THREADS"] = str(max(1, math.floor(parse_quantity(spec.resources.cpu))))
+    return WorkerInvocation(command=["inferplane", "worker"], args=args, env=env)
+
+
+def labels(name: str, spec: InferenceDeploymentSpec, selection: Selection) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "inferplane-worker",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": "worker",
+        "app.kubernetes.io/part-of": "inferplane",
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_DEPLOYMENT: name,
+        LABEL_RUNTIME: selection.runtime,
+        LABEL_TIER: spec.serving.tier,
+    }
+
+
+def selector(name: str) -> dict[str, str]:
+    return {LABEL_DEPLOYMENT: name}
+
+
+def _grpc_probe(period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
+    return {"grpc": {"port": GRPC_PORT}, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": timeout}
+
+
+def worker_container(name: str, spec: InferenceDeploymentSpec, *, selection: Selection, image: str) -> dict[str, Any]:
+    """The worker container: the invocation plus probes, ports, resources and a locked-down context."""
+    invocation = worker_invocation(name, spec, selection=selection)
+    quantities = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
+    if spec.uses_gpu:
+        quantities[spec.resources.gpu_resource_name] = str(spec.resources.gpus)
+    mounts = [{"name": "model", "mountPath": MODEL_ROOT, "readOnly": spec.model.pvc is not None},
+              {"name": "tmp", "mountPath": "/tmp"}]
+    if spec.uses_gpu:
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    # The worker answers NOT_SERVING while it drains; liveness must not kill it during that drain.
+    liveness_failures = max(3, math.ceil((spec.drain_grace_seconds + PRE_STOP_SECONDS) / 15) + 2)
+    env = [{"name": key, "value": value} for key, value in invocation.env.items()]
+    env += [{"name": "HOME", "value": "/tmp"},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
+    return {
+        "name": "worker",
+        "image": spec.image or image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": invocation.command,
+        "args": invocation.args,
+        "env": env,
+        "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
+        # Loading (and for cpu-int8, quantizing) can take minutes: the startup probe allows 15.
+        "startupProbe": _grpc_probe(period=10, failures=90),
+        "readinessProbe": _grpc_probe(period=5, failures=2, timeout=3),
+        "livenessProbe": _grpc_probe(period=15, failures=liveness_failures),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
+        "resources": {"requests": dict(quantities), "limits": dict(quantities)},
+        "volumeMounts": mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+
+
+def worker_pod_spec(name: str, spec: InferenceDeploymentSpec, *, selection: Selection, image: str) -> dict[str, Any]:
+    pvc = spec.model.pvc
+    model_volume: dict[str, Any] = (
+        {"name": "model", "persistentVolumeClaim": {"claimName": pvc[0], "readOnly": True}} if pvc
+        else {"name": "model", "emptyDir": {}}  # registry downloads are cached per pod
+    )
+    volumes = [model_volume, {"name": "tmp", "emptyDir": {}}]
+    tolerations = list(spec.tolerations)
+    if spec.uses_gpu:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        gpu_key = spec.resources.gpu_resource_name
+        if not any(t.get("key") == gpu_key for t in tolerations):
+            tolerations.append({"key": gpu_key, "operator": "Exists", "effect": "NoSchedule"})
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": PRE_STOP_SECONDS + spec.drain_grace_seconds + 10,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [worker_container(name, spec, selection=selection, image=image)],
+        "volumes": volumes,
+    }
+    if spec.node_selector:
+        pod["nodeSelector"] = dict(spec.node_selector)
+    if tolerations:
+        pod["tolerations"] = tolerations
+    if spec.affinity:
+        pod["affinity"] = dict(spec.affinity)
+    return pod
+
+
+def _metadata(owner: Owner, spec: InferenceDeploymentSpec, selection: Selection, *, runtime_label: bool = False,
+              **extra: Any) -> dict[str, Any]:
+    """Only the Deployment carries the runtime label: a runtime change then rewrites nothing else."""
+    object_labels = labels(owner.name, spec, selection)
+    if not runtime_label:
+        object_labels.pop(LABEL_RUNTIME)
+    return {"name": owner.name, "namespace": owner.namespace, "labels": object_labels,
+            "ownerReferences": [owner.reference()], **extra}
+
+
+def deployment(owner: Owner, spec: InferenceDeploymentSpec, *, selection: Selection, image: str) -> dict[str, Any]:
+    # Without a spare GPU a surge pod cannot schedule, so GPU rollouts replace one pod at a time.
+    rolling = {"maxSurge": 0, "maxUnavailable": 1} if spec.uses_gpu else {"maxSurge": 1, "maxUnavailable": 0}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(owner, spec, selection, runtime_label=True),
+        "spec": {
+            "replicas": spec.replicas,
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": selector(owner.name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
+            "template": {
+                "metadata": {"labels": labels(owner.name, spec, selection),
+                             "annotations": {"prometheus.io/scrape": "true",
+                                             "prometheus.io/port": str(METRICS_PORT)}},
+                "spec": worker_pod_spec(owner.name, spec, selection=selection, image=image),
+            },
+        },
+    }
+
+
+def service(owner: Owner, spec: InferenceDeploymentSpec, *, selection: Selection) -> dict[str, Any]:
+    """Headless: the gateway resolves pod addresses itself, to route by prefix affinity and load."""
+    annotations = {ANNOTATION_SERVED_MODEL: spec.served_model_name(owner.name),
+                   ANNOTATION_WEIGHT: str(spec.serving.weight)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner, spec, selection, annotations=annotations),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector(owner.name),
+            "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP",
+                       "appProtocol": "kubernetes.io/h2c"},
+                      {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}],
+        },
+    }
+
+
+def pod_disruption_budget(owner: Owner, spec: InferenceDeploymentSpec, *, selection: Selection) -> dict[str, Any]:
+    """maxUnavailable 1, not minAvailable: a one-replica deployment must not block node drains forever."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(owner, spec, selection),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(owner.name)}},
+    }
+
+
+def service_monitor(owner: Owner, spec: InferenceDeploymentSpec, *, selection: Selection) -> dict[str, Any]:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _metadata(owner, spec, selection),
+        "spec": {
+            "selector": {"matchLabels": selector(owner.name)},
+            "namespaceSelector": {"matchNames": [owner.namespace]},
+            "endpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}],
+        },
+    }
+
+
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+def prometheus_rule(owner: Owner, spec: InferenceDeploymentSpec, *, selection: Selection) -> dict[str, Any]:
+    """Alerts for spec.slo; series are scoped by the namespace and service labels the ServiceMonitor adds."""
+    scope = f'namespace="{owner.namespace}", service="{owner.name}"'
+    slo = spec.slo
+    requests = f"sum(rate({METRIC_REQUESTS}{{{scope}}}[5m]))"
+    errors = f'sum(rate({METRIC_REQUESTS}{{{scope}, outcome="error"}}[5m]))'
+    alert_labels = {"inferplane_deployment": owner.name, "namespace": owner.namespace}
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": _metadata(owner, spec, selection),
+        "spec": {"groups": [{
+            "name": f"inferplane.slo.{owner.namespace}.{owner.name}",
+            "rules": [
+                {
+                    "alert": "InferplaneTTFTAboveSLO",
+                    "expr": (f"histogram_quantile(0.95, sum by (le) (rate({METRIC_TTFT}_bucket{{{scope}}}[5m])))"
+                             f" > {_number(slo.ttft_p95_seconds)}"),
+                    "for": "10m",
+                    "labels": {"severity": "warning", **alert_labels},
+                    "annotations": {"summary": f"{owner.name}: p95 time to first token above "
+                                               f"{_number(slo.ttft_p95_seconds)}s"},
+                },
+                {
+                    "alert": "InferplaneErrorRateAboveSLO",
+                    "expr": f"100 * {errors} / clamp_min({requests}, 1e-9) > {_number(slo.error_rate_percent)}",
+                    "for": "5m",
+                    "labels": {"severity": "critical", **alert_labels},
+                    "annotations": {"summary": f"{owner.name}: error rate above "
+                                               f"{_number(slo.error_rate_percent)}%"},
+                },
+                {
+                    "alert": "InferplaneAvailabilityBelowSLO",
+                    "expr": f"100 * avg_over_time(avg(up{{{scope}}})[1h:1m]) < {_number(slo.availability)}",
+                    "for": "5m",
+                    "labels": {"severity": "critical", **alert_labels},
+                    "annotations": {"summary": f"{owner.name}: fewer than {_number(slo.availability)}% of "
+                                               "worker scrapes up over the last hour"},
+                },
+            ],
+        }]},
+    }
+
+
+def spec_hash(manifest: Mapping[str, Any]) -> str:
+    """A digest of everything the operator sets, so an unchanged object is never written again."""
+    stripped = json.loads(json.dumps(manifest))
+    stripped.get("metadata", {}).get("annotations", {}).pop(ANNOTATION_HASH, None)
+    return hashlib.sha256(json.dumps(stripped, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def with_hash(manifest: dict[str, Any]) -> dict[str, Any]:
+    digest = spec_hash(manifest)
+    manifest.setdefault("metadata", {}).setdefault("annotations", {})[ANNOTATION_HASH] = digest
+    return manifest
+
+
+def children(
+    body: Mapping[str, Any],
+    spec: InferenceDeploymentSpec,
+    *,
+    image: str = DEFAULT_IMAGE,
+    monitoring: bool = True,
+    selection: Selection | None = None,
+) -> list[dict[str, Any]]:
+    """Every object an InferenceDeployment owns, each stamped with the hash of its content.
+
+    monitoring=False leaves out the ServiceMonitor and PrometheusRule, for clusters without the
+    Prometheus operator's CRDs.
+    """
+    owner = Owner.from_body(body)
+    selection = selection or select_runtime(spec)
+    objects = [
+        deployment(owner, spec, selection=selection, image=image),
+        service(owner, spec, selection=selection),
+        pod_disruption_budget(owner, spec, selection=selection),
+    ]
+    if monitoring:
+        objects += [service_monitor(owner, spec, selection=selection),
+                    prometheus_rule(owner, spec, selection=selection)]
+    return [with_hash(obj) for obj in objects]

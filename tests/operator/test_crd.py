@@ -1,0 +1,88 @@
+"""The CRD: one source for deploy/ and the chart, examples valid against it, invalid resources refused."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from inferplane.api.deployment import InferenceDeploymentSpec
+from inferplane.operator import crd
+from tests.operator.conftest import EXAMPLES, ROOT, load_example
+
+
+def test_chart_carries_the_same_crd_as_deploy() -> None:
+    for source in sorted(crd.CRD_DIR.glob("*.yaml")):
+        copy_in_chart = ROOT / "helm" / "inferplane" / "crds" / source.name
+        assert copy_in_chart.read_bytes() == source.read_bytes(), \
+            f"{copy_in_chart} differs from {source}: cp deploy/crds/*.yaml helm/inferplane/crds/"
+
+
+def test_crd_declares_subresources_columns_and_short_name() -> None:
+    definition = crd.load_crd()
+    assert definition["metadata"]["name"] == "inferencedeployments.inferplane.io"
+    assert definition["spec"]["names"]["shortNames"] == ["idep"]
+    (version,) = definition["spec"]["versions"]
+    assert version["name"] == "v1alpha1" and definition["spec"]["scope"] == "Namespaced"
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+    assert "status" in version["subresources"]
+    assert [c["name"] for c in version["additionalPrinterColumns"] if "priority" not in c] == \
+        ["Model", "Runtime", "Ready", "Age"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_validate_against_the_crd_and_the_python_rules(path: Path) -> None:
+    defaulted, errors = crd.validate(load_example(path))
+    assert errors == []
+    # What the API server stores (defaults applied) parses to the same spec as what the user wrote.
+    assert InferenceDeploymentSpec.from_dict(defaulted["spec"]) == \
+        InferenceDeploymentSpec.from_dict(load_example(path)["spec"])
+
+
+def test_defaults_match_between_crd_and_python() -> None:
+    defaulted, errors = crd.validate({"apiVersion": "inferplane.io/v1alpha1", "kind": "InferenceDeployment",
+                                      "metadata": {"name": "x"}, "spec": {"model": {"name": "m"}}})
+    assert errors == []
+    spec = defaulted["spec"]
+    parsed = InferenceDeploymentSpec.from_dict({"model": {"name": "m"}})
+    assert (spec["runtime"], spec["replicas"], spec["minReplicas"]) == (parsed.runtime, parsed.replicas,
+                                                                        parsed.min_replicas)
+    assert spec["engine"]["blockSize"] == parsed.engine.block_size
+    assert spec["slo"]["availability"] == parsed.slo.availability
+    assert spec["serving"]["tier"] == parsed.serving.tier and spec["cacheIsolation"] == parsed.cache_isolation
+
+
+BROKEN = [
+    ({"runtime": "tensorrt"}, "spec.runtime"),
+    ({"replicas": -1}, "spec.replicas"),
+    ({"resources": {"gpus": 9}}, "spec.resources.gpus"),
+    ({"engine": {"blockSize": 12}}, "spec.engine.blockSize"),
+    ({"engine": {"kvCacheMemory": "lots"}}, "spec.engine.kvCacheMemory"),
+    ({"serving": {"tier": "gold"}}, "spec.serving.tier"),
+    ({"replicas": 1, "minReplicas": 3, "maxReplicas": 2}, "minReplicas must not exceed maxReplicas"),
+    ({"replicas": 5, "maxReplicas": 2}, "replicas must lie within"),
+    ({"runtime": "cpu-int8", "resources": {"gpus": 1}}, "runtime cpu-int8 runs on CPU"),
+    ({"runtime": "cpu-int8", "engine": {"dtype": "bfloat16"}}, "computes in float32"),
+    ({"engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}}, "at least maxNumSeqs"),
+    ({"model": {"name": "m", "uri": "/w", "format": "gguf"}}, "exactly one of model.name"),
+    ({"model": {"uri": "/w"}}, "model.format is required"),
+    ({"unknownField": 1}, "unknownField"),
+]
+
+
+@pytest.mark.parametrize(("change", "reason"), BROKEN, ids=[b[1][:30] for b in BROKEN])
+def test_invalid_resources_are_refused_with_the_reason(change: dict, reason: str) -> None:
+    body = copy.deepcopy(load_example(EXAMPLES[0]))
+    body["spec"] = {"model": {"name": "smollm2-135m"}}
+    body["spec"].update(change)
+    _, errors = crd.validate(body)
+    assert errors, f"{change} was accepted"
+    assert any(reason in error for error in errors), errors
+
+
+def test_kv_cache_pattern_is_shared_with_python() -> None:
+    from inferplane.api.quantities import KV_CACHE_MEMORY_PATTERN
+
+    engine = crd.version_schema()["properties"]["spec"]["properties"]["engine"]["properties"]
+    assert engine["kvCacheMemory"]["pattern"] == KV_CACHE_MEMORY_PATTERN

@@ -1,0 +1,121 @@
+"""The chart, checked by a real helm binary (3.19) and validated offline against Kubernetes 1.30 schemas."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from inferplane.operator import crd
+from tests.operator.conftest import ROOT
+
+CHART = ROOT / "helm" / "inferplane"
+MATRIX = {"default": None, **{p.name.removesuffix("-values.yaml"): p for p in sorted((CHART / "ci").glob("*.yaml"))}}
+K8S_VERSION = "1.30.0"
+THIRD_PARTY = {"monitoring.coreos.com/v1", "kopf.dev/v1"}  # CRDs from other projects: checked structurally
+
+
+def helm_run(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=120)
+
+
+def render(helm: Path, values: Path | None, *extra: str) -> list[dict[str, Any]]:
+    args = ["template", "demo", str(CHART), "--namespace", "inference", *extra]
+    if values is not None:
+        args += ["-f", str(values)]
+    result = helm_run(helm, *args)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == "", result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.mark.parametrize("name", MATRIX)
+def test_lint_strict_is_clean(helm: Path, name: str) -> None:
+    args = ["lint", "--strict", str(CHART)] + (["-f", str(MATRIX[name])] if MATRIX[name] else [])
+    result = helm_run(helm, *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[WARNING]" not in result.stdout and "[ERROR]" not in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("name", MATRIX)
+def test_rendered_objects_validate_strictly(helm: Path, name: str) -> None:
+    docs = render(helm, MATRIX[name])
+    assert docs
+    for doc in docs:
+        if doc["apiVersion"] == "inferplane.io/v1alpha1":
+            _, errors = crd.validate(doc)
+            assert errors == [], (doc["metadata"]["name"], errors)
+        elif doc["apiVersion"] in THIRD_PARTY:
+            assert doc["metadata"]["name"] and "spec" in doc or doc["kind"].endswith("KopfPeering")
+        else:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def kinds(docs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    found: dict[str, list[dict[str, Any]]] = {}
+    for doc in docs:
+        found.setdefault(doc["kind"], []).append(doc)
+    return found
+
+
+def test_default_install_is_namespaced_least_privilege(helm: Path) -> None:
+    found = kinds(render(helm, None))
+    (role,) = [r for r in found["Role"] if r["metadata"]["name"].endswith("-operator")]
+    assert role["metadata"]["namespace"] == "inference"
+    cluster_rules = [r for c in found["ClusterRole"] for r in c["rules"]]
+    # Cluster-wide, the operator may only read CRDs and namespaces (kopf needs both).
+    assert {g for r in cluster_rules for g in r["apiGroups"]} == {"apiextensions.k8s.io", ""}
+    assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in cluster_rules)
+    assert not any("*" in r["verbs"] or "*" in r["resources"] for r in role["rules"])
+    operator = next(d for d in found["Deployment"] if d["metadata"]["name"].endswith("-operator"))
+    assert "--namespace=inference" in operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    dashboards = found["ConfigMap"][0]
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    for name, text in dashboards["data"].items():
+        assert json.loads(text)["panels"], name
+
+
+def test_cluster_mode_and_ha_postgres(helm: Path) -> None:
+    found = kinds(render(helm, MATRIX["ha-postgres"]))
+    assert "Role" not in found or all(not r["metadata"]["name"].endswith("-operator") for r in found["Role"])
+    operator = next(d for d in found["Deployment"] if d["metadata"]["name"].endswith("-operator"))
+    assert "--all-namespaces" in operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert operator["spec"]["replicas"] == 2 and found["ClusterKopfPeering"]
+    control = next(d for d in found["Deployment"] if d["metadata"]["name"].endswith("-control-plane"))
+    assert control["spec"]["replicas"] == 3
+    env = {e["name"]: e for e in control["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["INFERPLANE_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "inferplane-db", "key": "url"}
+    assert "Secret" not in found and "PersistentVolumeClaim" not in found  # the URL comes from the user's Secret
+    assert found["PodDisruptionBudget"]
+
+
+def test_network_policy_admits_only_the_gateway_to_workers(helm: Path) -> None:
+    (policy,) = kinds(render(helm, None))["NetworkPolicy"]
+    grpc = next(rule for rule in policy["spec"]["ingress"] if rule["ports"][0]["port"] == 50051)
+    (peer,) = grpc["from"]
+    assert peer["podSelector"]["matchLabels"] == {"inferplane.io/gateway": "true"}
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "worker"
+
+
+def test_models_from_values_are_valid_inference_deployments(helm: Path) -> None:
+    found = kinds(render(helm, MATRIX["gpu"]))
+    assert {d["metadata"]["name"] for d in found["InferenceDeployment"]} == {"chat", "agent"}
+    operator = next(d for d in found["Deployment"] if d["metadata"]["name"].endswith("-operator"))
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--webhook-port=9443" in args and any(a.startswith("--webhook-host=") for a in args)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    (["--set", "controlPlane.replicas=3"], "needs controlPlane.database.type=postgresql"),
+    (["--set", "operator.rbacMode=everything"], "rbacMode"),
+    (["--set", "operator.webhook.enabled=true"], "tlsSecretName is required"),
+])
+def test_invalid_values_fail_with_a_reason(helm: Path, values: list[str], message: str) -> None:
+    result = helm_run(helm, "template", "demo", str(CHART), *values)
+    assert result.returncode != 0
+    assert message in result.stderr

@@ -1,0 +1,131 @@
+"""The pure side: spec parsing, runtime selection, and the objects built for every example."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+
+from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
+from inferplane.operator import manifests
+from inferplane.operator.selection import select_runtime
+from tests.operator.conftest import EXAMPLES, load_example
+
+K8S_VERSION = "1.30.0"
+BUILT_IN = {"Deployment", "Service", "PodDisruptionBudget"}  # kubernetes-validate skips custom resources
+
+
+def build(path: Path) -> tuple[dict, InferenceDeploymentSpec, list[dict]]:
+    body = load_example(path)
+    body["metadata"]["uid"] = "0f0e0d0c-0000-4000-8000-000000000001"
+    spec = InferenceDeploymentSpec.from_dict(body["spec"])
+    return body, spec, manifests.children(body, spec, image="registry.example/inferplane:1")
+
+
+def arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_children_of_every_example_validate_strictly(path: Path) -> None:
+    _, _, objects = build(path)
+    assert {o["kind"] for o in objects} == BUILT_IN | {"ServiceMonitor", "PrometheusRule"}
+    for obj in objects:
+        if obj["kind"] in BUILT_IN:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_worker_container_carries_probes_resources_and_arguments(path: Path) -> None:
+    body, spec, objects = build(path)
+    selection = select_runtime(spec)
+    deployment = objects[0]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert container["command"] == ["inferplane", "worker"]
+    assert arg(args, "--runtime") == selection.runtime
+    assert arg(args, "--port") == "50051" and arg(args, "--metrics-port") == "9090"
+    assert arg(args, "--device") == ("cuda" if spec.uses_gpu else "cpu")
+    assert arg(args, "--served-model-name") == spec.served_model_name(body["metadata"]["name"])
+    assert arg(args, "--block-size") == str(spec.engine.block_size)
+    if spec.engine.max_num_seqs:
+        assert arg(args, "--max-num-seqs") == str(spec.engine.max_num_seqs)
+    if spec.engine.kv_cache_memory:
+        assert arg(args, "--kv-cache-memory") == spec.engine.kv_cache_memory
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"] == {"port": 50051}
+    # Liveness must survive a full drain (the worker is NOT_SERVING while it drains).
+    live = container["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] > spec.drain_grace_seconds
+    assert pod["terminationGracePeriodSeconds"] > spec.drain_grace_seconds
+    limits = container["resources"]["limits"]
+    assert limits["memory"] == spec.resources.memory and limits["cpu"] == spec.resources.cpu
+    assert ("nvidia.com/gpu" in limits) == spec.uses_gpu
+    if spec.uses_gpu:
+        assert limits["nvidia.com/gpu"] == str(spec.resources.gpus)
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    if spec.model.pvc:
+        assert volumes["model"]["persistentVolumeClaim"]["claimName"] == spec.model.pvc[0]
+        assert arg(args, "--model").startswith("/models/")
+    # The selector never includes the runtime, so a runtime change can patch the Deployment in place.
+    assert deployment["spec"]["selector"]["matchLabels"] == {"inferplane.io/deployment": body["metadata"]["name"]}
+
+
+def test_building_twice_gives_identical_objects_and_hashes() -> None:
+    path = EXAMPLES[0]
+    assert build(path)[2] == build(path)[2]
+
+
+def test_prometheus_rule_follows_the_slo() -> None:
+    body, spec, objects = build(next(p for p in EXAMPLES if p.stem == "paged-gpu"))
+    rule = next(o for o in objects if o["kind"] == "PrometheusRule")
+    exprs = {r["alert"]: r["expr"] for r in rule["spec"]["groups"][0]["rules"]}
+    assert exprs["InferplaneTTFTAboveSLO"].endswith(f"> {spec.slo.ttft_p95_seconds:g}")
+    assert exprs["InferplaneErrorRateAboveSLO"].endswith(f"> {spec.slo.error_rate_percent:g}")
+    assert exprs["InferplaneAvailabilityBelowSLO"].endswith(f"< {spec.slo.availability:g}")
+
+
+def test_worker_invocation_is_the_container_command_line() -> None:
+    body, spec, objects = build(EXAMPLES[0])
+    invocation = manifests.worker_invocation(body["metadata"]["name"], spec)
+    container = objects[0]["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] + container["args"] == invocation.command + invocation.args
+    local = manifests.worker_invocation(body["metadata"]["name"], spec, port=6000, host="127.0.0.1")
+    assert arg(local.args, "--port") == "6000" and arg(local.args, "--host") == "127.0.0.1"
+
+
+@pytest.mark.parametrize(("spec", "hints", "runtime"), [
+    ({"resources": {"gpus": 0}}, {}, "cpu-int8"),
+    ({"resources": {"gpus": 1}}, {"multiTurn": True}, "radix"),
+    ({"resources": {"gpus": 1}}, {"sharedPrefix": True}, "radix"),
+    ({"resources": {"gpus": 1}}, {"agent": True}, "radix"),
+    ({"resources": {"gpus": 1}}, {"longGeneration": True}, "paged"),
+    ({"resources": {"gpus": 1}}, {}, "paged"),
+])
+def test_auto_selection(spec: dict, hints: dict, runtime: str) -> None:
+    parsed = InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, "runtime": "auto", "workload": hints, **spec})
+    selection = select_runtime(parsed)
+    assert selection.runtime == runtime
+    assert selection.reason.startswith("auto:")
+
+
+@pytest.mark.parametrize(("spec", "field", "words"), [
+    ({"model": {"name": "m", "uri": "/w"}}, "model", "exactly one"),
+    ({"model": {"uri": "/w"}}, "model.format", "required"),
+    ({"model": {"name": "m"}, "minReplicas": 3, "maxReplicas": 2}, "minReplicas", "must not exceed"),
+    ({"model": {"name": "m"}, "runtime": "cpu-int8", "resources": {"gpus": 1}}, "resources.gpus", "cpu-int8"),
+    ({"model": {"name": "m"}, "engine": {"kvCacheMemory": "0.9"}}, "engine.kvCacheMemory", "fraction"),
+    ({"model": {"name": "m"}, "resources": {"memory": "2Gi"}, "engine": {"kvCacheMemory": "4GiB"}},
+     "engine.kvCacheMemory", "does not fit"),
+    ({"model": {"name": "m"}, "engine": {"blockSize": 12}}, "engine.blockSize", "one of"),
+    ({"model": {"name": "m"}, "replicas": True}, "replicas", "boolean"),
+])
+def test_invalid_specs_name_the_field(spec: dict, field: str, words: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        InferenceDeploymentSpec.from_dict(spec)
+    assert caught.value.field == field
+    assert words in str(caught.value) and f"spec.{field}" in str(caught.value)
