@@ -25,7 +25,8 @@ from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
 from inferplane.control_plane.routing import Deployment
 from inferplane.local.supervisor import LocalDeployment, Replica, Supervisor
 from inferplane.operator.selection import engine_settings
-from inferplane.v1 import worker_pb2, worker_pb2_grpc
+from inferplane.v1 import worker_pb2
+from inferplane.worker.model.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,6 @@ class LocalPlatform:
         self.gateway = Gateway(settings)
         self.supervisor = Supervisor(home, on_ready=self._replica_ready)
         self.tenant_key: str | None = None
-        self._tokenizers: dict[str, asyncio.Future] = {}
 
     def bootstrap(self) -> None:
         """First start only: the default tenant and its key (printed once, never stored)."""
@@ -130,10 +130,6 @@ class LocalPlatform:
             path = await loop.run_in_executor(None, self._model_path, manifest)
             deployment = self.supervisor.add(manifest.name, manifest.spec, path)
             served = deployment.served_model_name
-            if served not in self._tokenizers:
-                from inferplane.worker.model.loader import load_tokenizer
-
-                self._tokenizers[served] = loop.run_in_executor(None, load_tokenizer, path)
             serving = manifest.spec.serving
             block_size = engine_settings(manifest.spec, deployment.selection).block_size
             groups.setdefault(served, []).append(Deployment(manifest.name, deployment.source, weight=serving.weight,
@@ -147,13 +143,10 @@ class LocalPlatform:
             asyncio.get_running_loop().create_task(self._publish(deployment, replica))
 
     async def _publish(self, deployment: LocalDeployment, replica: Replica) -> None:
-        """Adds the served model to the catalog with the context length the worker reports."""
-        import grpc
-
-        async with grpc.aio.insecure_channel(replica.address) as channel:
-            info = await worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=10)
-        tokenizer = await self._tokenizers[deployment.served_model_name]
-        self.gateway.catalog.put(ServedModel(name=deployment.served_model_name, tokenizer=tokenizer,
+        """Adds the served model to the catalog with the tokenizer and context length the worker reports."""
+        info = await self.gateway.channels.stub(replica.address).Info(worker_pb2.InfoRequest(), timeout=30)
+        self.gateway.catalog.put(ServedModel(name=deployment.served_model_name,
+                                             tokenizer=TextTokenizer.from_wire(info),
                                              max_model_len=info.max_model_len,
                                              cache_isolation=deployment.spec.cache_isolation))
 

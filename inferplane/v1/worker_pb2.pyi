@@ -116,7 +116,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "runtime", "max_model_len", "block_size", "architecture", "device", "dtype")
+    __slots__ = ("model", "runtime", "max_model_len", "block_size", "architecture", "device", "dtype", "tokenizer_json", "chat_template", "bos_token", "eos_token", "add_bos")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,11 @@ class InfoResponse(_message.Message):
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ADD_BOS_FIELD_NUMBER: _ClassVar[int]
     model: str
     runtime: str
     max_model_len: int
@@ -131,4 +136,9 @@ class InfoResponse(_message.Message):
     architecture: str
     device: str
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., runtime: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., architecture: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    tokenizer_json: str
+    chat_template: str
+    bos_token: str
+    eos_token: str
+    add_bos: bool
+    def __init__(self, model: _Optional[str] = ..., runtime: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., architecture: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., add_bos: _Optional[bool] = ...) -> None: ...

@@ -78,7 +78,8 @@ async def _serve(args: argparse.Namespace) -> int:
     state.extra_stats = {k: float(v) for k, v in report.items()}
     state.info = dict(model=name, runtime=args.runtime, max_model_len=engine.max_model_len,
                       block_size=engine.block_size, architecture=engine.loaded.config.architecture,
-                      device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."))
+                      device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
+                      **(engine.tokenizer.to_wire() if engine.tokenizer is not None else {}))
     metrics = WorkerMetrics(name, args.runtime, lambda: {**state.engine.last_stats, **state.extra_stats})
     state.engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
     if args.metrics_port:

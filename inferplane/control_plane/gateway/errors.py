@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferplane.control_plane.errors import ControlPlaneError, RateLimited
-from inferplane.control_plane.routing import NoReplicaAvailable, UnknownModel
+from inferplane.control_plane.routing import NoReplicaAvailable, RoutingError, UnknownModel
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +76,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         return error_response(exc.status_code, str(exc.detail), None)
 
-    @app.exception_handler(Exception)
-    async def _any(request: Request, exc: Exception):
+    async def _known(request: Request, exc: Exception):
         status, message, code, headers = as_error(exc)
         return error_response(status, message, code, headers=headers)
+
+    # Expected failures get their own handlers: Starlette re-raises (and logs as a crash) whatever
+    # reaches the catch-all Exception handler, which is kept for real bugs only.
+    for kind in (ControlPlaneError, GatewayError, RoutingError):
+        app.add_exception_handler(kind, _known)
+    app.add_exception_handler(Exception, _known)
 
 
 def sse_error(exc: BaseException) -> str:

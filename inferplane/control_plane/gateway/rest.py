@@ -28,6 +28,27 @@ from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest,
 from inferplane.v1 import worker_pb2
 
 
+class TenantIn(BaseModel):
+    id: str = Field(min_length=1)
+    display_name: str | None = None
+    monthly_token_quota: int | None = Field(default=None, ge=0)
+
+class KeyIn(BaseModel):
+    tenant_id: str | None = None
+    name: str | None = None
+    scopes: list[str] = Field(default_factory=lambda: list(auth.DEFAULT_SCOPES))
+    expires_in_seconds: int | None = Field(default=None, gt=0)
+    requests_per_minute: int | None = Field(default=None, gt=0)
+    tokens_per_minute: int | None = Field(default=None, gt=0)
+
+class ModelIn(BaseModel):
+    source: str = Field(min_length=1)
+    name: str | None = None
+    version: str | None = None
+    sha256: str | None = None
+    visibility: str | None = None
+
+
 def _usage(final: worker_pb2.GenerateResponse | None, prepared: PreparedRequest) -> dict:
     prompt = final.usage.prompt_tokens if final is not None else prepared.prompt_tokens
     completion = final.usage.completion_tokens if final is not None else 0
@@ -267,26 +288,6 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         return {"object": "list", "tenant": principal.tenant_id, "data": data, "totals": totals}
 
     # -- admin API ----------------------------------------------------------------------------
-
-    class TenantIn(BaseModel):
-        id: str = Field(min_length=1)
-        display_name: str | None = None
-        monthly_token_quota: int | None = Field(default=None, ge=0)
-
-    class KeyIn(BaseModel):
-        tenant_id: str | None = None
-        name: str | None = None
-        scopes: list[str] = Field(default_factory=lambda: list(auth.DEFAULT_SCOPES))
-        expires_in_seconds: int | None = Field(default=None, gt=0)
-        requests_per_minute: int | None = Field(default=None, gt=0)
-        tokens_per_minute: int | None = Field(default=None, gt=0)
-
-    class ModelIn(BaseModel):
-        source: str = Field(min_length=1)
-        name: str | None = None
-        version: str | None = None
-        sha256: str | None = None
-        visibility: str | None = None
 
     def _platform_admin(principal: Principal) -> None:
         if principal.tenant_id is not None:

@@ -131,12 +131,3 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, max_positio
     module.eval()
     return LoadedModel(name=model, path=path, config=config, model=module, tokenizer=tokenizer)
 
-
-def load_tokenizer(model: str) -> TextTokenizer:
-    """Just the tokenizer of a model (the gateway tokenizes; it never loads weights)."""
-    path = resolve_model_path(model)
-    if os.path.isdir(path):
-        return load_hf_tokenizer(path)
-    from inferplane.worker.model.gguf_file import open_gguf
-
-    return load_gguf_tokenizer(open_gguf(path))

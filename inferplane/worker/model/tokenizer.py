@@ -43,6 +43,18 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def to_wire(self) -> dict:
+        """The fields of worker.proto's InfoResponse that rebuild this tokenizer elsewhere."""
+        return dict(tokenizer_json=self.tokenizer.to_str(), chat_template=self.chat_template or "",
+                    bos_token=self.bos_token or "", eos_token=self.eos_token or "", add_bos=self.add_bos)
+
+    @classmethod
+    def from_wire(cls, info) -> TextTokenizer:
+        tok = Tokenizer.from_str(info.tokenizer_json)
+        specials = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        return cls(tokenizer=tok, chat_template=info.chat_template or None, bos_token=info.bos_token or None,
+                   eos_token=info.eos_token or None, add_bos=info.add_bos, special_ids=specials)
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
