@@ -132,7 +132,10 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 outputs = []
                 for request_id, sub in list(self._streams.items()):
-                    self.engine.abort(request_id)
+                    out = self.engine.abort(request_id)
+                    if out is not None:
+                        out.finish_reason = "error"
+                        self._finished(out)
                     self._deliver(sub, RuntimeError(f"engine step failed: {exc}"))
                 self._streams.clear()
             for out in outputs:

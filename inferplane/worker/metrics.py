@@ -19,20 +19,23 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2)
 
 # Engine stats exported as counters (monotonic); every other numeric stat is a gauge.
+# What the SLO alerts count: a finished generation is "ok", a client cancel is not an error.
+_OUTCOMES = {"stop": "ok", "length": "ok", "abort": "cancelled"}
+
 _COUNTER_STATS = {
-    "preemptions": "inferplane_preemptions_total",
-    "prefix_query_tokens": "inferplane_prefix_cache_query_tokens_total",
-    "prefix_hit_tokens": "inferplane_prefix_cache_hit_tokens_total",
-    "evicted_blocks": "inferplane_prefix_cache_evicted_blocks_total",
+    "preemptions": "inferplane_worker_preemptions_total",
+    "prefix_query_tokens": "inferplane_worker_prefix_cache_query_tokens_total",
+    "prefix_hit_tokens": "inferplane_worker_prefix_cache_hit_tokens_total",
+    "evicted_blocks": "inferplane_worker_prefix_cache_evicted_blocks_total",
 }
 _GAUGE_STATS = {
-    "num_running": "inferplane_num_requests_running",
-    "num_waiting": "inferplane_num_requests_waiting",
-    "blocks_used": "inferplane_kv_blocks_used",
-    "blocks_total": "inferplane_kv_blocks_total",
-    "blocks_cached": "inferplane_kv_blocks_cached",
-    "peak_blocks_used": "inferplane_kv_blocks_peak_used",
-    "tree_nodes": "inferplane_prefix_cache_tree_nodes",
+    "num_running": "inferplane_worker_num_requests_running",
+    "num_waiting": "inferplane_worker_num_requests_waiting",
+    "blocks_used": "inferplane_worker_kv_blocks_used",
+    "blocks_total": "inferplane_worker_kv_blocks_total",
+    "blocks_cached": "inferplane_worker_kv_blocks_cached",
+    "peak_blocks_used": "inferplane_worker_kv_blocks_peak_used",
+    "tree_nodes": "inferplane_worker_prefix_cache_tree_nodes",
 }
 
 
@@ -56,7 +59,7 @@ class _EngineStatsCollector:
                 yield family
         gate = {k: v for k, v in stats.items() if k.startswith(("gate_", "weight_bytes"))}
         if gate:
-            family = GaugeMetricFamily("inferplane_weights_info", "weight format and int8 quality gate figures",
+            family = GaugeMetricFamily("inferplane_worker_weights_info", "weight format and int8 quality gate figures",
                                        labels=[*names, "figure"])
             for key, value in gate.items():
                 family.add_metric([*values, key], float(value))
@@ -69,23 +72,24 @@ class WorkerMetrics:
         labels = {"model": model, "runtime": runtime}
         names = list(labels)
         self._labels = labels
-        self.requests = Counter("inferplane_requests", "finished requests by finish reason",
-                                [*names, "finish_reason"], registry=self.registry)
-        self.ttft = Histogram("inferplane_time_to_first_token_seconds", "time to first token", names,
+        self.requests = Counter("inferplane_worker_requests", "finished requests by outcome and finish reason",
+                                [*names, "outcome", "finish_reason"], registry=self.registry)
+        self.ttft = Histogram("inferplane_worker_time_to_first_token_seconds", "time to first token", names,
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("inferplane_time_per_output_token_seconds", "time per output token after the first",
+        self.tpot = Histogram("inferplane_worker_time_per_output_token_seconds", "decode time per output token",
                               names, buckets=_TPOT_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("inferplane_e2e_request_latency_seconds", "request latency, arrival to finish",
+        self.e2e = Histogram("inferplane_worker_e2e_request_latency_seconds", "request latency, arrival to finish",
                              names, buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.prompt_tokens = Counter("inferplane_prompt_tokens", "prompt tokens of finished requests", names,
+        self.prompt_tokens = Counter("inferplane_worker_prompt_tokens", "prompt tokens of finished requests", names,
                                      registry=self.registry)
-        self.generation_tokens = Counter("inferplane_generation_tokens", "generated tokens of finished requests",
+        self.generation_tokens = Counter("inferplane_worker_generation_tokens", "generated tokens of finished requests",
                                          names, registry=self.registry)
         self.registry.register(_EngineStatsCollector(read_stats, labels))
 
     def observe_finished(self, out: StepOutput) -> None:
         labels = self._labels
-        self.requests.labels(**labels, finish_reason=out.finish_reason or "unknown").inc()
+        reason = out.finish_reason or "unknown"
+        self.requests.labels(**labels, outcome=_OUTCOMES.get(reason, "error"), finish_reason=reason).inc()
         self.prompt_tokens.labels(**labels).inc(out.num_prompt_tokens)
         self.generation_tokens.labels(**labels).inc(out.num_output_tokens)
         if out.latency is not None:

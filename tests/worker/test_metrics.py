@@ -1,0 +1,36 @@
+"""Worker metrics: request outcomes and latencies recorded on finish, engine gauges read at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from inferplane.worker.engine import StepOutput
+from inferplane.worker.metrics import WorkerMetrics
+
+
+def _finished(reason: str, ttft: float = 0.1, latency: float = 0.5, tokens: int = 5) -> StepOutput:
+    return StepOutput("r", [], [], "", True, reason, num_prompt_tokens=7, num_output_tokens=tokens,
+                      ttft=ttft, latency=latency)
+
+
+def test_outcomes_latencies_and_engine_gauges_are_exported():
+    stats = {"num_running": 3, "num_waiting": 2, "blocks_used": 40, "blocks_total": 100, "preemptions": 4,
+             "prefix_query_tokens": 90, "prefix_hit_tokens": 30}
+    metrics = WorkerMetrics("m", "radix", lambda: stats)
+    metrics.observe_finished(_finished("length"))
+    metrics.observe_finished(_finished("abort", tokens=1))
+    metrics.observe_finished(_finished("error", tokens=0))
+    text = generate_latest(metrics.registry).decode()
+    labels = 'model="m",outcome="{}",runtime="radix"'
+    assert f'inferplane_worker_requests_total{{finish_reason="length",{labels.format("ok")}}} 1.0' in text
+    assert f'inferplane_worker_requests_total{{finish_reason="abort",{labels.format("cancelled")}}} 1.0' in text
+    assert f'inferplane_worker_requests_total{{finish_reason="error",{labels.format("error")}}} 1.0' in text
+    assert 'inferplane_worker_time_to_first_token_seconds_count{model="m",runtime="radix"} 3.0' in text
+    # (0.5 - 0.1) / (5 - 1) = 0.1 s per output token after the first, observed once (1-token requests skip it)
+    assert 'inferplane_worker_time_per_output_token_seconds_sum{model="m",runtime="radix"} 0.1' in text
+    assert 'inferplane_worker_prompt_tokens_total{model="m",runtime="radix"} 21.0' in text
+    assert 'inferplane_worker_kv_blocks_used{model="m",runtime="radix"} 40.0' in text
+    assert 'inferplane_worker_preemptions_total{model="m",runtime="radix"} 4.0' in text
+    stats["blocks_used"] = 10  # read at scrape time, not copied at start
+    scraped = generate_latest(metrics.registry).decode()
+    assert 'inferplane_worker_kv_blocks_used{model="m",runtime="radix"} 10.0' in scraped
