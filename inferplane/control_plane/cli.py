@@ -1,0 +1,244 @@
+"""`inferplane gateway`: the control plane in a cluster.
+
+Runs the gateway (REST + optional tenant gRPC) and keeps its routes and model catalog in step with
+the cluster's InferenceDeployments (``gateway.kube_sync``) until SIGTERM or SIGINT. The Helm chart
+starts it as ``inferplane gateway --host=0.0.0.0 --port=8000`` with ``$INFERPLANE_DATABASE_URL``
+and ``$INFERPLANE_NAMESPACE`` set, so every option also reads an environment variable: secrets come
+from mounted files or env, never from the command line (visible in ``ps``).
+
+configure() stays import-light (argparse only): the top-level CLI calls it to build --help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ENV_DATABASE_URL = "INFERPLANE_DATABASE_URL"  # what the Helm chart sets
+ENV_DB_URL = "INFERPLANE_DB_URL"  # what the other CLI commands read
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+class UsageError(Exception):
+    """A bad option or unreadable secret file: reported as one line and exit status 2."""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Numeric defaults stay strings: argparse converts them only when `gateway` runs, so a malformed
+    variable is reported there instead of breaking `inferplane --help` for every subcommand."""
+    env = os.environ.get
+    parser.add_argument("--host", default=env("INFERPLANE_HOST", "127.0.0.1"),
+                        help="REST listen address (default: $INFERPLANE_HOST, else %(default)s)")
+    parser.add_argument("--port", type=int, default=env("INFERPLANE_PORT", "8000"),
+                        help="REST port (default: $INFERPLANE_PORT, else %(default)s)")
+    parser.add_argument("--grpc-port", type=int, default=env("INFERPLANE_GRPC_PORT", "0"),
+                        help="tenant gRPC API port; 0 disables it (default: $INFERPLANE_GRPC_PORT, else 0)")
+    parser.add_argument("--db-url", default=None,
+                        help=f"database URL (default: ${ENV_DATABASE_URL}, else ${ENV_DB_URL}, "
+                             "else sqlite:///<home>/inferplane.db)")
+    parser.add_argument("--home", default=env("INFERPLANE_HOME", str(Path.home() / ".inferplane")),
+                        help="state folder for the SQLite fallback (default: $INFERPLANE_HOME, else ~/.inferplane)")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
+                       help="read InferenceDeployments in this namespace (repeatable; default: "
+                            "$INFERPLANE_NAMESPACE (comma-separated), else the pod's namespace, else 'default')")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="read InferenceDeployments cluster-wide")
+    parser.add_argument("--kubeconfig", default=None,
+                        help="kubeconfig to use outside a cluster (default: in-cluster, else $KUBECONFIG, "
+                             "else ~/.kube/config)")
+    parser.add_argument("--context", default=None, help="kubeconfig context (default: its current context)")
+    parser.add_argument("--bootstrap-key-file", default=env("INFERPLANE_BOOTSTRAP_KEY_FILE"),
+                        help="file holding the bootstrap admin key (default: $INFERPLANE_BOOTSTRAP_KEY_FILE; "
+                             "$INFERPLANE_BOOTSTRAP_KEY gives the key itself)")
+    jwt = parser.add_argument_group("admin JWTs (off unless an algorithm and a key are given)")
+    jwt.add_argument("--jwt-algorithm", default=env("INFERPLANE_JWT_ALGORITHM"), choices=["HS256", "RS256"],
+                     help="default: $INFERPLANE_JWT_ALGORITHM")
+    jwt.add_argument("--jwt-key-file", default=env("INFERPLANE_JWT_KEY_FILE"),
+                     help="the HS256 secret or the RS256 public key (PEM) (default: $INFERPLANE_JWT_KEY_FILE; "
+                          "$INFERPLANE_JWT_KEY gives the key itself)")
+    jwt.add_argument("--jwt-audience", default=env("INFERPLANE_JWT_AUDIENCE", "inferplane-admin"),
+                     help="required 'aud' claim (default: $INFERPLANE_JWT_AUDIENCE, else %(default)s)")
+    parser.add_argument("--salt-secret-file", default=env("INFERPLANE_SALT_SECRET_FILE"),
+                        help="secret keying tenants' prefix-cache salts; every gateway replica needs the same one "
+                             "(hex, or any text) (default: $INFERPLANE_SALT_SECRET_FILE; $INFERPLANE_SALT_SECRET "
+                             "gives it directly; unset: random per process)")
+    parser.add_argument("--resync-interval", type=float, default=env("INFERPLANE_RESYNC_INTERVAL", "5"),
+                        help="seconds between listings of InferenceDeployments (default: %(default)s)")
+    parser.add_argument("--endpoint-interval", type=float, default=env("INFERPLANE_ENDPOINT_INTERVAL", "2"),
+                        help="seconds between listings of each deployment's EndpointSlices (default: %(default)s)")
+    parser.add_argument("--verbose", "-v", action="store_true")
+
+
+# ---- options -> settings (pure but for reading the files named) -----------------------------------
+
+
+def _read_secret(path: str | None, env_name: str, what: str) -> str | None:
+    """The secret in ``path`` (stripped), else ``$env_name``, else None."""
+    if path:
+        try:
+            value = Path(path).read_text().strip()
+        except OSError as exc:
+            raise UsageError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from exc
+        if not value:
+            raise UsageError(f"the {what} file {path} is empty")
+        return value
+    return os.environ.get(env_name) or None
+
+
+def _salt(text: str | None) -> bytes:
+    """Hex (what `inferplane up` writes) decodes to bytes; anything else is used as UTF-8 text."""
+    if not text:
+        return b""
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        return text.encode()
+
+
+def db_url(args: argparse.Namespace) -> str:
+    if args.db_url:
+        return args.db_url
+    for name in (ENV_DATABASE_URL, ENV_DB_URL):
+        if os.environ.get(name):
+            return os.environ[name]
+    return f"sqlite:///{Path(args.home).expanduser() / 'inferplane.db'}"
+
+
+def namespaces(args: argparse.Namespace, service_account_file: str = SERVICE_ACCOUNT_NAMESPACE) -> list[str] | None:
+    """None means every namespace. Flags win, then $INFERPLANE_NAMESPACE, then the pod's own namespace."""
+    if args.all_namespaces:
+        return None
+    if args.namespace:
+        return [ns for value in args.namespace for ns in value.split(",") if ns]
+    from_env = [ns for ns in os.environ.get("INFERPLANE_NAMESPACE", "").split(",") if ns]
+    if from_env:
+        return from_env
+    try:
+        own = Path(service_account_file).read_text().strip()
+    except OSError:
+        own = ""
+    return [own or "default"]
+
+
+def gateway_settings(args: argparse.Namespace) -> Any:
+    """GatewaySettings from the options; raises UsageError naming what is wrong."""
+    from inferplane.control_plane.gateway.server import GatewaySettings
+
+    jwt_key = _read_secret(args.jwt_key_file, "INFERPLANE_JWT_KEY", "JWT key")
+    if bool(args.jwt_algorithm) != bool(jwt_key):
+        raise UsageError("JWTs need both --jwt-algorithm and a key (--jwt-key-file or $INFERPLANE_JWT_KEY)")
+    if jwt_key:
+        from inferplane.control_plane.errors import InvalidInput
+        from inferplane.control_plane.tokens import JWTSettings
+
+        try:  # checked here so that a weak or wrong key is a usage error, not a start-up traceback
+            JWTSettings(algorithm=args.jwt_algorithm, key=jwt_key, audience=args.jwt_audience)
+        except InvalidInput as exc:
+            raise UsageError(f"JWT key: {exc}") from exc
+    if not 0 < args.port < 65536 or not 0 <= args.grpc_port < 65536:
+        raise UsageError("--port must be 1..65535 and --grpc-port 0..65535")
+    if args.resync_interval <= 0 or args.endpoint_interval <= 0:
+        raise UsageError("--resync-interval and --endpoint-interval must be positive")
+    return GatewaySettings(
+        db_url=db_url(args), host=args.host, port=args.port, grpc_port=args.grpc_port or None,
+        bootstrap_key=_read_secret(args.bootstrap_key_file, "INFERPLANE_BOOTSTRAP_KEY", "bootstrap key"),
+        jwt_algorithm=args.jwt_algorithm, jwt_key=jwt_key, jwt_audience=args.jwt_audience,
+        salt_secret=_salt(_read_secret(args.salt_secret_file, "INFERPLANE_SALT_SECRET", "salt secret")))
+
+
+# ---- running ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    settings: Any
+    namespaces: list[str] | None
+    api_client: Any
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on, checked up front: uvicorn reports a taken port by
+    exiting the whole process from inside its task (status 3), past every cleanup."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, address = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
+
+
+async def _serve(args: argparse.Namespace, plan: _Plan) -> int:
+    import asyncio
+    import signal
+
+    from inferplane.control_plane.gateway.kube_sync import KubernetesCatalogSync
+    from inferplane.control_plane.gateway.server import Gateway
+
+    problem = _port_problem(args.host, args.port) or (
+        _port_problem(args.host, plan.settings.grpc_port) if plan.settings.grpc_port else None)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        plan.api_client.close()
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        gateway = Gateway(plan.settings)
+    except Exception as exc:  # a bad URL, an unreachable database, a failed migration: one line, not a traceback
+        print(f"error: cannot start the gateway (database {plan.settings.db_url.split('@')[-1]}): "
+              f"{' '.join(str(exc).split())[:300]}", file=sys.stderr)
+        plan.api_client.close()
+        return 1
+    sync = KubernetesCatalogSync.from_api_client(
+        plan.api_client, gateway.router, gateway.catalog, gateway.channels, namespaces=plan.namespaces,
+        resync_interval=args.resync_interval, endpoint_interval=args.endpoint_interval)
+    try:
+        await gateway.start()
+        sync.start()
+        scope = "all namespaces" if plan.namespaces is None else "namespace(s) " + ", ".join(plan.namespaces)
+        grpc_note = f" and gRPC :{plan.settings.grpc_port}" if plan.settings.grpc_port else ""
+        print(f"gateway listening on http://{args.host}:{args.port}{grpc_note}; routing InferenceDeployments "
+              f"in {scope}", flush=True)
+        await stop.wait()
+        print("stopping ...", flush=True)
+        return 0
+    finally:
+        await sync.stop()
+        await gateway.stop()
+        plan.api_client.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from inferplane.control_plane.gateway.kube_sync import KubeConfigError, load_api_client
+
+    try:
+        settings = gateway_settings(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not settings.salt_secret:
+        logging.getLogger("inferplane.gateway").warning(
+            "no salt secret (--salt-secret-file / $INFERPLANE_SALT_SECRET): prefix affinity will differ between "
+            "gateway replicas")
+    try:
+        api_client = load_api_client(args.kubeconfig, args.context)
+    except KubeConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return asyncio.run(_serve(args, _Plan(settings, namespaces(args), api_client)))
