@@ -12,16 +12,38 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferplane.control_plane.errors import ControlPlaneError, RateLimited
-from inferplane.control_plane.routing import NoReplicaAvailable, RoutingError, UnknownModel
+from inferplane.control_plane.routing import NoReplicaAvailable, RoutingError, StreamBrokenAfterStart, UnknownModel
 
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
           422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """The body of every error response; documented in the OpenAPI schema for 4XX and 5XX so that
+    clients generated from it (and schemathesis) expect what the gateway really sends, not
+    FastAPI's default `{"detail": [...]}` validation error."""
+
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict] = {
+    "4XX": {"model": ErrorBody, "description": "OpenAI-style error (invalid request, key, model, limits)"},
+    "5XX": {"model": ErrorBody, "description": "OpenAI-style error (no replica available, replica failed)"},
+}
 
 
 class GatewayError(Exception):
@@ -56,6 +78,8 @@ def as_error(exc: BaseException) -> tuple[int, str, str | None, dict[str, str] |
         return 404, str(exc), "model_not_found", None
     if isinstance(exc, NoReplicaAvailable):
         return 503, str(exc), "no_replica_available", {"Retry-After": "1"}
+    if isinstance(exc, StreamBrokenAfterStart):  # a replica died mid-answer: its fault, not a gateway bug
+        return 503, f"the model replica failed mid-response; the output is incomplete ({exc})", "upstream_error", None
     log.exception("unexpected error on the request path", exc_info=exc)
     return 500, "internal error", "internal_error", None
 

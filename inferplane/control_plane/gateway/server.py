@@ -76,8 +76,10 @@ class Gateway:
         self.quota.start()
         poller = HealthPoller(self.router.health, self.router.addresses)
         self._tasks.append(asyncio.create_task(poller.run(self.settings.health_poll_interval)))
+        # access_log=False: the access logger sits below log_level anyway, but uvicorn would still
+        # format the client address and path of every request before finding that out.
         config = uvicorn.Config(self.app, host=self.settings.host, port=self.settings.port, log_level="warning",
-                                lifespan="off", timeout_graceful_shutdown=5)
+                                lifespan="off", timeout_graceful_shutdown=5, access_log=False)
         self._http = uvicorn.Server(config)
         self._http.install_signal_handlers = lambda: None  # the caller owns Ctrl-C
         self._tasks.append(asyncio.create_task(self._http.serve()))

@@ -1,0 +1,176 @@
+"""Worker and gateway processes for the gateway benchmark and end-to-end tests.
+
+The gateway runs in its own process (``python -m inferplane.bench.gateway_harness serve ...``) so
+that a load generator, the gateway and the worker each have their own event loop and interpreter
+lock: measured in one process, the client's work would be billed to the gateway. The serving
+process creates a tenant and an API key in a throwaway SQLite database, routes one served model
+to the given worker addresses (one deployment, so a dead replica's requests move to a sibling),
+publishes the model with the tokenizer the first worker reports, and prints one JSON line with the
+key and ports. SIGTERM or SIGINT stops it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVED_MODEL = "tiny"
+TENANT = "bench"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_worker(model: str, port: int, *extra: str, log_path: str | None = None) -> subprocess.Popen:
+    """`inferplane worker` on 127.0.0.1:port with the CPU paged runtime; output goes to log_path."""
+    cmd = [sys.executable, "-m", "inferplane.cli", "worker", "--model", model, "--runtime", "paged",
+           "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", *extra]
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (the child owns it)
+    try:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    finally:
+        if log_path:
+            out.close()
+
+
+def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: float = 180.0) -> None:
+    """Blocks until the worker's grpc.health.v1 check answers SERVING (the model is loaded)."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"worker {address} exited with {proc.returncode} before it was ready")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"worker {address} was not SERVING within {timeout:.0f} s")
+
+
+@dataclass
+class GatewayProcess:
+    proc: subprocess.Popen
+    key: str
+    port: int
+    grpc_port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def start_gateway(workers: list[str], *, log_path: str | None = None, timeout: float = 120.0,
+                  extra: tuple[str, ...] = ()) -> GatewayProcess:
+    """Starts `serve` in a child process and waits for its JSON line (key and ports)."""
+    port, grpc_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "inferplane.bench.gateway_harness", "serve", "--port", str(port),
+           "--grpc-port", str(grpc_port), *extra]
+    for address in workers:
+        cmd += ["--worker", address]
+    err = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    finally:
+        if log_path:
+            err.close()
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"gateway exited with {proc.wait()} before it was ready (log: {log_path})")
+        if line.startswith("{"):
+            ready = json.loads(line)
+            return GatewayProcess(proc, ready["key"], ready["port"], ready["grpc_port"])
+    proc.kill()
+    raise TimeoutError("gateway not ready in time")
+
+
+# -- the serving process ---------------------------------------------------------------------------
+
+def _create_key(gateway) -> str:
+    from inferplane.control_plane import auth, tenants
+
+    with gateway.sessions.begin() as session:
+        tenants.create_tenant(session, TENANT, actor="bench")
+        created = auth.create_key(session, TENANT, actor="bench", scopes=auth.DEFAULT_SCOPES)
+    return created.secret
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from inferplane.control_plane.gateway.catalog import ServedModel
+    from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
+    from inferplane.control_plane.routing import Deployment, StaticEndpointSource
+    from inferplane.v1 import worker_pb2
+    from inferplane.worker.model.tokenizer import TextTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="inferplane-gw-") as home:
+        settings = GatewaySettings(db_url=f"sqlite:///{home}/gateway.db", port=args.port, grpc_port=args.grpc_port,
+                                   health_poll_interval=args.health_poll_interval)
+        gateway = Gateway(settings)
+        key = _create_key(gateway)  # before start(): the key cache loads it on its first refresh
+        await gateway.start()
+        try:
+            info = await gateway.channels.stub(args.worker[0]).Info(worker_pb2.InfoRequest(), timeout=30)
+            deployment = Deployment(args.served_model_name, StaticEndpointSource(args.worker),
+                                    block_size=info.block_size, max_outstanding=args.max_outstanding)
+            gateway.router.set_route(args.served_model_name, [deployment])
+            gateway.catalog.put(ServedModel(name=args.served_model_name, tokenizer=TextTokenizer.from_wire(info),
+                                            max_model_len=info.max_model_len, cache_isolation="shared"))
+            print(json.dumps({"key": key, "port": args.port, "grpc_port": args.grpc_port}), flush=True)
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            await stop.wait()
+        finally:
+            await gateway.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m inferplane.bench.gateway_harness")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run a gateway for the given workers; print {key, port, grpc_port}")
+    serve.add_argument("--worker", action="append", required=True, help="host:port of a worker (repeatable)")
+    serve.add_argument("--port", type=int, required=True)
+    serve.add_argument("--grpc-port", type=int, required=True)
+    serve.add_argument("--served-model-name", default=SERVED_MODEL)
+    serve.add_argument("--max-outstanding", type=int, default=1024, help="per replica before it counts as full")
+    serve.add_argument("--health-poll-interval", type=float, default=2.0)
+    args = parser.parse_args(argv)
+    return asyncio.run(_serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

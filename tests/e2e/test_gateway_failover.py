@@ -1,0 +1,165 @@
+"""Failover: one of two replicas is SIGKILLed while requests stream through it and queue on it.
+
+Two tiny-model workers (each running at most 2 sequences, so the rest wait in its queue) serve one
+model behind a gateway process. Once at least three streams are in flight at the client (so at
+least one runs on the worker to be killed) and that worker reports queued requests, it is frozen
+(SIGSTOP), the set of started responses is taken, and it is killed (SIGKILL).
+Then:
+  * every request whose response had not started when the worker died completes, in full, on the
+    other replica: nothing is lost, whether it was queued on the dead worker or sent afterwards;
+  * a stream that had started on the dead worker ends with one SSE error event and the connection
+    closes (no hang, no [DONE]); streams on the survivor are untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import pytest
+
+from inferplane.bench.gateway_harness import SERVED_MODEL, free_port, start_gateway, start_worker, wait_serving
+from inferplane.bench.tiny_model import make_tiny_model
+from inferplane.v1 import worker_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 160
+STREAMS = 14
+AFTER_KILL = 6
+
+
+@dataclass
+class Stream:
+    index: int
+    status: int | None = None
+    started: bool = False   # response headers arrived: the gateway had the first token
+    finished: bool = False  # the client has read the whole response
+    done: bool = False      # saw "data: [DONE]"
+    error: dict | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+
+
+async def _stream(client: httpx.AsyncClient, s: Stream, key: str) -> None:
+    body = {"model": SERVED_MODEL, "prompt": f"request number {s.index}: tell me a story", "max_tokens": MAX_TOKENS,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with client.stream("POST", "/v1/completions", json=body,
+                                 headers={"Authorization": f"Bearer {key}"}) as response:
+            s.status, s.started = response.status_code, True
+            if response.status_code != 200:
+                s.error = json.loads(await response.aread())
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line.removeprefix("data: ")
+                if data == "[DONE]":
+                    s.done = True
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    s.error = event
+                    continue
+                for choice in event["choices"]:
+                    s.text += choice["text"]
+                    s.finish_reason = choice["finish_reason"] or s.finish_reason
+                if event.get("usage"):
+                    s.completion_tokens = event["usage"]["completion_tokens"]
+    finally:
+        s.finished = True
+
+
+@pytest.fixture
+def two_replicas(tmp_path_factory):
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+    logs = tmp_path_factory.mktemp("logs")
+    ports = [free_port(), free_port()]
+    workers = [start_worker(model, p, "--max-model-len", "256", "--max-num-seqs", "2",
+                            log_path=str(logs / f"worker-{i}.log")) for i, p in enumerate(ports)]
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    gateway = None
+    try:
+        for address, worker in zip(addresses, workers, strict=True):
+            wait_serving(address, worker)
+        gateway = start_gateway(addresses, log_path=str(logs / "gateway.log"),
+                                extra=("--health-poll-interval", "0.5"))
+        yield gateway, workers, addresses
+    finally:
+        if gateway is not None:
+            assert gateway.stop() == 0
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+    log = (logs / "gateway.log").read_text()
+    assert "Traceback" not in log, log
+
+
+async def _waiting(stub) -> float:
+    stats = await stub.Stats(worker_pb2.StatsRequest(), timeout=2)
+    return stats.values.get("num_waiting", 0.0)
+
+
+async def _scenario(gateway, victim_proc, victim_address) -> tuple[list[Stream], set[int], list[Stream]]:
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with (httpx.AsyncClient(base_url=gateway.base_url, timeout=httpx.Timeout(60), limits=limits) as client,
+                grpc.aio.insecure_channel(victim_address) as channel):
+        victim = worker_pb2_grpc.WorkerStub(channel)
+        streams = [Stream(i) for i in range(STREAMS)]
+        tasks = [asyncio.create_task(_stream(client, s, gateway.key)) for s in streams]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while True:  # >= 3 in flight with 2 slots per worker: one of them runs on the victim
+            in_flight = [s for s in streams if s.started and not s.finished]
+            if len(in_flight) >= 3 and await _waiting(victim) >= 1:
+                break
+            assert loop.time() < deadline, f"never saw the victim busy: {streams}"
+            assert not all(s.finished for s in streams), "every stream finished before the kill"
+            await asyncio.sleep(0.01)
+        # Freeze the victim first, so that the responses it already started reach the client before
+        # the snapshot: a frozen worker starts nothing new, which makes "had started" exact.
+        victim_proc.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(0.5)
+        started_at_kill = {s.index for s in streams if s.started}
+        victim_proc.send_signal(signal.SIGKILL)
+        late = [Stream(STREAMS + i) for i in range(AFTER_KILL)]
+        tasks += [asyncio.create_task(_stream(client, s, gateway.key)) for s in late]
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)  # a hung stream fails here
+        return streams, started_at_kill, late
+
+
+def _complete(s: Stream) -> bool:
+    return (s.status == 200 and s.done and s.error is None and s.finish_reason == "length"
+            and s.completion_tokens == MAX_TOKENS and len(s.text) == MAX_TOKENS)
+
+
+def test_killing_a_replica_loses_no_request_that_had_not_started(two_replicas):
+    gateway, workers, addresses = two_replicas
+    streams, started_at_kill, late = asyncio.run(_scenario(gateway, workers[0], addresses[0]))
+
+    not_started = [s for s in streams if s.index not in started_at_kill]
+    assert not_started, "nothing was queued when the worker died"
+    for s in not_started + late:
+        assert _complete(s), f"request {s.index} had not started, yet did not complete: {s}"
+
+    broken = [s for s in streams if s.error is not None]
+    assert broken, "no stream was running on the killed worker"
+    for s in broken:
+        assert s.index in started_at_kill, s
+        assert s.status == 200 and not s.done, s
+        assert s.error["error"]["code"] == "upstream_error", s
+        assert 0 < len(s.text) < MAX_TOKENS, s
+    for s in streams:
+        assert _complete(s) or s in broken, s
+
+    # The gateway keeps serving on the survivor (the dead replica is ejected, not retried forever).
+    reply = httpx.post(f"{gateway.base_url}/v1/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {gateway.key}"},
+                       json={"model": SERVED_MODEL, "prompt": "after", "max_tokens": 3})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
