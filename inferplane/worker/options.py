@@ -43,6 +43,8 @@ class EngineOptions:
     cache_isolation: str = "tenant"  # radix: "shared" lets every salt share one namespace
     kv_manager: str | None = None  # cpu-int8: "paged" or "radix" (default radix)
     skip_quality_gate: bool = False  # cpu-int8: serve even if the int8 quality gate fails
+    quantize_head: bool = False  # cpu-int8: int8 output head too (embeddings stay float)
+    quant_scale_multiplier: float = 1.0  # cpu-int8 test hook: != 1 stores wrong scales, the gate must fail
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineOptions:

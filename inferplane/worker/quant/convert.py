@@ -1,0 +1,223 @@
+"""Turning a loaded float32 model into the cpu-int8 runtime's model, in place, behind the quality gate.
+
+`quantize_loaded_model` is what `runtimes.prepare_weights` calls for runtime "cpu-int8": it scores a
+short slice of the evaluation text with the float32 model, swaps every linear layer for an
+`Int8Linear` (from GGUF Q8_0 blocks where the file has them), scores the slice again, and raises
+`QualityGateFailed` when perplexity rose past the threshold, so a worker never serves a model that
+quantization broke. Embeddings and the output head stay float32 unless `quantize_head` is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from inferplane.worker.quant import gate
+from inferplane.worker.quant.dispatch import calibrate, default_min_rows
+from inferplane.worker.quant.int8_linear import Int8Dispatch, Int8Linear, quantize_per_channel
+from inferplane.worker.quant.smooth import (
+    CALIBRATION_TOKENS,
+    DEFAULT_ALPHA,
+    SMOOTHED_SUFFIXES,
+    input_absmax,
+    load_calibration_text,
+    smooth_llama,
+)
+
+
+class QualityGateFailed(Exception):
+    """The int8 model's perplexity rose past the threshold on the evaluation slice."""
+
+
+@dataclass
+class ConversionReport:
+    layers: list[Int8Linear] = field(default_factory=list)
+    dispatch: Int8Dispatch = field(default_factory=Int8Dispatch)
+    source_layers: int = 0  # nn.Linear layers converted (fused ones count each)
+    from_q8_0: int = 0  # of those, built directly from GGUF Q8_0 blocks
+    float_bytes: int = 0  # what the converted layers took as float32
+
+    @property
+    def int8_bytes(self) -> int:
+        return sum(layer.weight_bytes() for layer in self.layers)
+
+
+@dataclass
+class _Group:
+    """Linear layers that read the same input and become one Int8Linear (or a single layer)."""
+
+    parent: nn.Module
+    attr: str  # where the int8 layer goes
+    members: list[tuple[str, str, nn.Linear]]  # (qualified name, attribute on parent, layer)
+
+
+_FUSED = (
+    ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    ("mlp", "gate_up_proj", ("gate_proj", "up_proj")),
+)
+
+
+def _groups(model: nn.Module, quantize_head: bool, fuse: bool) -> list[_Group]:
+    fused: set[str] = set()
+    groups: list[_Group] = []
+    if fuse and _is_llama_shaped(model):
+        for i, layer in enumerate(model.model.layers):
+            for owner, attr, names in _FUSED:
+                parent = getattr(layer, owner)
+                linears = [getattr(parent, n, None) for n in names]
+                if not hasattr(parent, attr) or not all(isinstance(m, nn.Linear) for m in linears):
+                    continue
+                members = [(f"model.layers.{i}.{owner}.{n}", n, getattr(parent, n)) for n in names]
+                groups.append(_Group(parent, attr, members))
+                fused.update(m[0] for m in members)
+    for parent_name, parent in model.named_modules():
+        for attr, child in parent.named_children():
+            name = f"{parent_name}.{attr}" if parent_name else attr
+            if not isinstance(child, nn.Linear) or name in fused or (name == "lm_head" and not quantize_head):
+                continue
+            groups.append(_Group(parent, attr, [(name, attr, child)]))
+    return groups
+
+
+def _weight_name(model: nn.Module, layer_name: str) -> str:
+    """The checkpoint name of a layer's weight; a tied head reads the embedding's."""
+    if layer_name == "lm_head" and getattr(model.config, "tie_word_embeddings", False):
+        return "model.embed_tokens.weight"
+    return f"{layer_name}.weight"
+
+
+def _is_llama_shaped(model: nn.Module) -> bool:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return bool(layers) and all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers)
+
+
+def convert_model(model: nn.Module, *, quantize_head: bool = False, scale_multiplier: float = 1.0,
+                  gguf_path: str | None = None, calibration_ids: list[int] | None = None,
+                  smooth_alpha: float | None = DEFAULT_ALPHA, fuse: bool = True,
+                  measure_dispatch: bool = True) -> ConversionReport:
+    """Replaces the model's linear layers with Int8Linear in place.
+
+    With `calibration_ids`, activation outliers are first folded into the weights (smooth.py). With
+    `fuse`, q/k/v and gate/up become one layer each: per-row quantization makes that exactly the
+    same int8 as separate layers, with three matmuls and input quantizations fewer per decoder layer.
+    `scale_multiplier` != 1 stores deliberately wrong scales: a test hook proving the gate can fail.
+    """
+    smoothed = False
+    if calibration_ids and smooth_alpha and _is_llama_shaped(model):
+        smooth_llama(model, input_absmax(model, calibration_ids), smooth_alpha)
+        smoothed = True
+    groups = _groups(model, quantize_head, fuse)
+    from_blocks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if gguf_path is not None and gguf_path.endswith(".gguf"):
+        from inferplane.worker.quant.gguf_q8 import load_q8_0_linears
+
+        # A smoothed layer's weights are no longer the file's, so only untouched ones can reuse blocks.
+        wanted = {_weight_name(model, name) for g in groups for name, _, _ in g.members
+                  if not (smoothed and name.endswith(SMOOTHED_SUFFIXES))}
+        from_blocks = load_q8_0_linears(gguf_path, model.config, wanted, scale_multiplier)
+    report = ConversionReport(dispatch=Int8Dispatch(default_min_rows()))
+    for group in groups:
+        qs, scales, biases = [], [], []
+        for name, _, linear in group.members:
+            report.float_bytes += linear.weight.numel() * 4
+            report.source_layers += 1
+            blocks = from_blocks.get(_weight_name(model, name))
+            if blocks is not None:
+                report.from_q8_0 += 1
+                q, scale = blocks
+            else:
+                q, scale = quantize_per_channel(linear.weight, scale_multiplier)
+            qs.append(q)
+            scales.append(scale)
+            biases.append(linear.bias)
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.detach().float() if b is not None else torch.zeros(len(q))
+                              for b, q in zip(biases, qs, strict=True)])
+        layer = Int8Linear(torch.cat(qs), torch.cat(scales), bias, report.dispatch)
+        for _, attr, _ in group.members:
+            delattr(group.parent, attr)
+        setattr(group.parent, group.attr, layer)
+        report.layers.append(layer)
+    if measure_dispatch:
+        calibrate(report.layers, report.dispatch)
+    return report
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Parameters and persistent buffers, each tensor counted once (a tied head is the embedding)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + [b for _, b in model.named_buffers()]:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def calibration_tokens(loaded) -> list[int]:
+    """The calibration text's tokens; without a tokenizer, fixed pseudo-random ids (the channels
+    that carry outliers in these models do so for almost any input)."""
+    if loaded.tokenizer is not None:
+        return loaded.tokenizer.encode(load_calibration_text())[:CALIBRATION_TOKENS]
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, loaded.config.vocab_size, (256,), generator=gen).tolist()
+
+
+def _check_device(loaded) -> None:
+    param = next(loaded.model.parameters())
+    if param.device.type != "cpu":
+        raise ValueError(f"runtime cpu-int8 runs on the CPU, but the model was loaded on {param.device}; "
+                         "pass device='cpu' (or --device cpu)")
+    if param.dtype != torch.float32:
+        raise ValueError(f"runtime cpu-int8 keeps activations in float32, got dtype {param.dtype}; "
+                         "pass dtype='float32' or leave it unset")
+
+
+def quantize_loaded_model(loaded, options) -> dict[str, float]:
+    """Converts `loaded.model` in place; returns figures for Stats and metrics. Raises
+    QualityGateFailed unless the gate passes or `options.skip_quality_gate` is set."""
+    _check_device(loaded)
+    model = loaded.model
+    skip = bool(getattr(options, "skip_quality_gate", False))
+    quantize_head = bool(getattr(options, "quantize_head", False))
+    multiplier = float(getattr(options, "quant_scale_multiplier", 1.0))
+    bytes_before = model_bytes(model)
+
+    slice_ids: list[int] = []
+    reference: torch.Tensor | None = None
+    if not skip:
+        if loaded.tokenizer is None:
+            raise ValueError(f"{loaded.name}: the int8 quality gate needs the model's tokenizer to read its "
+                             "evaluation text; start with --skip-quality-gate to serve without the gate")
+        slice_ids = gate.eval_tokens(loaded.tokenizer, gate.STARTUP_TOKENS)
+        reference = gate.sequence_logits(model, slice_ids)
+
+    report = convert_model(model, quantize_head=quantize_head, scale_multiplier=multiplier,
+                           gguf_path=loaded.path, calibration_ids=calibration_tokens(loaded))
+    figures: dict[str, float] = {
+        "weight_bytes_int8": float(report.int8_bytes),
+        "weight_bytes_float32": float(report.float_bytes),
+        "weight_bytes_ratio": report.int8_bytes / max(report.float_bytes, 1),
+        "model_bytes_float32": float(bytes_before),
+        "model_bytes_int8": float(model_bytes(model)),
+        "int8_layers": float(len(report.layers)),
+        "int8_layers_from_q8_0": float(report.from_q8_0),
+        "gate_skipped": 1.0 if skip else 0.0,
+    }
+    if skip:
+        return figures
+    acc = gate.GateAccumulator()
+    acc.add(reference, gate.sequence_logits(model, slice_ids), slice_ids)
+    result = acc.result(gate.DEFAULT_THRESHOLD_PCT)
+    figures.update(result.figures())
+    if not result.passed:
+        raise QualityGateFailed(
+            f"int8 quality gate failed for {loaded.name}: perplexity rose {result.ppl_rise_pct:.2f}% "
+            f"(> {result.threshold_pct:.2f}%) on {result.tokens} tokens; refusing to serve "
+            "(start with --skip-quality-gate to serve anyway)"
+        )
+    return figures

@@ -1,0 +1,132 @@
+"""The quality gate: how much int8 weights change a model's predictions on a fixed text.
+
+Figures, over the same token windows for both models: perplexity of each, its relative rise, how
+often their top-1 next tokens agree, and the mean KL(float32 || int8) of the next-token
+distributions. Windows are scored independently (fresh KV cache each), so memory stays bounded
+however long the text is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from importlib import resources
+
+import torch
+import torch.nn.functional as F
+
+from inferplane.worker.attention import AttentionBatch, PagedKVCache, PrefillSegment
+
+DEFAULT_THRESHOLD_PCT = 2.0
+STARTUP_TOKENS = 256  # the slice a worker scores at start-up: a second or two on a small model
+DEFAULT_WINDOW = 512
+
+
+def load_eval_text() -> str:
+    """The evaluation text without its header (the '#' lines before the first blank line)."""
+    raw = resources.files("inferplane.worker.quant").joinpath("data/eval_text.txt").read_text("utf-8")
+    lines = raw.splitlines(keepends=True)
+    i = 0
+    while i < len(lines) and lines[i].startswith("#"):
+        i += 1
+    while i < len(lines) and not lines[i].strip():
+        i += 1
+    return "".join(lines[i:])
+
+
+def windows(token_ids: list[int], window: int) -> list[list[int]]:
+    """Non-overlapping windows of at least two tokens (one predicts the other)."""
+    out = [token_ids[i : i + window] for i in range(0, len(token_ids), window)]
+    return [w for w in out if len(w) >= 2]
+
+
+@torch.inference_mode()
+def sequence_logits(model, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Float32 logits [T, vocab] for every position of one sequence, through the model's own paged
+    forward: one prefill segment over a KV cache just big enough for it."""
+    device = next(model.parameters()).device
+    config = model.config
+    t = len(token_ids)
+    num_blocks = -(-t // block_size)
+    cache = PagedKVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
+                         next(model.parameters()).dtype, device)
+    positions = torch.arange(t, device=device)
+    batch = AttentionBatch(
+        slot_mapping=positions.clone(),
+        prefills=[PrefillSegment(start=0, length=t, context_len=t,
+                                 block_table=torch.arange(num_blocks, device=device))],
+    )
+    hidden = model(torch.tensor(token_ids, device=device), positions, cache, batch)
+    return model.compute_logits(hidden).float()
+
+
+@dataclass
+class GateResult:
+    tokens: int
+    ppl_float32: float
+    ppl_int8: float
+    ppl_rise_pct: float
+    top1_agreement: float
+    kl_mean: float
+    threshold_pct: float
+
+    @property
+    def passed(self) -> bool:
+        return self.ppl_rise_pct <= self.threshold_pct
+
+    def figures(self, prefix: str = "gate_") -> dict[str, float]:
+        return {prefix + k: float(v) for k, v in asdict(self).items()}
+
+    def summary(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        return (f"{verdict}: perplexity float32 {self.ppl_float32:.3f} -> int8 {self.ppl_int8:.3f} "
+                f"({self.ppl_rise_pct:+.2f}%, threshold {self.threshold_pct:.2f}%), top-1 agreement "
+                f"{self.top1_agreement:.2%}, mean KL {self.kl_mean:.5f} over {self.tokens} tokens")
+
+
+class GateAccumulator:
+    """Sums over windows; `add` takes both models' logits for one window."""
+
+    def __init__(self) -> None:
+        self.nll_ref = 0.0
+        self.nll_cand = 0.0
+        self.agree = 0
+        self.kl = 0.0
+        self.count = 0
+
+    def add(self, ref_logits: torch.Tensor, cand_logits: torch.Tensor, token_ids: list[int]) -> None:
+        targets = torch.tensor(token_ids[1:], device=ref_logits.device)
+        ref = F.log_softmax(ref_logits[:-1].float(), dim=-1)
+        cand = F.log_softmax(cand_logits[:-1].float(), dim=-1)
+        rows = torch.arange(len(targets), device=ref.device)
+        self.nll_ref -= float(ref[rows, targets].sum(dtype=torch.float64))
+        self.nll_cand -= float(cand[rows, targets].sum(dtype=torch.float64))
+        self.agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
+        self.kl += float((ref.exp() * (ref - cand)).sum(dtype=torch.float64))
+        self.count += len(targets)
+
+    def result(self, threshold_pct: float = DEFAULT_THRESHOLD_PCT) -> GateResult:
+        if not self.count:
+            raise ValueError("quality gate: no tokens were scored")
+        ppl_ref = math.exp(self.nll_ref / self.count)
+        ppl_cand = math.exp(self.nll_cand / self.count)
+        return GateResult(tokens=self.count, ppl_float32=ppl_ref, ppl_int8=ppl_cand,
+                          ppl_rise_pct=100.0 * (ppl_cand / ppl_ref - 1.0),
+                          top1_agreement=self.agree / self.count, kl_mean=self.kl / self.count,
+                          threshold_pct=threshold_pct)
+
+
+def eval_tokens(tokenizer, max_tokens: int | None = None) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("quality gate: the model has no tokenizer to encode the evaluation text")
+    ids = tokenizer.encode(load_eval_text())
+    return ids[:max_tokens] if max_tokens else ids
+
+
+def compare_models(reference, candidate, token_ids: list[int], window: int = DEFAULT_WINDOW,
+                   threshold_pct: float = DEFAULT_THRESHOLD_PCT) -> GateResult:
+    """Both models in memory: each window is run through one, then the other."""
+    acc = GateAccumulator()
+    for ids in windows(token_ids, window):
+        acc.add(sequence_logits(reference, ids), sequence_logits(candidate, ids), ids)
+    return acc.result(threshold_pct)

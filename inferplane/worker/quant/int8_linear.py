@@ -1,0 +1,139 @@
+"""An int8 linear layer for the CPU: symmetric per-output-channel int8 weights, two kernels.
+
+- dynamic: each row (token) of the input is quantized to int8 with its own scale, then
+  `torch._int_mm` (int8 x int8 -> int32, VNNI on x86) does the product. It wins from a few rows on,
+  where float32 GEMM is compute-bound.
+- weight-only: `torch._weight_int8pack_mm` reads the int8 weights directly and multiplies them by the
+  input in bfloat16 (float32 accumulation). For one or two rows a GEMV is memory-bound, and this
+  kernel reads a quarter of the float32 bytes without the per-call cost of quantizing the input.
+
+Which kernel serves a given row count is a per-shape threshold held in a shared `Int8Dispatch`, set
+at start-up by a measurement (dispatch.py) or from the CPU's features. Activations stay float32
+between layers; only the inside of each product uses narrower types.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QMAX = 127  # symmetric: -127..127, so that negating a weight never overflows
+
+
+def quantize_per_channel(weight: torch.Tensor,
+                         scale_multiplier: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], float32 scale [N]) with weight ~= q * scale[:, None].
+
+    `scale_multiplier` != 1 deliberately stores wrong scales (the values are rounded with the true
+    scale, then the stored scale is multiplied): the quality gate must catch that.
+    """
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = (amax / QMAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale * scale_multiplier
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per-token) symmetric int8: x [M, K] float -> (int8 [M, K], float32 scale [M, 1])."""
+    amax = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
+    q = (x * (QMAX / amax)).round_().to(torch.int8)
+    return q, amax / QMAX
+
+
+class Int8Dispatch:
+    """Row-count thresholds per weight shape: inputs with at least `min_rows(k, n)` rows use the dynamic
+    int8 kernel, fewer rows the weight-only kernel. One instance is shared by all layers of a model so
+    that a start-up measurement configures them all at once."""
+
+    def __init__(self, default_min_rows: int = 4):
+        self.default_min_rows = default_min_rows
+        self.thresholds: dict[tuple[int, int], int] = {}
+
+    def min_rows(self, in_features: int, out_features: int) -> int:
+        return self.thresholds.get((in_features, out_features), self.default_min_rows)
+
+    def set(self, in_features: int, out_features: int, min_rows: int) -> None:
+        self.thresholds[(in_features, out_features)] = min_rows
+
+
+class Int8Linear(nn.Module):
+    """Drop-in replacement for `nn.Linear` (same call signature, float32 in and out)."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 dispatch: Int8Dispatch | None = None):
+        super().__init__()
+        if qweight.dtype != torch.int8 or qweight.dim() != 2:
+            raise ValueError(f"qweight must be a 2-D int8 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+        # The weight-only kernel wants bfloat16 scales; exact ones keep the float32 scale exact.
+        ones = torch.ones(self.out_features, dtype=torch.bfloat16)
+        self.register_buffer("unit_scale", ones, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+        self.dispatch = dispatch or Int8Dispatch()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, dispatch: Int8Dispatch | None = None,
+                    scale_multiplier: float = 1.0) -> Int8Linear:
+        q, scale = quantize_per_channel(linear.weight, scale_multiplier)
+        return cls(q, scale, linear.bias, dispatch)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.qweight.float() * self.scale[:, None]
+
+    def weight_bytes(self) -> int:
+        """Bytes this layer keeps for its weight: int8 values plus the float32 scales."""
+        return self.qweight.numel() * self.qweight.element_size() + self.scale.numel() * 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] >= self.dispatch.min_rows(self.in_features, self.out_features):
+            y = self.forward_dynamic(x2)
+        else:
+            y = self.forward_weight_only(x2)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def forward_dynamic(self, x: torch.Tensor) -> torch.Tensor:
+        xq, row_scale = quantize_rows(x.float())
+        # int32 * float32 promotes to float32: no separate conversion pass over the output.
+        y = torch._int_mm(xq, self.qweight.t()).mul(row_scale).mul_(self.scale)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def forward_weight_only(self, x: torch.Tensor) -> torch.Tensor:
+        acc = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.unit_scale)
+        y = acc.float().mul_(self.scale)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+
+
+def dynamic_error_bound(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    """Worst-case |dynamic(x) - x @ W.T| per output, W the float weight that was quantized.
+
+    y_ref - y = x.(W - Wq s) + (x - xq a).(Wq s); each weight is off by at most s/2 and each input
+    element by at most a/2 (a = row scale), so the bound is s/2 * |x|_1 + a/2 * |Wq s|_1, plus float32
+    rounding of the accumulation (tiny next to these).
+    """
+    x = x.float()
+    _, a = quantize_rows(x)
+    w_abs = layer.dequantized_weight().abs()
+    bound = (layer.scale[None, :] / 2) * x.abs().sum(1, keepdim=True) + (a / 2) * w_abs.sum(1)[None, :]
+    return bound * 1.001 + 1e-6
+
+
+def weight_only_error_bound(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    """Worst-case |weight_only(x) - x @ W.T| per output: the weight rounding s/2 * |x|_1, plus the
+    bfloat16 rounding of the input (2^-9 relative per element, through |Wq s|) and of the unscaled
+    output (2^-9 relative), each doubled for slack."""
+    x = x.float()
+    w = layer.dequantized_weight()
+    eps = 2.0**-8
+    weight_term = (layer.scale[None, :] / 2) * x.abs().sum(1, keepdim=True)
+    input_term = eps * (x.abs() @ w.abs().t())
+    output_term = eps * (x @ w.t()).abs()
+    return weight_term + input_term + output_term + 1e-6
