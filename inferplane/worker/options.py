@@ -56,7 +56,9 @@ class EngineOptions:
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            # cpu-int8 is the CPU runtime by definition, GPU or not.
+            use_cuda = torch.cuda.is_available() and self.runtime != "cpu-int8"
+            return torch.device("cuda" if use_cuda else "cpu")
         device = torch.device(self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: cuda was asked for but no CUDA device is available")

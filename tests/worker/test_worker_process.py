@@ -143,3 +143,15 @@ def test_a_missing_or_corrupt_model_exits_non_zero_with_one_line(model, tmp_path
     assert proc.returncode != 0
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "model" in errors[0].lower()
+
+
+def test_a_cpu_int8_worker_refuses_a_model_that_fails_the_quality_gate(tmp_path):
+    from inferplane.bench.tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "tiny"))
+    # Scales 1.5x too large: the start-up gate measures the damage and the worker will not serve.
+    proc, _ = start_worker(model, "--runtime", "cpu-int8", "--quant-scale-multiplier", "1.5")
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode != 0
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "perplexity" in errors[0].lower(), stderr[-2000:]
