@@ -23,14 +23,14 @@ up: install
 	$(VENV)/bin/inferplane up
 
 test: install
-	$(PY) -m ruff check inferplane tests bench
+	$(PY) -m ruff check inferplane tests
 	$(PY) -m pytest -q
 
 test-fast: install
 	$(PY) -m pytest -q -m 'not slow'
 
 lint: install
-	$(PY) -m ruff check inferplane tests bench
+	$(PY) -m ruff check inferplane tests
 
 proto: install
 	PY=$(PY) scripts/gen_proto.sh
