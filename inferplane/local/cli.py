@@ -18,6 +18,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the workers")
 
 
+def _python() -> str:
+    """The interpreter that has `openai` installed next to inferplane (the venv's, under make up)."""
+    return os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
+
+
 def _banner(platform, host: str, port: int, grpc_port: int | None) -> str:
     base = f"http://{host}:{port}"
     model = next(iter(d.served_model_name for d in platform.supervisor.deployments.values()))
@@ -37,7 +42,7 @@ def _banner(platform, host: str, port: int, grpc_port: int | None) -> str:
               f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
               f"\"max_tokens\": 32}}'",
               "",
-              f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='{key}'); "
+              f"  {_python()} -c \"from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='{key}'); "
               f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello!'}}], "
               f"max_tokens=32).choices[0].message.content)\""]
     if grpc_port:
