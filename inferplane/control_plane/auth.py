@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from inferplane.control_plane import audit
 from inferplane.control_plane.errors import Forbidden, InvalidInput, NotFound, Unauthenticated
 from inferplane.control_plane.orm import ApiKey, Tenant, utcnow
+from inferplane.control_plane.periodic import PeriodicThread
 
 log = logging.getLogger(__name__)
 
@@ -313,8 +314,8 @@ class KeyCache:
         self._last_full = float("-inf")
         self._used: dict[str, float] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = PeriodicThread("inferplane-key-cache", lambda: self.refresh_interval, self.refresh,
+                                    "API key cache refresh failed; serving the cached keys")
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -328,23 +329,11 @@ class KeyCache:
 
     def start(self) -> None:
         self.refresh(full=True)
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="inferplane-key-cache", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
+        self._loop.stop()
         self._flush_last_used()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.refresh_interval):
-            try:
-                self.refresh()
-            except Exception:
-                log.exception("API key cache refresh failed; serving the cached keys")
 
     def refresh(self, *, full: bool | None = None) -> None:
         """Reads changed keys (or all of them) and drops keys of deleted tenants."""

@@ -26,6 +26,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from inferplane.control_plane.errors import QuotaExceeded, RateLimited, RequestTooLarge
+from inferplane.control_plane.periodic import PeriodicThread
 
 log = logging.getLogger(__name__)
 
@@ -155,27 +156,15 @@ class QuotaTracker:
         self._quota: dict[str, int | None] = {}
         self._used: dict[str, int] = {}
         self._month: datetime | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = PeriodicThread("inferplane-quota", lambda: self.refresh_interval, self.refresh,
+                                    "quota refresh failed; using the last known usage")
 
     def start(self) -> None:
         self.refresh()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="inferplane-quota", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.refresh_interval):
-            try:
-                self.refresh()
-            except Exception:
-                log.exception("quota refresh failed; using the last known usage")
+        self._loop.stop()
 
     def refresh(self) -> None:
         from inferplane.control_plane.orm import Tenant

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from inferplane.control_plane.errors import InvalidInput
 from inferplane.control_plane.orm import Usage
+from inferplane.control_plane.periodic import PeriodicThread
 
 log = logging.getLogger(__name__)
 
@@ -88,28 +89,16 @@ class UsageRecorder:
         self._flush_lock = threading.Lock()
         self._buffer: dict[_Slot, list[int]] = {}
         self._in_flight: dict[_Slot, list[int]] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = PeriodicThread("inferplane-usage", lambda: self.flush_interval, self.flush,
+                                    "usage flush failed; keeping the rows for the next flush")
 
     def start(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="inferplane-usage", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
     def stop(self) -> None:
         """Stops the background thread and flushes what is left (call it at gateway shutdown)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
+        self._loop.stop(timeout=30)
         self.flush()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.flush_interval):
-            try:
-                self.flush()
-            except Exception:
-                log.exception("usage flush failed; keeping the rows for the next flush")
 
     def record(
         self,
