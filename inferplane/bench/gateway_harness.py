@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,14 +25,12 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from inferplane.local.supervisor import free_port
+
 SERVED_MODEL = "tiny"
 TENANT = "bench"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_worker(model: str, port: int, *extra: str, log_path: str | None = None) -> subprocess.Popen:

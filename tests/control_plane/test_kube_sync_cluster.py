@@ -16,7 +16,6 @@ import contextlib
 import functools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import pytest
 from inferplane.control_plane import auth, tenants
 from inferplane.control_plane.gateway.kube_sync import KubernetesCatalogSync, load_api_client
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
+from inferplane.local.supervisor import free_port
 from inferplane.operator.fakeapi import FakeApiServer, write_kubeconfig
 
 NS = "team-a"
@@ -42,11 +42,6 @@ IDEPS = "/apis/inferplane.io/v1alpha1/namespaces/{ns}/inferencedeployments"
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
 
 
-def free_port() -> int:
-    """As in tests/worker/test_worker_process.py (this folder is not a package, so not imported)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the mocked API server ------------------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,16 +13,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from inferplane.local.supervisor import free_port
 from inferplane.v1 import worker_pb2, worker_pb2_grpc
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_worker(model: str, *extra: str) -> tuple[subprocess.Popen, int]:
