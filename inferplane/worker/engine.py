@@ -19,9 +19,8 @@ from inferplane.worker.model.loader import LoadedModel
 from inferplane.worker.model.tokenizer import IncrementalDetokenizer
 from inferplane.worker.model_runner import ModelRunner
 from inferplane.worker.options import EngineOptions, parse_memory
-from inferplane.worker.runtimes import build_kv_manager
+from inferplane.worker.runtimes import build_kv_manager, build_scheduler
 from inferplane.worker.sampling import SamplingParams
-from inferplane.worker.scheduler import Scheduler
 from inferplane.worker.sequence import Sequence
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -68,7 +67,7 @@ class Engine:
         self.cache = PagedKVCache(config.num_layers, num_blocks, self.block_size, config.num_kv_heads,
                                   config.head_dim, dtype, device)
         self.kv = build_kv_manager(options, num_blocks)
-        self.scheduler = self._build_scheduler()
+        self.scheduler = build_scheduler(options, self.kv)
         self.runner = ModelRunner(loaded.model, self.cache, device)
         self.eos_ids = set(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -77,11 +76,6 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.counters = EngineCounters()
-
-    def _build_scheduler(self) -> Scheduler:
-        from inferplane.worker.runtimes import build_scheduler
-
-        return build_scheduler(self.options, self.kv)
 
     def _num_blocks(self) -> int:
         config = self.loaded.config

@@ -37,7 +37,7 @@ class ModelRunner:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             row = len(input_ids)
-            input_ids.extend(seq.all_token_ids[start : start + n])
+            input_ids.extend(seq.token_slice(start, start + n))
             table = seq.block_table
             for pos in range(start, start + n):
                 positions.append(pos)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
@@ -371,6 +370,3 @@ def _reason(msg: worker_pb2.GenerateResponse | None) -> str | None:
         return None
     return {"abort": "stop"}.get(msg.finish_reason, msg.finish_reason) or None
 
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex

@@ -8,6 +8,12 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
+def gguf_value(reader, key: str, default=None):
+    """A GGUF metadata value, or `default` when the key is absent (kept torch-free for the gateway)."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
 class ModelLoadError(Exception):
     """A model cannot be loaded; the message is one line a user can act on."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from inferplane.worker.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+from inferplane.worker.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError, gguf_value
 
 # Block layouts (ggml): Q4_0 = f16 scale + 16 bytes of nibbles (32 weights);
 # Q4_1 = f16 scale + f16 min + 16 bytes; Q8_0 = f16 scale + 32 int8.
@@ -62,13 +62,6 @@ def dequantize(type_name: str, raw: np.ndarray, shape: tuple[int, ...]) -> torch
     )
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
 def open_gguf(path: str):
     import gguf
 
@@ -79,37 +72,37 @@ def open_gguf(path: str):
 
 
 def config_from_gguf(reader) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+    arch = gguf_value(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r}")
     p = f"{arch}."
-    heads = int(_field(reader, p + "attention.head_count"))
-    hidden = int(_field(reader, p + "embedding_length"))
-    vocab = _field(reader, p + "vocab_size")
+    heads = int(gguf_value(reader, p + "attention.head_count"))
+    hidden = int(gguf_value(reader, p + "embedding_length"))
+    vocab = gguf_value(reader, p + "vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     names = {t.name for t in reader.tensors}
     scaling = None
-    scaling_type = _field(reader, p + "rope.scaling.type")
+    scaling_type = gguf_value(reader, p + "rope.scaling.type")
     if scaling_type and scaling_type != "none":
-        scaling = {"rope_type": scaling_type, "factor": float(_field(reader, p + "rope.scaling.factor", 1.0))}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+        scaling = {"rope_type": scaling_type, "factor": float(gguf_value(reader, p + "rope.scaling.factor", 1.0))}
+    eos = gguf_value(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, p + "feed_forward_length")),
-        num_layers=int(_field(reader, p + "block_count")),
+        intermediate_size=int(gguf_value(reader, p + "feed_forward_length")),
+        num_layers=int(gguf_value(reader, p + "block_count")),
         num_heads=heads,
-        num_kv_heads=int(_field(reader, p + "attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, p + "attention.key_length", hidden // heads)),
-        rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        num_kv_heads=int(gguf_value(reader, p + "attention.head_count_kv", heads)),
+        head_dim=int(gguf_value(reader, p + "attention.key_length", hidden // heads)),
+        rms_norm_eps=float(gguf_value(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(gguf_value(reader, p + "rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        max_position_embeddings=int(_field(reader, p + "context_length", 2048)),
+        max_position_embeddings=int(gguf_value(reader, p + "context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
     )
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from inferplane.worker.model.config import ModelLoadError
+from inferplane.worker.model.config import ModelLoadError, gguf_value
 
 # ggml token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
 _GGML_CONTROL = 3
@@ -112,37 +112,32 @@ def load_hf_tokenizer(folder: str) -> TextTokenizer:
     )
 
 
-def _gguf_field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
 def load_gguf_tokenizer(reader) -> TextTokenizer:
-    kind = _gguf_field(reader, "tokenizer.ggml.model")
+    kind = gguf_value(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ModelLoadError(f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE)")
-    tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
-    types: list[int] = _gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in _gguf_field(reader, "tokenizer.ggml.merges")]
+    tokens: list[str] = gguf_value(reader, "tokenizer.ggml.tokens")
+    types: list[int] = gguf_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges")]
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     # llama.cpp's pre-tokenizers of the starcoder family (smollm among them) split every digit.
-    if _gguf_field(reader, "tokenizer.ggml.pre") in ("smollm", "starcoder", "refact", "codeshell"):
+    if gguf_value(reader, "tokenizer.ggml.pre") in ("smollm", "starcoder", "refact", "codeshell"):
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     special = [i for i, t in enumerate(types) if t in (_GGML_CONTROL, _GGML_USER_DEFINED)]
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
-    bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    bos = gguf_value(reader, "tokenizer.ggml.bos_token_id")
+    eos = gguf_value(reader, "tokenizer.ggml.eos_token_id")
     return TextTokenizer(
         tokenizer=tok,
-        chat_template=_gguf_field(reader, "tokenizer.chat_template"),
+        chat_template=gguf_value(reader, "tokenizer.chat_template"),
         bos_token=None if bos is None else tokens[bos],
         eos_token=None if eos is None else tokens[eos],
-        add_bos=bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_bos=bool(gguf_value(reader, "tokenizer.ggml.add_bos_token", False)),
         special_ids=set(special),
     )
 
