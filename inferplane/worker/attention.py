@@ -3,7 +3,10 @@
 The portable path gathers each sequence's blocks into a contiguous view and runs PyTorch's
 scaled_dot_product_attention: it works on any device. Decodes are batched into one SDPA call (the
 query heads of a KV group are laid out as a short query axis, so grouped-query attention needs no
-repeat); prefill chunks run one sequence each, since their causal masks differ.
+repeat). Prefill chunks that start a sequence (nothing cached yet) and have similar lengths run
+as one padded SDPA call with a causal, per-sequence mask: a burst of short prompts (many clients
+each sending a few dozen tokens) would otherwise cost a handful of kernel launches per sequence per
+layer. Chunks that continue a cached sequence, and long ones, run one sequence each.
 """
 
 from __future__ import annotations
@@ -21,7 +24,28 @@ class PrefillSegment:
     start: int
     length: int
     context_len: int  # tokens in the cache after this chunk, this chunk included
-    block_table: torch.Tensor  # [num_blocks] int64
+    block_table: torch.Tensor | None  # [num_blocks] int64; None where nothing was cached before the chunk
+
+    @property
+    def is_fresh(self) -> bool:
+        return self.context_len == self.length
+
+
+@dataclass
+class PrefillGroup:
+    """Fresh prefill chunks run as one padded batch: sequence p's position i is flat row gather[p, i]."""
+
+    gather: torch.Tensor  # [P, L] flat rows; padding positions repeat the sequence's last row
+    valid: torch.Tensor  # [P, L] bool: a real position, not padding
+    rows: torch.Tensor  # [sum of lengths] the real flat rows, in (sequence, position) order
+    mask: torch.Tensor  # [P, 1, L, L] bool: causal, within the sequence
+
+
+# A group's padded length is at most this much over its shortest member's (so padding wastes at most
+# about half the work of a group), and chunks longer than the cap amortize their launches anyway.
+_GROUP_LENGTH_RATIO = 1.5
+_GROUP_LENGTH_SLACK = 8
+_GROUP_MAX_LENGTH = 256
 
 
 @dataclass
@@ -33,6 +57,46 @@ class AttentionBatch:
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # [B]
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # Worked out by the first layer and reused by the others (the same for every layer).
+    _plan: tuple[list[PrefillGroup], list[PrefillSegment]] | None = None
+
+    def prefill_plan(self, device: torch.device) -> tuple[list[PrefillGroup], list[PrefillSegment]]:
+        if self._plan is None:
+            self._plan = plan_prefills(self.prefills, device)
+        return self._plan
+
+
+def plan_prefills(prefills: list[PrefillSegment],
+                  device: torch.device) -> tuple[list[PrefillGroup], list[PrefillSegment]]:
+    """Splits prefill chunks into padded groups of fresh chunks and chunks that run alone."""
+    alone = [s for s in prefills if not s.is_fresh or s.length > _GROUP_MAX_LENGTH]
+    fresh = sorted((s for s in prefills if s.is_fresh and s.length <= _GROUP_MAX_LENGTH), key=lambda s: s.length)
+    groups: list[PrefillGroup] = []
+    i = 0
+    while i < len(fresh):
+        limit = fresh[i].length * _GROUP_LENGTH_RATIO + _GROUP_LENGTH_SLACK
+        j = i + 1
+        while j < len(fresh) and fresh[j].length <= limit:
+            j += 1
+        if j - i == 1:
+            alone.append(fresh[i])
+        else:
+            groups.append(_group(fresh[i:j], device))
+        i = j
+    return groups, alone
+
+
+def _group(segments: list[PrefillSegment], device: torch.device) -> PrefillGroup:
+    width = segments[-1].length  # sorted by length
+    positions = torch.arange(width)
+    starts = torch.tensor([s.start for s in segments])[:, None]
+    lengths = torch.tensor([s.length for s in segments])[:, None]
+    valid = positions[None, :] < lengths
+    gather = starts + torch.minimum(positions[None, :], lengths - 1)
+    causal = positions[None, :] <= positions[:, None]  # [query, key]
+    mask = (causal[None, :, :] & valid[:, None, :])[:, None]
+    return PrefillGroup(gather=gather.to(device), valid=valid.to(device), rows=gather[valid].to(device),
+                        mask=mask.to(device))
 
 
 class PagedKVCache:
@@ -86,10 +150,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[:nd] = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale).reshape(
             nd, heads, dim
         )
-    for seg in batch.prefills:
+    groups, alone = batch.prefill_plan(q.device)
+    for g in groups:
+        query, keys, values = (x[g.gather].permute(0, 2, 1, 3) for x in (q, k, v))  # [P, heads, L, d]
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+        res = F.scaled_dot_product_attention(query, keys, values, attn_mask=g.mask, scale=scale)
+        out[g.rows] = res.permute(0, 2, 1, 3)[g.valid]
+    for seg in alone:
         rows = slice(seg.start, seg.start + seg.length)
         query = q[rows].transpose(0, 1)  # [heads, n, d]
-        if seg.context_len == seg.length:  # nothing cached before this chunk: use this step's k, v
+        if seg.is_fresh:  # nothing cached before this chunk: use this step's k, v
             keys, values = k[rows], v[rows]
             causal, mask = True, None
         else:

@@ -56,7 +56,8 @@ class ModelRunner:
             attn.decode_block_tables = torch.tensor(padded, dtype=torch.long).to(self.device)
             attn.decode_context_lens = self._to_device(decode_lens)
         attn.prefills = [
-            PrefillSegment(start=row, length=n, context_len=ctx, block_table=self._to_device(table))
+            PrefillSegment(start=row, length=n, context_len=ctx,
+                           block_table=None if ctx == n else self._to_device(table))
             for row, n, ctx, table in prefills
         ]
         return self._to_device(input_ids), self._to_device(positions), attn, sample_rows

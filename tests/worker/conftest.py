@@ -45,18 +45,19 @@ def prompts_of_lengths(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def hf_greedy(model_path_or_module, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(model_path_or_module, prompts: list[list[int]], max_new_tokens: int, *, device: str = "cpu",
+              dtype: torch.dtype = torch.float32) -> list[list[int]]:
     """The oracle: HF transformers' own greedy decoding, one prompt at a time (no padding)."""
     from transformers import AutoModelForCausalLM
 
     model = model_path_or_module
     if isinstance(model, str):
-        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device)
     model.eval()
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=model.device)
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
             outs.append(gen[0, len(p):].tolist())
