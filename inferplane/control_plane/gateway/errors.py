@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -84,17 +86,22 @@ def as_error(exc: BaseException) -> tuple[int, str, str | None, dict[str, str] |
     return 500, "internal error", "internal_error", None
 
 
+def validation_error_response(errors: Sequence[Any]) -> JSONResponse:
+    """pydantic's (or FastAPI's) validation errors → 400 for a body that is not JSON, else 422
+    naming the first offending field."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return error_response(400, "request body is not valid JSON", "invalid_json")
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
+    return error_response(422, message, "invalid_value", param)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        if any(e.get("type") == "json_invalid" for e in errors):
-            return error_response(400, "request body is not valid JSON", "invalid_json")
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
-        return error_response(422, message, "invalid_value", param)
+        return validation_error_response(exc.errors())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

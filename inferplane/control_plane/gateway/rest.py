@@ -7,25 +7,23 @@ inference path never touches the database.
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 from fastapi import Depends, FastAPI, Header
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from inferplane.control_plane import auth, registry, tenants, usage
 from inferplane.control_plane.auth import ALL_TENANTS, SCOPE_MODELS_READ, Principal
 from inferplane.control_plane.errors import Forbidden
+from inferplane.control_plane.gateway.completions import Completions
 from inferplane.control_plane.gateway.context import GatewayContext, bearer
-from inferplane.control_plane.gateway.errors import ERROR_RESPONSES, error_response, install_error_handlers, sse_error
-from inferplane.control_plane.gateway.inference import PreparedRequest
+from inferplane.control_plane.gateway.errors import ERROR_RESPONSES, error_response, install_error_handlers
+from inferplane.control_plane.gateway.fast_path import InferenceFastPath
 from inferplane.control_plane.gateway.middleware import LimitsAndMetrics
 from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest
-from inferplane.v1 import worker_pb2
 
 
 class TenantIn(BaseModel):
@@ -49,35 +47,6 @@ class ModelIn(BaseModel):
     visibility: str | None = None
 
 
-def _usage(final: worker_pb2.GenerateResponse | None, prepared: PreparedRequest) -> dict:
-    prompt = final.usage.prompt_tokens if final is not None else prepared.prompt_tokens
-    completion = final.usage.completion_tokens if final is not None else 0
-    cached = final.usage.cached_tokens if final is not None else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _token_texts(prepared: PreparedRequest, ids) -> list[str]:
-    return [prepared.model.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
-
-
-class _Collected:
-    """A whole (non-streamed) generation gathered from the worker stream."""
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.final: worker_pb2.GenerateResponse | None = None
-
-    def add(self, msg: worker_pb2.GenerateResponse) -> None:
-        self.text.append(msg.text)
-        self.token_ids.extend(msg.token_ids)
-        self.logprobs.extend(msg.logprobs)
-        if msg.finished:
-            self.final = msg
-
-
 # With "stream": true the same operation answers with server-sent events; the schema describes
 # one event (each `data` is a JSON chunk, an error object, or the final "[DONE]").
 _SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
@@ -86,11 +55,18 @@ _STREAMABLE: dict[int | str, dict] = {200: {"description": "the completion (JSON
                                             "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
 
 
+def create_asgi_app(ctx: GatewayContext):
+    """What uvicorn serves: body-size limit and metrics around the inference fast path around the
+    FastAPI app (which serves and documents everything else)."""
+    api = create_app(ctx)
+    routes = {route.path: route for route in api.routes if isinstance(route, APIRoute)}
+    return LimitsAndMetrics(InferenceFastPath(api, ctx, routes), metrics=ctx.metrics, max_body_bytes=ctx.max_body_bytes)
+
+
 def create_app(ctx: GatewayContext) -> FastAPI:
     app = FastAPI(title="inferplane gateway", version="0.1.0", responses=ERROR_RESPONSES,
                   description="OpenAI-compatible inference API with tenants, keys, quotas and routing.")
     install_error_handlers(app)
-    app.add_middleware(LimitsAndMetrics, metrics=ctx.metrics, max_body_bytes=ctx.max_body_bytes)
 
     # Credential checks are in-memory (key cache, JWT signature): `async def` keeps them on the event
     # loop; a plain `def` dependency costs every request a hop through the thread pool.
@@ -136,144 +112,17 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         principal.require(SCOPE_MODELS_READ)
         return _model_card(ctx.catalog.get(model_id, principal.tenant_id))
 
-    async def _open(prepared: PreparedRequest, params: worker_pb2.SamplingParams):
-        """Starts the worker stream and waits for its first message, so that failures before
-        the first token still become a proper HTTP status instead of a broken stream."""
-        stream = ctx.inference.stream(prepared, params)
-        start = time.perf_counter()
-        first = await anext(stream)
-        ctx.metrics.ttft.labels(prepared.model.name).observe(time.perf_counter() - start)
-        return first, stream
-
-    async def _collect(prepared, params) -> _Collected:
-        first, stream = await _open(prepared, params)
-        collected = _Collected()
-        collected.add(first)
-        async for msg in stream:
-            collected.add(msg)
-        _count_tokens(prepared, collected.final)
-        return collected
-
-    def _count_tokens(prepared: PreparedRequest, final) -> None:
-        if final is not None:
-            ctx.metrics.tokens.labels(prepared.model.name, "prompt").inc(final.usage.prompt_tokens)
-            ctx.metrics.tokens.labels(prepared.model.name, "completion").inc(final.usage.completion_tokens)
-
-    def _sse(prepared, first, stream, chunk, final_chunk, include_usage: bool) -> StreamingResponse:
-        async def events() -> AsyncIterator[str]:
-            final = None
-            try:
-                msg = first
-                while True:
-                    if msg.text or msg.token_ids:
-                        yield f"data: {json.dumps(chunk(msg))}\n\n"
-                    if msg.finished:
-                        final = msg
-                        yield f"data: {json.dumps(final_chunk(msg))}\n\n"
-                        break
-                    msg = await anext(stream)
-            except Exception as exc:  # broken after the stream started: a clean error event
-                yield sse_error(exc)
-                return
-            finally:
-                await stream.aclose()
-            _count_tokens(prepared, final)
-            if include_usage:
-                yield f"data: {json.dumps(final_chunk(final, usage_only=True))}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    # Documented here; served by the fast path in front of FastAPI (fast_path.py), which calls the
+    # same Completions methods. These routes still answer when the app runs without the fast path.
+    completions_api = Completions(ctx)
 
     @app.post("/v1/completions", responses=_STREAMABLE)
     async def completions(body: CompletionRequest, principal: Principal = Depends(tenant)):
-        prepared = ctx.inference.prepare(principal, body.model, prompt=body.prompt,
-                                         max_tokens=body.default_max_tokens())
-        params = body.sampling_params(prepared.max_tokens, want_logprobs=body.logprobs is not None)
-        rid, created = f"cmpl-{prepared.request_id}", int(time.time())
-
-        def base(choices, usage_dict=None) -> dict:
-            out = {"id": rid, "object": "text_completion", "created": created, "model": body.model,
-                   "choices": choices}
-            if usage_dict is not None:
-                out["usage"] = usage_dict
-            return out
-
-        def logprobs_of(ids, lps):
-            if body.logprobs is None:
-                return None
-            return {"tokens": _token_texts(prepared, ids), "token_logprobs": list(lps), "top_logprobs": None,
-                    "text_offset": []}
-
-        if body.stream:
-            first, stream = await _open(prepared, params)
-
-            def chunk(msg):
-                return base([{"index": 0, "text": msg.text, "finish_reason": None,
-                              "logprobs": logprobs_of(msg.token_ids, msg.logprobs)}])
-
-            def final_chunk(msg, usage_only=False):
-                if usage_only:
-                    return base([], _usage(msg, prepared))
-                return base([{"index": 0, "text": "", "finish_reason": _reason(msg), "logprobs": None}])
-
-            return _sse(prepared, first, stream, chunk, final_chunk, body.include_usage)
-        result = await _collect(prepared, params)
-        # A JSONResponse of plain JSON types: returning the dict would run it through FastAPI's
-        # jsonable_encoder first, which rebuilds it for nothing (measurable at one token per request).
-        return JSONResponse(base([{"index": 0, "text": "".join(result.text), "finish_reason": _reason(result.final),
-                                   "logprobs": logprobs_of(result.token_ids, result.logprobs)}],
-                                 _usage(result.final, prepared)))
+        return await completions_api.text(body, principal)
 
     @app.post("/v1/chat/completions", responses=_STREAMABLE)
     async def chat_completions(body: ChatCompletionRequest, principal: Principal = Depends(tenant)):
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        except ValueError as exc:
-            return error_response(400, str(exc), "invalid_value", "messages")
-        prepared = ctx.inference.prepare(principal, body.model, messages=messages,
-                                         max_tokens=body.default_max_tokens())
-        params = body.sampling_params(prepared.max_tokens, want_logprobs=body.logprobs)
-        rid, created = f"chatcmpl-{prepared.request_id}", int(time.time())
-
-        def base(kind, choices, usage_dict=None) -> dict:
-            out = {"id": rid, "object": kind, "created": created, "model": body.model, "choices": choices}
-            if usage_dict is not None:
-                out["usage"] = usage_dict
-            return out
-
-        def logprobs_of(ids, lps):
-            if not body.logprobs:
-                return None
-            texts = _token_texts(prepared, ids)
-            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                for t, lp in zip(texts, lps, strict=False)]}
-
-        if body.stream:
-            first, stream = await _open(prepared, params)
-            sent_role = False
-
-            def chunk(msg):
-                nonlocal sent_role
-                delta = {"content": msg.text}
-                if not sent_role:
-                    delta["role"] = "assistant"
-                    sent_role = True
-                return base("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": None,
-                                                       "logprobs": logprobs_of(msg.token_ids, msg.logprobs)}])
-
-            def final_chunk(msg, usage_only=False):
-                if usage_only:
-                    return base("chat.completion.chunk", [], _usage(msg, prepared))
-                return base("chat.completion.chunk", [{"index": 0, "delta": {}, "finish_reason": _reason(msg)}])
-
-            return _sse(prepared, first, stream, chunk, final_chunk, body.include_usage)
-        result = await _collect(prepared, params)
-        message = {"role": "assistant", "content": "".join(result.text)}
-        return JSONResponse(base("chat.completion", [{"index": 0, "message": message,
-                                                      "finish_reason": _reason(result.final),
-                                                      "logprobs": logprobs_of(result.token_ids, result.logprobs)}],
-                                 _usage(result.final, prepared)))
+        return await completions_api.chat(body, principal)
 
     @app.get("/v1/usage")
     def get_usage(days: int = 31, principal: Principal = Depends(tenant)):
@@ -363,10 +212,4 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         return PlainTextResponse("inferplane gateway: OpenAI-compatible API under /v1\n")
 
     return app
-
-
-def _reason(msg: worker_pb2.GenerateResponse | None) -> str | None:
-    if msg is None:
-        return None
-    return {"abort": "stop"}.get(msg.finish_reason, msg.finish_reason) or None
 

@@ -17,7 +17,7 @@ from inferplane.control_plane.gateway.context import GatewayContext
 from inferplane.control_plane.gateway.grpc_api import InferenceServicer
 from inferplane.control_plane.gateway.inference import InferenceService
 from inferplane.control_plane.gateway.metrics import GatewayMetrics
-from inferplane.control_plane.gateway.rest import create_app
+from inferplane.control_plane.gateway.rest import create_asgi_app
 from inferplane.control_plane.gateway.worker_client import WorkerChannels
 from inferplane.control_plane.limits import QuotaTracker, RateLimiter
 from inferplane.control_plane.routing import HealthPoller, HealthTracker, Router
@@ -65,7 +65,7 @@ class Gateway:
         self.context = GatewayContext(sessions=self.sessions, keys=self.keys, catalog=self.catalog,
                                       inference=inference, metrics=GatewayMetrics(),
                                       bootstrap_key=settings.bootstrap_key, jwt_verifier=jwt_verifier)
-        self.app = create_app(self.context)
+        self.app = create_asgi_app(self.context)
         self._http: uvicorn.Server | None = None
         self._grpc: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task] = []

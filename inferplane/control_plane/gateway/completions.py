@@ -1,0 +1,223 @@
+"""The two inference endpoints, `/v1/completions` and `/v1/chat/completions`: body in, response out.
+
+Both run the same request path (prepare → worker stream → JSON or server-sent events) and differ
+only in the shape of what they send back, which `_TextShape` and `_ChatShape` describe. The
+FastAPI routes (which document the endpoints in the OpenAPI schema) and the fast path (which serves
+them, see `fast_path.py`) both call `Completions`, so there is one implementation of each.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from inferplane.control_plane.auth import Principal
+from inferplane.control_plane.gateway.context import GatewayContext
+from inferplane.control_plane.gateway.errors import error_response, sse_error
+from inferplane.control_plane.gateway.inference import PreparedRequest
+from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from inferplane.v1 import worker_pb2
+
+Message = worker_pb2.GenerateResponse
+
+
+class _Collected:
+    """A whole (non-streamed) generation gathered from the worker stream."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.final: Message | None = None
+
+    def add(self, msg: Message) -> None:
+        self.text.append(msg.text)
+        self.token_ids.extend(msg.token_ids)
+        self.logprobs.extend(msg.logprobs)
+        if msg.finished:
+            self.final = msg
+
+
+def _reason(msg: Message | None) -> str | None:
+    if msg is None:
+        return None
+    return {"abort": "stop"}.get(msg.finish_reason, msg.finish_reason) or None
+
+
+class _Shape:
+    """What one endpoint's responses look like: the whole answer, stream chunks, the usage chunk."""
+
+    prefix = ""
+    whole_object = chunk_object = ""
+
+    def __init__(self, body: CompletionRequest | ChatCompletionRequest, prepared: PreparedRequest) -> None:
+        self.body = body
+        self.prepared = prepared
+        self.id = f"{self.prefix}-{prepared.request_id}"
+        self.created = int(time.time())
+
+    def envelope(self, kind: str, choices: list[dict], final: Message | None = None, with_usage: bool = False) -> dict:
+        out = {"id": self.id, "object": kind, "created": self.created, "model": self.body.model, "choices": choices}
+        if with_usage:
+            out["usage"] = self.usage(final)
+        return out
+
+    def usage(self, final: Message | None) -> dict:
+        prompt = final.usage.prompt_tokens if final is not None else self.prepared.prompt_tokens
+        completion = final.usage.completion_tokens if final is not None else 0
+        cached = final.usage.cached_tokens if final is not None else 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def token_texts(self, ids) -> list[str]:
+        return [self.prepared.model.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
+    def whole(self, result: _Collected) -> dict:
+        return self.envelope(self.whole_object, [self.whole_choice(result)], result.final, with_usage=True)
+
+    def chunk(self, msg: Message) -> dict:
+        return self.envelope(self.chunk_object, [self.chunk_choice(msg)])
+
+    def final_chunk(self, msg: Message) -> dict:
+        return self.envelope(self.chunk_object, [self.final_choice(msg)])
+
+    def usage_chunk(self, final: Message | None) -> dict:
+        return self.envelope(self.chunk_object, [], final, with_usage=True)
+
+    def whole_choice(self, result: _Collected) -> dict:
+        raise NotImplementedError
+
+    def chunk_choice(self, msg: Message) -> dict:
+        raise NotImplementedError
+
+    def final_choice(self, msg: Message) -> dict:
+        raise NotImplementedError
+
+
+class _TextShape(_Shape):
+    prefix = "cmpl"
+    whole_object = chunk_object = "text_completion"
+    body: CompletionRequest
+
+    def logprobs(self, ids, values) -> dict | None:
+        if self.body.logprobs is None:
+            return None
+        return {"tokens": self.token_texts(ids), "token_logprobs": list(values), "top_logprobs": None,
+                "text_offset": []}
+
+    def whole_choice(self, result: _Collected) -> dict:
+        return {"index": 0, "text": "".join(result.text), "finish_reason": _reason(result.final),
+                "logprobs": self.logprobs(result.token_ids, result.logprobs)}
+
+    def chunk_choice(self, msg: Message) -> dict:
+        return {"index": 0, "text": msg.text, "finish_reason": None,
+                "logprobs": self.logprobs(msg.token_ids, msg.logprobs)}
+
+    def final_choice(self, msg: Message) -> dict:
+        return {"index": 0, "text": "", "finish_reason": _reason(msg), "logprobs": None}
+
+
+class _ChatShape(_Shape):
+    prefix = "chatcmpl"
+    whole_object, chunk_object = "chat.completion", "chat.completion.chunk"
+    body: ChatCompletionRequest
+
+    def __init__(self, body: ChatCompletionRequest, prepared: PreparedRequest) -> None:
+        super().__init__(body, prepared)
+        self.sent_role = False
+
+    def logprobs(self, ids, values) -> dict | None:
+        if not self.body.logprobs:
+            return None
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                            for t, lp in zip(self.token_texts(ids), values, strict=False)]}
+
+    def whole_choice(self, result: _Collected) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": "".join(result.text)},
+                "finish_reason": _reason(result.final), "logprobs": self.logprobs(result.token_ids, result.logprobs)}
+
+    def chunk_choice(self, msg: Message) -> dict:
+        delta = {"content": msg.text}
+        if not self.sent_role:
+            delta["role"] = "assistant"
+            self.sent_role = True
+        return {"index": 0, "delta": delta, "finish_reason": None,
+                "logprobs": self.logprobs(msg.token_ids, msg.logprobs)}
+
+    def final_choice(self, msg: Message) -> dict:
+        return {"index": 0, "delta": {}, "finish_reason": _reason(msg)}
+
+
+class Completions:
+    def __init__(self, ctx: GatewayContext) -> None:
+        self.ctx = ctx
+
+    async def text(self, body: CompletionRequest, principal: Principal) -> Response:
+        prepared = self.ctx.inference.prepare(principal, body.model, prompt=body.prompt,
+                                              max_tokens=body.default_max_tokens())
+        params = body.sampling_params(prepared.max_tokens, want_logprobs=body.logprobs is not None)
+        return await self._respond(_TextShape(body, prepared), params)
+
+    async def chat(self, body: ChatCompletionRequest, principal: Principal) -> Response:
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        except ValueError as exc:
+            return error_response(400, str(exc), "invalid_value", "messages")
+        prepared = self.ctx.inference.prepare(principal, body.model, messages=messages,
+                                              max_tokens=body.default_max_tokens())
+        params = body.sampling_params(prepared.max_tokens, want_logprobs=body.logprobs)
+        return await self._respond(_ChatShape(body, prepared), params)
+
+    async def _respond(self, shape: _Shape, params: worker_pb2.SamplingParams) -> Response:
+        first, stream = await self._open(shape.prepared, params)
+        if shape.body.stream:
+            return self._sse(shape, first, stream)
+        result = _Collected()
+        result.add(first)
+        async for msg in stream:
+            result.add(msg)
+        self._count_tokens(shape.prepared, result.final)
+        return JSONResponse(shape.whole(result))
+
+    async def _open(self, prepared: PreparedRequest, params: worker_pb2.SamplingParams):
+        """Starts the worker stream and waits for its first message, so that failures before
+        the first token still become a proper HTTP status instead of a broken stream."""
+        stream = self.ctx.inference.stream(prepared, params)
+        start = time.perf_counter()
+        first = await anext(stream)
+        self.ctx.metrics.ttft.labels(prepared.model.name).observe(time.perf_counter() - start)
+        return first, stream
+
+    def _count_tokens(self, prepared: PreparedRequest, final: Message | None) -> None:
+        if final is not None:
+            self.ctx.metrics.tokens.labels(prepared.model.name, "prompt").inc(final.usage.prompt_tokens)
+            self.ctx.metrics.tokens.labels(prepared.model.name, "completion").inc(final.usage.completion_tokens)
+
+    def _sse(self, shape: _Shape, first: Message, stream: AsyncIterator[Message]) -> StreamingResponse:
+        async def events() -> AsyncIterator[str]:
+            final = None
+            try:
+                msg = first
+                while True:
+                    if msg.text or msg.token_ids:
+                        yield f"data: {json.dumps(shape.chunk(msg))}\n\n"
+                    if msg.finished:
+                        final = msg
+                        yield f"data: {json.dumps(shape.final_chunk(msg))}\n\n"
+                        break
+                    msg = await anext(stream)
+            except Exception as exc:  # broken after the stream started: a clean error event
+                yield sse_error(exc)
+                return
+            finally:
+                await stream.aclose()
+            self._count_tokens(shape.prepared, final)
+            if shape.body.include_usage:
+                yield f"data: {json.dumps(shape.usage_chunk(final))}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
