@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from inferplane import aio
 from inferplane.local.supervisor import free_port
 
 SERVED_MODEL = "tiny"
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-outstanding", type=int, default=1024, help="per replica before it counts as full")
     serve.add_argument("--health-poll-interval", type=float, default=2.0)
     args = parser.parse_args(argv)
-    return asyncio.run(_serve(args))
+    return aio.run(_serve(args))
 
 
 if __name__ == "__main__":

@@ -220,8 +220,9 @@ async def _serve(args: argparse.Namespace, plan: _Plan) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
     import logging
+
+    from inferplane import aio
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -241,4 +242,4 @@ def run(args: argparse.Namespace) -> int:
     except KubeConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    return asyncio.run(_serve(args, _Plan(settings, namespaces(args), api_client)))
+    return aio.run(_serve(args, _Plan(settings, namespaces(args), api_client)))

@@ -89,8 +89,9 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
     import logging
 
+    from inferplane import aio
+
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_main(args))
+    return aio.run(_main(args))

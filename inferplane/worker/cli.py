@@ -100,8 +100,9 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
     import logging
 
+    from inferplane import aio
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_serve(args))
+    return aio.run(_serve(args))
