@@ -56,9 +56,22 @@ class AttentionBatch:
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # [B]
+    decode_max_len: int = 0  # the longest decode context (known on the host: no device sync per layer)
     prefills: list[PrefillSegment] = field(default_factory=list)
     # Worked out by the first layer and reused by the others (the same for every layer).
     _plan: tuple[list[PrefillGroup], list[PrefillSegment]] | None = None
+    _decode_mask: torch.Tensor | None = None
+
+    def decode_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, 1, L] additive mask: 0 inside each decode's context, -inf past its end. (SDPA on
+        the CPU takes an additive mask faster than a boolean one.)"""
+        if self._decode_mask is None or self._decode_mask.dtype != dtype:
+            lens = self.decode_context_lens
+            positions = torch.arange(self.decode_max_len, device=lens.device)
+            outside = positions[None, :] >= lens[:, None]
+            mask = torch.zeros(outside.shape, dtype=dtype, device=lens.device).masked_fill_(outside, float("-inf"))
+            self._decode_mask = mask[:, None, None, :]
+        return self._decode_mask
 
     def prefill_plan(self, device: torch.device) -> tuple[list[PrefillGroup], list[PrefillSegment]]:
         if self._plan is None:
@@ -126,9 +139,12 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """[..., blocks] table → [..., length, kv_heads, head_dim] contiguous keys or values."""
-    blocks = cache[block_table]  # [..., nb, bs, h, d]
-    flat = blocks.flatten(-4, -3)
+    """[..., blocks] table → [..., length, kv_heads, head_dim] keys or values.
+
+    index_select copies whole blocks; advanced indexing (`cache[block_table]`) gives the same tensor
+    but took 4x as long on the CPU (89 against 20 us for 16 sequences of 6 blocks)."""
+    blocks = cache.index_select(0, block_table.reshape(-1))  # [prod(...) * nb, bs, h, d]
+    flat = blocks.view(*block_table.shape[:-1], block_table.shape[-1] * cache.shape[1], *cache.shape[2:])
     return flat[..., :length, :, :]
 
 
@@ -141,12 +157,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     nd = batch.num_decodes
     if nd:
-        max_len = int(batch.decode_context_lens.max())
+        max_len = batch.decode_max_len
         keys = _gather(k_cache, batch.decode_block_tables, max_len).transpose(1, 2)  # [B, kvh, L, d]
         values = _gather(v_cache, batch.decode_block_tables, max_len).transpose(1, 2)
         query = q[:nd].view(nd, kv_heads, group, dim)
-        positions = torch.arange(max_len, device=q.device)
-        mask = (positions[None, :] < batch.decode_context_lens[:, None])[:, None, None, :]
+        mask = batch.decode_mask(q.dtype)
         out[:nd] = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale).reshape(
             nd, heads, dim
         )

