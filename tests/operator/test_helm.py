@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 from pathlib import Path
@@ -92,6 +93,34 @@ def test_cluster_mode_and_ha_postgres(helm: Path) -> None:
     assert env["INFERPLANE_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "inferplane-db", "key": "url"}
     assert "Secret" not in found and "PersistentVolumeClaim" not in found  # the URL comes from the user's Secret
     assert found["PodDisruptionBudget"]
+    args = control["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert {"--jwt-algorithm=RS256", "--jwt-key-file=/etc/inferplane/auth/jwt-key",
+            "--jwt-audience=inferplane-admin"} <= set(args)
+    auth = next(v for v in control["spec"]["template"]["spec"]["volumes"] if v["name"] == "auth")
+    assert auth["secret"]["secretName"] == "inferplane-gateway-auth"
+
+
+def _gateway_auth_files(control: dict[str, Any]) -> dict[str, str]:
+    """--flag-file=PATH arguments of the gateway container, with the mount that PATH lies in."""
+    container = control["spec"]["template"]["spec"]["containers"][0]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "auth"]
+    files = dict(a.removeprefix("--").split("=", 1) for a in container["args"] if "-file=" in a)
+    assert all(path.startswith(mount["mountPath"] + "/") for path in files.values()) and mount["readOnly"]
+    return files
+
+
+def test_gateway_gets_a_bootstrap_key_and_one_salt_for_all_replicas(helm: Path) -> None:
+    found = kinds(render(helm, None))
+    control = next(d for d in found["Deployment"] if d["metadata"]["name"].endswith("-control-plane"))
+    files = _gateway_auth_files(control)
+    assert set(files) == {"bootstrap-key-file", "salt-secret-file"}  # no JWTs unless asked for
+    (secret,) = [s for s in found["Secret"] if s["metadata"]["name"].endswith("-gateway-auth")]
+    volume = next(v for v in control["spec"]["template"]["spec"]["volumes"] if v["name"] == "auth")
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    for flag, key in (("bootstrap-key-file", "bootstrap-key"), ("salt-secret-file", "salt")):
+        assert files[flag].endswith("/" + key)
+        assert len(base64.b64decode(secret["data"][key])) >= 32
 
 
 def test_network_policy_admits_only_the_gateway_to_workers(helm: Path) -> None:
@@ -114,6 +143,8 @@ def test_models_from_values_are_valid_inference_deployments(helm: Path) -> None:
     (["--set", "controlPlane.replicas=3"], "needs controlPlane.database.type=postgresql"),
     (["--set", "operator.rbacMode=everything"], "rbacMode"),
     (["--set", "operator.webhook.enabled=true"], "tlsSecretName is required"),
+    (["--set", "controlPlane.auth.jwtAlgorithm=HS256"], "needs controlPlane.auth.existingSecret"),
+    (["--set", "controlPlane.auth.jwtAlgorithm=none"], "jwtAlgorithm"),
 ])
 def test_invalid_values_fail_with_a_reason(helm: Path, values: list[str], message: str) -> None:
     result = helm_run(helm, "template", "demo", str(CHART), *values)
