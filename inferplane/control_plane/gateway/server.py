@@ -76,6 +76,7 @@ class Gateway:
         self.quota.start()
         poller = HealthPoller(self.router.health, self.router.addresses)
         self._tasks.append(asyncio.create_task(poller.run(self.settings.health_poll_interval)))
+        self._tasks.append(asyncio.create_task(self._prune_channels()))
         # access_log=False: the access logger sits below log_level anyway, but uvicorn would still
         # format the client address and path of every request before finding that out.
         config = uvicorn.Config(self.app, host=self.settings.host, port=self.settings.port, log_level="warning",
@@ -92,6 +93,19 @@ class Gateway:
             if self._tasks[-1].done():
                 self._tasks[-1].result()  # raises why the HTTP server could not start (port taken...)
             await asyncio.sleep(0.05)
+
+    async def _prune_channels(self) -> None:
+        """Closes channels to workers that left every route (after the request timeout, see
+        WorkerChannels); a failure is logged and the loop goes on."""
+        grace = self.context.inference.request_timeout
+        while True:
+            await asyncio.sleep(max(self.settings.health_poll_interval, 1.0))
+            try:
+                closed = await self.channels.prune(self.router.addresses(), grace)
+                if closed:
+                    log.info("closed channels to departed workers: %s", ", ".join(sorted(closed)))
+            except Exception:
+                log.exception("pruning worker channels failed")
 
     async def stop(self) -> None:
         if self._http is not None:
