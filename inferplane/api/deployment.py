@@ -142,6 +142,7 @@ class EngineConfig:
     kv_cache_memory: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
+    quantize_head: bool = False  # cpu-int8: the output head in int8 too
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:
@@ -161,12 +162,13 @@ class EngineConfig:
         _enum(dtype, "engine.dtype", DTYPES)
         max_model_len = _get(data, "maxModelLen", "engine.maxModelLen", int)
         _bounded(max_model_len, "engine.maxModelLen", 16, 1_048_576)
+        quantize_head = _get(data, "quantizeHead", "engine.quantizeHead", bool, False)
         if max_tokens is not None and max_num_seqs is not None and max_tokens < max_num_seqs:
             raise SpecError("engine.maxNumBatchedTokens",
                             f"({max_tokens}) must be at least engine.maxNumSeqs ({max_num_seqs}): "
                             "every running sequence needs one token per step")
         return cls(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
-                   kv_cache_memory=kv, dtype=dtype, max_model_len=max_model_len)
+                   kv_cache_memory=kv, dtype=dtype, max_model_len=max_model_len, quantize_head=quantize_head)
 
 
 @dataclass(frozen=True)
@@ -316,6 +318,8 @@ class InferenceDeploymentSpec:
                                               "or choose runtime paged, radix or auto")
         if self.runtime == "cpu-int8" and self.engine.dtype not in ("auto", "float32"):
             raise SpecError("engine.dtype", f"runtime cpu-int8 computes in float32; got {self.engine.dtype}")
+        if self.engine.quantize_head and self.runtime in ("paged", "radix"):
+            raise SpecError("engine.quantizeHead", "a cpu-int8 option (runtime cpu-int8 or auto)")
         if self.resources.gpus == 0 and self.engine.dtype == "float16":
             raise SpecError("engine.dtype", "float16 needs a GPU (resources.gpus > 0); use float32 or bfloat16")
         kv = self.engine.kv_cache_memory

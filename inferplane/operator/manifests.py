@@ -116,6 +116,8 @@ def worker_invocation(
     ]
     if engine.max_model_len is not None:
         args += ["--max-model-len", str(engine.max_model_len)]
+    if spec.engine.quantize_head and selection.runtime == "cpu-int8":  # auto may have picked a GPU runtime
+        args.append("--quantize-head")
     args += [
         "--served-model-name", spec.served_model_name(name),
         "--cache-isolation", spec.cache_isolation,

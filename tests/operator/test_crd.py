@@ -64,6 +64,7 @@ BROKEN = [
     ({"replicas": 5, "maxReplicas": 2}, "replicas must lie within"),
     ({"runtime": "cpu-int8", "resources": {"gpus": 1}}, "runtime cpu-int8 runs on CPU"),
     ({"runtime": "cpu-int8", "engine": {"dtype": "bfloat16"}}, "computes in float32"),
+    ({"runtime": "paged", "engine": {"quantizeHead": True}}, "is a cpu-int8 option"),
     ({"engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}}, "at least maxNumSeqs"),
     ({"model": {"name": "m", "uri": "/w", "format": "gguf"}}, "exactly one of model.name"),
     ({"model": {"uri": "/w"}}, "model.format is required"),

@@ -123,9 +123,23 @@ def test_auto_selection(spec: dict, hints: dict, runtime: str) -> None:
      "engine.kvCacheMemory", "does not fit"),
     ({"model": {"name": "m"}, "engine": {"blockSize": 12}}, "engine.blockSize", "one of"),
     ({"model": {"name": "m"}, "replicas": True}, "replicas", "boolean"),
+    ({"model": {"name": "m"}, "runtime": "radix", "engine": {"quantizeHead": True}}, "engine.quantizeHead", "cpu-int8"),
+    ({"model": {"name": "m"}, "engine": {"quantizeHead": "yes"}}, "engine.quantizeHead", "expected bool"),
 ])
 def test_invalid_specs_name_the_field(spec: dict, field: str, words: str) -> None:
     with pytest.raises(SpecError) as caught:
         InferenceDeploymentSpec.from_dict(spec)
     assert caught.value.field == field
     assert words in str(caught.value) and f"spec.{field}" in str(caught.value)
+
+
+@pytest.mark.parametrize(("spec", "passed"), [
+    ({"runtime": "cpu-int8", "engine": {"quantizeHead": True}}, True),
+    ({"runtime": "auto", "resources": {"gpus": 0}, "engine": {"quantizeHead": True}}, True),  # auto picks cpu-int8
+    ({"runtime": "auto", "resources": {"gpus": 1}, "engine": {"quantizeHead": True}}, False),  # ... or a GPU runtime
+    ({"runtime": "cpu-int8"}, False),
+])
+def test_quantize_head_reaches_the_cpu_int8_worker_only(spec: dict, passed: bool) -> None:
+    parsed = InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, **spec})
+    invocation = manifests.worker_invocation("edge", parsed, port=6000, host="127.0.0.1")
+    assert ("--quantize-head" in invocation.args) is passed
