@@ -17,6 +17,7 @@ from inferplane.worker.quant.int8_linear import (
     Int8Dispatch,
     Int8Linear,
     dynamic_error_bound,
+    packing_available,
     quantize_per_channel,
     weight_only_error_bound,
 )
@@ -69,6 +70,23 @@ def test_weight_only_path_is_within_its_scale_bound(rows):
     ref = linear(x).detach()
     err = (layer.forward_weight_only(x) - ref).abs()
     assert bool((err <= weight_only_error_bound(layer, x)).all())
+
+
+@pytest.mark.skipif(not packing_available(), reason="this PyTorch has no oneDNN int8 linear")
+@pytest.mark.parametrize("rows", [1, 7, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_path_is_within_the_dynamic_bound_and_keeps_the_bytes(rows, bias):
+    linear = _linear(96, 40, bias)
+    layer = Int8Linear.from_linear(linear)
+    x = _inputs(rows, 96)
+    bound, dynamic, plain_bytes = dynamic_error_bound(layer, x), layer.forward_dynamic(x), layer.weight_bytes()
+    assert layer.pack() and layer.is_packed and layer.qweight is None
+    out = layer(x)
+    assert bool(((out - linear(x).detach()).abs() <= bound).all())
+    torch.testing.assert_close(out, dynamic, rtol=1e-5, atol=1e-5)  # the same int8 product, other kernel
+    assert layer.weight_bytes() == plain_bytes
+    with pytest.raises(ValueError, match="packed"):
+        layer.dequantized_weight()
 
 
 def test_wrong_scales_break_the_bound():
@@ -243,3 +261,24 @@ def test_cpu_int8_refuses_other_devices_and_dtypes(tiny_llama):
     loaded.model.to(torch.bfloat16)
     with pytest.raises(ValueError, match="float32"):
         prepare_weights(options, loaded)
+
+
+@pytest.mark.skipif(not packing_available(), reason="this PyTorch has no oneDNN int8 linear")
+def test_a_model_with_every_layer_packed_generates_what_the_unpacked_one_does(tiny_llama, monkeypatch):
+    """SmolLM2 packs only its int8 head (the size threshold); here every layer is, to run the packed
+    kernel through whole forward passes: prefill, decode, 1 to 3 rows."""
+    from inferplane.worker.llm import LLM
+    from inferplane.worker.quant import convert
+    from inferplane.worker.sampling import SamplingParams
+
+    prompts = prompts_of_lengths([5, 12, 30], 320, seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    options = dict(runtime="cpu-int8", device="cpu", num_kv_blocks=64, skip_quality_gate=True, quantize_head=True)
+    plain = LLM(tiny_llama, **options)
+    monkeypatch.setattr(convert, "PACK_MIN_WEIGHT_BYTES", 0)
+    packed = LLM(tiny_llama, **options)
+    layers = [m for m in packed.engine.loaded.model.modules() if isinstance(m, Int8Linear)]
+    assert layers and all(m.is_packed for m in layers)
+    assert packed.stats()["int8_layers_packed"] == len(layers)
+    assert [o.token_ids for o in packed.generate(prompts, params)] == \
+           [o.token_ids for o in plain.generate(prompts, params)]

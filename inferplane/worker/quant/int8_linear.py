@@ -1,4 +1,4 @@
-"""An int8 linear layer for the CPU: symmetric per-output-channel int8 weights, two kernels.
+"""An int8 linear layer for the CPU: symmetric per-output-channel int8 weights, three kernels.
 
 - dynamic: each row (token) of the input is quantized to int8 with its own scale, then
   `torch._int_mm` (int8 x int8 -> int32, VNNI on x86) does the product. It wins from a few rows on,
@@ -6,10 +6,16 @@
 - weight-only: `torch._weight_int8pack_mm` reads the int8 weights directly and multiplies them by the
   input in bfloat16 (float32 accumulation). For one or two rows a GEMV is memory-bound, and this
   kernel reads a quarter of the float32 bytes without the per-call cost of quantizing the input.
+- packed (large weights, see `pack()` and convert.PACK_MIN_WEIGHT_BYTES): oneDNN's int8 matmul
+  with the weight reordered once at load time into its blocked layout (the same bytes; the plain
+  copy is dropped), where `_int_mm` reorders it on every call. The activation is quantized per row
+  exactly as for the dynamic kernel (handed over as uint8 with zero point 128 and unit scale, the
+  form oneDNN's x86 kernels take), and the row scales are applied to its output, so the result is
+  the dynamic kernel's up to float rounding.
 
-Which kernel serves a given row count is a per-shape threshold held in a shared `Int8Dispatch`, set
-at start-up by a measurement (dispatch.py) or from the CPU's features. Activations stay float32
-between layers; only the inside of each product uses narrower types.
+Between the first two, the kernel for a given row count is a per-shape threshold held in a shared
+`Int8Dispatch`, set at start-up by a measurement (dispatch.py) or from the CPU's features.
+Activations stay float32 between layers; only the inside of each product uses narrower types.
 """
 
 from __future__ import annotations
@@ -34,12 +40,33 @@ def quantize_per_channel(weight: torch.Tensor,
     return q, scale * scale_multiplier
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (per-token) symmetric int8: x [M, K] float -> (int8 [M, K], float32 scale [M, 1])."""
+_PACKED_ZERO_POINT = 128
+_PACK_ROWS_HINT = 16  # the row count oneDNN is told to expect when it picks the packed layout
+
+
+def packing_available() -> bool:
+    """Whether this PyTorch has oneDNN's x86 int8 linear (CPU builds with mkldnn)."""
+    onednn = getattr(torch.ops, "onednn", None)
+    return (torch.backends.mkldnn.is_available() and onednn is not None
+            and hasattr(onednn, "qlinear_prepack") and hasattr(onednn, "qlinear_pointwise"))
+
+
+def _row_scales(x: torch.Tensor) -> torch.Tensor:
     # One division by the [M, 1] scale, built in place: 15 us for 16 rows of 576, where multiplying
     # by a freshly allocated reciprocal took 26 (four of these run per layer and step).
-    scale = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(QMAX)
+    return x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(QMAX)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per-token) symmetric int8: x [M, K] float -> (int8 [M, K], float32 scale [M, 1])."""
+    scale = _row_scales(x)
     return x.div(scale).round_().to(torch.int8), scale
+
+
+def quantize_rows_offset(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` shifted into uint8 (value + 128), the activation form oneDNN's kernels take."""
+    scale = _row_scales(x)
+    return x.div(scale).round_().add_(_PACKED_ZERO_POINT).to(torch.uint8), scale
 
 
 class Int8Dispatch:
@@ -68,6 +95,7 @@ class Int8Linear(nn.Module):
             raise ValueError(f"qweight must be a 2-D int8 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("packed_weight", None)
         self.register_buffer("scale", scale.float().contiguous())
         # The weight-only kernel wants bfloat16 scales; exact ones keep the float32 scale exact.
         ones = torch.ones(self.out_features, dtype=torch.bfloat16)
@@ -81,17 +109,42 @@ class Int8Linear(nn.Module):
         q, scale = quantize_per_channel(linear.weight, scale_multiplier)
         return cls(q, scale, linear.bias, dispatch)
 
+    @property
+    def is_packed(self) -> bool:
+        return self.packed_weight is not None
+
+    def pack(self) -> bool:
+        """Moves the weight into oneDNN's prepacked layout for good (every row count then uses it);
+        False, and nothing changed, where this PyTorch cannot."""
+        if self.is_packed:
+            return True
+        if not packing_available():
+            return False
+        try:
+            packed = torch.ops.onednn.qlinear_prepack(self.qweight, [_PACK_ROWS_HINT, self.in_features])
+        except RuntimeError:
+            return False
+        self.packed_weight = packed
+        self.qweight = None
+        self.register_buffer("zero_points", torch.zeros(self.out_features, dtype=torch.long), persistent=False)
+        return True
+
     def dequantized_weight(self) -> torch.Tensor:
+        if self.qweight is None:
+            raise ValueError("a packed layer keeps no plain int8 weight")
         return self.qweight.float() * self.scale[:, None]
 
     def weight_bytes(self) -> int:
         """Bytes this layer keeps for its weight: int8 values plus the float32 scales."""
-        return self.qweight.numel() * self.qweight.element_size() + self.scale.numel() * 4
+        weight = self.packed_weight if self.is_packed else self.qweight
+        return weight.numel() * weight.element_size() + self.scale.numel() * 4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] >= self.dispatch.min_rows(self.in_features, self.out_features):
+        if self.is_packed:
+            y = self.forward_packed(x2)
+        elif x2.shape[0] >= self.dispatch.min_rows(self.in_features, self.out_features):
             y = self.forward_dynamic(x2)
         else:
             y = self.forward_weight_only(x2)
@@ -101,6 +154,13 @@ class Int8Linear(nn.Module):
         xq, row_scale = quantize_rows(x.float())
         # int32 * float32 promotes to float32: no separate conversion pass over the output.
         y = torch._int_mm(xq, self.qweight.t()).mul(row_scale).mul_(self.scale)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def forward_packed(self, x: torch.Tensor) -> torch.Tensor:
+        xu, row_scale = quantize_rows_offset(x.float())
+        acc = torch.ops.onednn.qlinear_pointwise(xu, 1.0, _PACKED_ZERO_POINT, self.packed_weight, self.scale,
+                                                 self.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+        y = acc.mul_(row_scale)
         return y if self.bias is None else y.add_(self.bias)
 
     def forward_weight_only(self, x: torch.Tensor) -> torch.Tensor:
