@@ -3,6 +3,9 @@ float32 `generate`, at batch 1 and 16, plus the perplexity cost of int8, in one 
 
 Decode tokens/s is measured the same way for all three: generate 1 token and G tokens for the same
 batch of prompts, and divide the B*(G-1) extra tokens by the extra time, so prefill cancels out.
+The contenders take turns, one timing each per round, and each keeps its fastest: on a shared
+machine whose speed drifts by 10-20% over minutes, measuring one contender after the other would
+let the drift decide the ratios.
 Every figure printed is measured in this run; the targets are the issue's, compared at the end.
 """
 
@@ -23,7 +26,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,16", help="comma-separated (default 1,16)")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32, help="G: tokens generated per sequence")
-    p.add_argument("--repeats", type=int, default=2, help="timings per point; the fastest is kept")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of timings; each contender keeps its fastest")
     p.add_argument("--threads", type=int, default=None, help="torch threads for every contender")
     p.add_argument("--kv-manager", default="paged", help="cpu-int8's KV manager (paged|radix)")
     p.add_argument("--head", choices=["float", "int8", "both"], default="both",
@@ -39,32 +42,22 @@ def _prompts(tokens: list[int], batch: int, length: int) -> list[list[int]]:
     return [tokens[(i * length) % (len(tokens) - length):][:length] for i in range(batch)]
 
 
-def _best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
-def _decode_rate(generate, batch: int, new_tokens: int, repeats: int) -> float:
-    generate(new_tokens)  # warm-up
-    t_one = _best(lambda: generate(1), repeats)
-    t_all = _best(lambda: generate(new_tokens), repeats)
-    return batch * (new_tokens - 1) / max(t_all - t_one, 1e-9)
-
-
-def _ours(llm, prompts, repeats: int, new_tokens: int) -> float:
+def _ours(llm, prompts):
     from inferplane.worker.sampling import SamplingParams
 
     def generate(n: int) -> None:
         llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
 
-    return _decode_rate(generate, len(prompts), new_tokens, repeats)
+    return generate
 
 
-def _hf(model, prompts, repeats: int, new_tokens: int) -> float:
+def _hf(model, prompts):
     import torch
 
     ids = torch.tensor(prompts)
@@ -74,7 +67,21 @@ def _hf(model, prompts, repeats: int, new_tokens: int) -> float:
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, pad_token_id=0)
 
-    return _decode_rate(generate, len(prompts), new_tokens, repeats)
+    return generate
+
+
+def decode_rates(generators: dict[str, object], batch: int, new_tokens: int, repeats: int) -> dict[str, float]:
+    """Decode tokens/s per contender: batch * (G - 1) tokens over the fastest t(G) - t(1), with the
+    contenders' timings interleaved round by round."""
+    for generate in generators.values():
+        generate(new_tokens)  # warm-up
+    t_one = {name: float("inf") for name in generators}
+    t_all = dict(t_one)
+    for _ in range(repeats):
+        for name, generate in generators.items():
+            t_one[name] = min(t_one[name], _timed(lambda g=generate: g(1)))
+            t_all[name] = min(t_all[name], _timed(lambda g=generate: g(new_tokens)))
+    return {name: batch * (new_tokens - 1) / max(t_all[name] - t_one[name], 1e-9) for name in generators}
 
 
 def _load_hf(path: str):
@@ -123,11 +130,12 @@ def main(argv: list[str]) -> int:
     rates: dict[tuple[str, int], float] = {}
     for batch in batches:
         prompts = _prompts(tokens, batch, args.prompt_len)
-        for name, llm in variants.items():
-            rates[(name, batch)] = _ours(llm, prompts, args.repeats, args.new_tokens)
-        rates[("float32 engine", batch)] = _ours(dense, prompts, args.repeats, args.new_tokens)
+        generators = {name: _ours(llm, prompts) for name, llm in variants.items()}
+        generators["float32 engine"] = _ours(dense, prompts)
         if hf is not None:
-            rates[("HF float32 generate", batch)] = _hf(hf, prompts, args.repeats, args.new_tokens)
+            generators["HF float32 generate"] = _hf(hf, prompts)
+        for name, rate in decode_rates(generators, batch, args.new_tokens, args.repeats).items():
+            rates[(name, batch)] = rate
 
     print("\ndecode tokens/s")
     names = [*variants, "float32 engine"] + ([] if hf is None else ["HF float32 generate"])
@@ -166,7 +174,9 @@ def main(argv: list[str]) -> int:
                                          tokens[: args.ppl_tokens])
             ok[name] &= result.ppl_rise_pct <= TARGET_PPL_RISE_PCT
             print(f"  evaluation text: {result.summary()}")
+    complete = hf is not None and {1, 16} <= set(batches) and args.ppl_tokens > 0
     for name, met in ok.items():
-        print(f"\n{name}: all targets {'met' if met else 'NOT met'}", end="")
+        verdict = "NOT met" if not met else ("met" if complete else "met where measured (not all were)")
+        print(f"\n{name}: all targets {verdict}", end="")
     print("\n(timings on a shared, busy 2-core machine are noisy)")
     return 0
