@@ -30,9 +30,9 @@ from inferplane.control_plane.auth import Principal
 from inferplane.control_plane.gateway.completions import Completions
 from inferplane.control_plane.gateway.context import GatewayContext, bearer
 from inferplane.control_plane.gateway.errors import GatewayError, as_error, error_response, validation_error_response
+from inferplane.control_plane.gateway.middleware import Scope, header
 from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 
-Scope = dict[str, Any]
 Handler = Callable[[Any, Principal], Awaitable[Response]]
 
 
@@ -75,18 +75,17 @@ class InferenceFastPath:
 
     async def _handle(self, endpoint: _Endpoint, scope: Scope, receive) -> Response:
         raw = await self._read_body(receive)
-        headers = _headers(scope)
         data: Any = raw
         if not raw:
             data = None
-        elif _is_json(headers.get("content-type")):
+        elif _is_json(header(scope, b"content-type")):
             try:
                 data = json.loads(raw)
             except json.JSONDecodeError:
                 return error_response(400, "request body is not valid JSON", "invalid_json")
             except ValueError:  # not UTF-8 at all
                 return error_response(400, "There was an error parsing the body", None)
-        principal = self.ctx.tenant_principal(bearer(headers.get("authorization")))
+        principal = self.ctx.tenant_principal(bearer(header(scope, b"authorization")))
         if data is None:
             return validation_error_response([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
         try:
@@ -112,14 +111,6 @@ class InferenceFastPath:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
-
-
-def _headers(scope: Scope) -> dict[str, str]:
-    """The first value of each header, as Starlette's `Headers.get` gives it."""
-    headers: dict[str, str] = {}
-    for key, value in scope["headers"]:
-        headers.setdefault(key.decode("latin-1"), value.decode("latin-1"))
-    return headers
 
 
 def _is_json(content_type: str | None) -> bool:

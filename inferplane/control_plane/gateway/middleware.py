@@ -39,7 +39,7 @@ class LimitsAndMetrics:
             await send(message)
 
         try:
-            length = _header(scope, b"content-length")
+            length = header(scope, b"content-length")
             if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
                 response = error_response(413, f"request body over {self.max_body_bytes} bytes",
                                           "request_too_large")
@@ -52,7 +52,8 @@ class LimitsAndMetrics:
             self.metrics.latency.labels(path).observe(time.perf_counter() - start)
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
+def header(scope: Scope, name: bytes) -> str | None:
+    """The first value of a (lower-case) header in an ASGI scope, as Starlette's `Headers.get` gives it."""
     for key, value in scope["headers"]:
         if key == name:
             return value.decode("latin-1")
