@@ -1,6 +1,8 @@
 """Attention over the paged KV cache.
 
-The portable path gathers each sequence's blocks into a contiguous view and runs PyTorch's
+On the CPU, in float32, decodes run in a C kernel that reads each sequence's KV blocks where they
+lie in the cache (worker/native; 3x faster than gather + SDPA at ~140 tokens of context). The
+portable path gathers each sequence's blocks into a contiguous view and runs PyTorch's
 scaled_dot_product_attention: it works on any device. Decodes are batched into one SDPA call (the
 query heads of a KV group are laid out as a short query axis, so grouped-query attention needs no
 repeat). Prefill chunks that start a sequence (nothing cached yet) and have similar lengths run
@@ -15,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from inferplane.worker import native
 
 
 @dataclass
@@ -156,7 +160,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     group = heads // kv_heads
     out = torch.empty_like(q)
     nd = batch.num_decodes
-    if nd:
+    kernels = native.kernels() if q.device.type == "cpu" else None
+    if nd and kernels is not None and kernels.decode_attention_applies(q, k_cache, batch.decode_block_tables,
+                                                                       batch.decode_context_lens):
+        out[:nd] = kernels.paged_decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables,
+                                                  batch.decode_context_lens, scale)
+    elif nd:
         max_len = batch.decode_max_len
         keys = _gather(k_cache, batch.decode_block_tables, max_len).transpose(1, 2)  # [B, kvh, L, d]
         values = _gather(v_cache, batch.decode_block_tables, max_len).transpose(1, 2)

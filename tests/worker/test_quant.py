@@ -11,17 +11,20 @@ import pytest
 import torch
 from torch import nn
 
+from inferplane.worker import native
 from inferplane.worker.quant.gate import GateAccumulator, load_eval_text, windows
 from inferplane.worker.quant.gguf_q8 import q8_0_to_per_channel
 from inferplane.worker.quant.int8_linear import (
     Int8Dispatch,
     Int8Linear,
     dynamic_error_bound,
-    packing_available,
     quantize_per_channel,
     weight_only_error_bound,
 )
 from tests.worker.conftest import prompts_of_lengths
+
+_NATIVE_INT8 = native.kernels() is not None and native.kernels().has_int8_linear
+needs_native_int8 = pytest.mark.skipif(not _NATIVE_INT8, reason="no C compiler or no AVX-512 VNNI here")
 
 
 def _linear(k: int, n: int, bias: bool, seed: int = 0) -> nn.Linear:
@@ -72,21 +75,28 @@ def test_weight_only_path_is_within_its_scale_bound(rows):
     assert bool((err <= weight_only_error_bound(layer, x)).all())
 
 
-@pytest.mark.skipif(not packing_available(), reason="this PyTorch has no oneDNN int8 linear")
-@pytest.mark.parametrize("rows", [1, 7, 16])
+@needs_native_int8
+@pytest.mark.parametrize("rows", [1, 7, 16, 37])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_path_is_within_the_dynamic_bound_and_keeps_the_bytes(rows, bias):
-    linear = _linear(96, 40, bias)
+    linear = _linear(96, 48, bias)
     layer = Int8Linear.from_linear(linear)
     x = _inputs(rows, 96)
     bound, dynamic, plain_bytes = dynamic_error_bound(layer, x), layer.forward_dynamic(x), layer.weight_bytes()
+    weight = layer.dequantized_weight()
     assert layer.pack() and layer.is_packed and layer.qweight is None
     out = layer(x)
     assert bool(((out - linear(x).detach()).abs() <= bound).all())
-    torch.testing.assert_close(out, dynamic, rtol=1e-5, atol=1e-5)  # the same int8 product, other kernel
+    torch.testing.assert_close(out, dynamic, rtol=1e-6, atol=1e-6)  # the same int8 product, other kernel
     assert layer.weight_bytes() == plain_bytes
+    assert torch.equal(layer.dequantized_weight(), weight)
     with pytest.raises(ValueError, match="packed"):
-        layer.dequantized_weight()
+        layer.forward_dynamic(x)
+
+
+def test_a_shape_the_packed_layout_cannot_hold_stays_unpacked():
+    layer = Int8Linear.from_linear(_linear(96, 40, bias=False))  # 40 outputs: not a multiple of 16
+    assert not layer.pack() and not layer.is_packed and layer.qweight is not None
 
 
 def test_wrong_scales_break_the_bound():
@@ -263,22 +273,22 @@ def test_cpu_int8_refuses_other_devices_and_dtypes(tiny_llama):
         prepare_weights(options, loaded)
 
 
-@pytest.mark.skipif(not packing_available(), reason="this PyTorch has no oneDNN int8 linear")
-def test_a_model_with_every_layer_packed_generates_what_the_unpacked_one_does(tiny_llama, monkeypatch):
-    """SmolLM2 packs only its int8 head (the size threshold); here every layer is, to run the packed
-    kernel through whole forward passes: prefill, decode, 1 to 3 rows."""
+@needs_native_int8
+def test_a_model_on_the_c_kernels_generates_what_the_pytorch_one_does(tiny_llama, monkeypatch):
+    """Every int8 layer packed and decode attention in C, against the same model on PyTorch's ops
+    only (INFERPLANE_NATIVE=0 in effect): whole forward passes, prefill and decode, 1 to 3 rows."""
     from inferplane.worker.llm import LLM
-    from inferplane.worker.quant import convert
     from inferplane.worker.sampling import SamplingParams
 
     prompts = prompts_of_lengths([5, 12, 30], 320, seed=3)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     options = dict(runtime="cpu-int8", device="cpu", num_kv_blocks=64, skip_quality_gate=True, quantize_head=True)
-    plain = LLM(tiny_llama, **options)
-    monkeypatch.setattr(convert, "PACK_MIN_WEIGHT_BYTES", 0)
     packed = LLM(tiny_llama, **options)
     layers = [m for m in packed.engine.loaded.model.modules() if isinstance(m, Int8Linear)]
     assert layers and all(m.is_packed for m in layers)
     assert packed.stats()["int8_layers_packed"] == len(layers)
-    assert [o.token_ids for o in packed.generate(prompts, params)] == \
-           [o.token_ids for o in plain.generate(prompts, params)]
+    on_c_kernels = [o.token_ids for o in packed.generate(prompts, params)]
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    plain = LLM(tiny_llama, **options)
+    assert not any(m.is_packed for m in plain.engine.loaded.model.modules() if isinstance(m, Int8Linear))
+    assert on_c_kernels == [o.token_ids for o in plain.generate(prompts, params)]

@@ -38,7 +38,7 @@ class ConversionReport:
     source_layers: int = 0  # nn.Linear layers converted (fused ones count each)
     from_q8_0: int = 0  # of those, built directly from GGUF Q8_0 blocks
     float_bytes: int = 0  # what the converted layers took as float32
-    packed: int = 0  # layers moved to oneDNN's prepacked layout
+    packed: int = 0  # layers moved to the C kernel's layout (worker/native)
 
     @property
     def int8_bytes(self) -> int:
@@ -53,12 +53,6 @@ class _Group:
     attr: str  # where the int8 layer goes
     members: list[tuple[str, str, nn.Linear]]  # (qualified name, attribute on parent, layer)
 
-
-# Packing pays for big weights only. Measured in SmolLM2's decode steps: the int8 output head (28
-# MB) took 2.2 instead of 3.7 ms per step at 16 rows and 1.45 instead of 1.8 at one row; the MLP
-# weights (0.9 and 1.8 MB) gained nothing measurable inside the model, although a loop over them
-# alone had shown a third off at 16 rows.
-PACK_MIN_WEIGHT_BYTES = 8 << 20
 
 _FUSED = (
     ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
@@ -110,8 +104,9 @@ def convert_model(model: nn.Module, *, quantize_head: bool = False, scale_multip
     `fuse`, q/k/v and gate/up become one layer each: per-row quantization makes that exactly the
     same int8 as separate layers, with three matmuls and input quantizations fewer per decoder layer.
     `scale_multiplier` != 1 stores deliberately wrong scales: a test hook proving the gate can fail.
-    With `pack`, layers of at least PACK_MIN_WEIGHT_BYTES move to oneDNN's prepacked layout (see
-    Int8Linear.pack) where this PyTorch has it.
+    With `pack`, every layer whose shape fits moves to the C kernel's layout (Int8Linear.pack)
+    where this machine can build it; the start-up measurement of the PyTorch kernels then only
+    matters for the layers left over.
     """
     smoothed = False
     if calibration_ids and smooth_alpha and _is_llama_shaped(model):
@@ -150,10 +145,10 @@ def convert_model(model: nn.Module, *, quantize_head: bool = False, scale_multip
             delattr(group.parent, attr)
         setattr(group.parent, group.attr, layer)
         report.layers.append(layer)
-    if measure_dispatch:
-        calibrate(report.layers, report.dispatch)
     if pack:
-        report.packed = sum(layer.pack() for layer in report.layers if layer.weight_bytes() >= PACK_MIN_WEIGHT_BYTES)
+        report.packed = sum(layer.pack() for layer in report.layers)
+    if measure_dispatch:
+        calibrate([layer for layer in report.layers if not layer.is_packed], report.dispatch)
     return report
 
 
@@ -162,11 +157,9 @@ def model_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for t in list(model.parameters()) + [b for _, b in model.named_buffers()]:
-        # oneDNN's packed weights (layout _mkldnn) have no storage to point at: told apart by identity.
-        key = t.data_ptr() if t.layout == torch.strided else id(t)
-        if key in seen:
+        if t.data_ptr() in seen:
             continue
-        seen.add(key)
+        seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
     return total
 

@@ -6,15 +6,15 @@
 - weight-only: `torch._weight_int8pack_mm` reads the int8 weights directly and multiplies them by the
   input in bfloat16 (float32 accumulation). For one or two rows a GEMV is memory-bound, and this
   kernel reads a quarter of the float32 bytes without the per-call cost of quantizing the input.
-- packed (large weights, see `pack()` and convert.PACK_MIN_WEIGHT_BYTES): oneDNN's int8 matmul
-  with the weight reordered once at load time into its blocked layout (the same bytes; the plain
-  copy is dropped), where `_int_mm` reorders it on every call. The activation is quantized per row
-  exactly as for the dynamic kernel (handed over as uint8 with zero point 128 and unit scale, the
-  form oneDNN's x86 kernels take), and the row scales are applied to its output, so the result is
-  the dynamic kernel's up to float rounding.
+- packed (see `pack()`): the worker's C kernel (worker/native) with the weight laid out once, at
+  load time, in the order its AVX-512 VNNI loop reads; each input row is quantized inside the call
+  exactly as for the dynamic kernel, and integer accumulation is exact, so the result equals the
+  dynamic kernel's. It beat both others at every row count measured (1 to 64) for SmolLM2's shapes,
+  so a packed layer uses it for all inputs; the plain copy of the weight is dropped.
 
-Between the first two, the kernel for a given row count is a per-shape threshold held in a shared
-`Int8Dispatch`, set at start-up by a measurement (dispatch.py) or from the CPU's features.
+Without the C kernels (no compiler, another CPU), the choice between the first two for a given row
+count is a per-shape threshold held in a shared `Int8Dispatch`, set at start-up by a measurement
+(dispatch.py) or from the CPU's features.
 Activations stay float32 between layers; only the inside of each product uses narrower types.
 """
 
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from inferplane.worker import native
 
 QMAX = 127  # symmetric: -127..127, so that negating a weight never overflows
 
@@ -40,17 +42,6 @@ def quantize_per_channel(weight: torch.Tensor,
     return q, scale * scale_multiplier
 
 
-_PACKED_ZERO_POINT = 128
-_PACK_ROWS_HINT = 16  # the row count oneDNN is told to expect when it picks the packed layout
-
-
-def packing_available() -> bool:
-    """Whether this PyTorch has oneDNN's x86 int8 linear (CPU builds with mkldnn)."""
-    onednn = getattr(torch.ops, "onednn", None)
-    return (torch.backends.mkldnn.is_available() and onednn is not None
-            and hasattr(onednn, "qlinear_prepack") and hasattr(onednn, "qlinear_pointwise"))
-
-
 def _row_scales(x: torch.Tensor) -> torch.Tensor:
     # One division by the [M, 1] scale, built in place: 15 us for 16 rows of 576, where multiplying
     # by a freshly allocated reciprocal took 26 (four of these run per layer and step).
@@ -61,12 +52,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (per-token) symmetric int8: x [M, K] float -> (int8 [M, K], float32 scale [M, 1])."""
     scale = _row_scales(x)
     return x.div(scale).round_().to(torch.int8), scale
-
-
-def quantize_rows_offset(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows` shifted into uint8 (value + 128), the activation form oneDNN's kernels take."""
-    scale = _row_scales(x)
-    return x.div(scale).round_().add_(_PACKED_ZERO_POINT).to(torch.uint8), scale
 
 
 class Int8Dispatch:
@@ -114,25 +99,26 @@ class Int8Linear(nn.Module):
         return self.packed_weight is not None
 
     def pack(self) -> bool:
-        """Moves the weight into oneDNN's prepacked layout for good (every row count then uses it);
-        False, and nothing changed, where this PyTorch cannot."""
+        """Moves the weight into the C kernel's layout for good (every row count then uses it);
+        False, and nothing changed, where the kernel is unavailable or the shape does not fit it."""
         if self.is_packed:
             return True
-        if not packing_available():
+        kernels = native.kernels()
+        if kernels is None or not kernels.has_int8_linear:
             return False
-        try:
-            packed = torch.ops.onednn.qlinear_prepack(self.qweight, [_PACK_ROWS_HINT, self.in_features])
-        except RuntimeError:
+        if not native.int8_shape_supported(self.out_features, self.in_features):
             return False
-        self.packed_weight = packed
+        self.packed_weight = native.pack_int8_weight(self.qweight)
         self.qweight = None
-        self.register_buffer("zero_points", torch.zeros(self.out_features, dtype=torch.long), persistent=False)
+        self._kernels = kernels
         return True
 
+    def int8_weight(self) -> torch.Tensor:
+        """The int8 values [N, K], from whichever layout holds them."""
+        return native.unpack_int8_weight(self.packed_weight) if self.is_packed else self.qweight
+
     def dequantized_weight(self) -> torch.Tensor:
-        if self.qweight is None:
-            raise ValueError("a packed layer keeps no plain int8 weight")
-        return self.qweight.float() * self.scale[:, None]
+        return self.int8_weight().float() * self.scale[:, None]
 
     def weight_bytes(self) -> int:
         """Bytes this layer keeps for its weight: int8 values plus the float32 scales."""
@@ -151,17 +137,15 @@ class Int8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def forward_dynamic(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is None:
+            raise ValueError("a packed layer keeps no plain int8 weight")
         xq, row_scale = quantize_rows(x.float())
         # int32 * float32 promotes to float32: no separate conversion pass over the output.
         y = torch._int_mm(xq, self.qweight.t()).mul(row_scale).mul_(self.scale)
         return y if self.bias is None else y.add_(self.bias)
 
     def forward_packed(self, x: torch.Tensor) -> torch.Tensor:
-        xu, row_scale = quantize_rows_offset(x.float())
-        acc = torch.ops.onednn.qlinear_pointwise(xu, 1.0, _PACKED_ZERO_POINT, self.packed_weight, self.scale,
-                                                 self.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
-        y = acc.mul_(row_scale)
-        return y if self.bias is None else y.add_(self.bias)
+        return self._kernels.int8_linear(x.float(), self.packed_weight, self.scale, self.bias)
 
     def forward_weight_only(self, x: torch.Tensor) -> torch.Tensor:
         acc = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.unit_scale)

@@ -1,0 +1,137 @@
+"""The C kernels (worker/native): built here, and each equal to the PyTorch path it replaces."""
+
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+
+import pytest
+import torch
+
+from inferplane.worker import native
+from inferplane.worker.attention import AttentionBatch, paged_attention
+from inferplane.worker.quant.int8_linear import Int8Linear
+
+KERNELS = native.kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler or not x86-64 here")
+needs_int8 = pytest.mark.skipif(KERNELS is None or not KERNELS.has_int8_linear, reason="no AVX-512 VNNI here")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("cc") is None, reason="no x86-64 C toolchain")
+def test_the_kernels_build_wherever_a_compiler_is():
+    """Without this, a broken build would only show as every other test here being skipped."""
+    assert KERNELS is not None
+    assert KERNELS.path.exists()
+
+
+def test_pack_and_unpack_are_inverse():
+    q = torch.randint(-127, 128, (48, 20), dtype=torch.int8)
+    packed = native.pack_int8_weight(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 5, 16, 4)
+    assert int(packed[1, 2, 7, 3]) == int(q[16 + 7, 2 * 4 + 3]) + 128  # block, input group, channel, input
+    assert torch.equal(native.unpack_int8_weight(packed), q)
+
+
+@needs_int8
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 15, 16, 17, 33])
+@pytest.mark.parametrize("out_features", [48, 128])  # 3 blocks of 16 (one at a time) and 8 (four at a time)
+def test_int8_linear_equals_the_dynamic_kernel(rows, out_features):
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(72, out_features, bias=True)
+    layer = Int8Linear.from_linear(linear)
+    x = torch.randn(rows, 72) * torch.linspace(0.1, 4, 72)
+    expected = layer.forward_dynamic(x)
+    packed = native.pack_int8_weight(layer.qweight)
+    got = KERNELS.int8_linear(x, packed, layer.scale, layer.bias)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@needs_int8
+def test_int8_linear_reads_strided_rows_and_zero_rows():
+    layer = Int8Linear.from_linear(torch.nn.Linear(64, 32, bias=False))
+    wide = torch.randn(6, 100)
+    x = wide[:, 10:74]  # rows 100 floats apart
+    x[2] = 0.0  # an all-zero row must not divide by zero
+    packed = native.pack_int8_weight(layer.qweight)
+    got = KERNELS.int8_linear(x, packed, layer.scale, None)
+    torch.testing.assert_close(got, layer.forward_dynamic(x.contiguous()), rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[2], torch.zeros(32))
+
+
+def _decode_case(lengths: list[int], heads: int, kv_heads: int, dim: int = 32, block_size: int = 4):
+    gen = torch.Generator().manual_seed(sum(lengths))
+    blocks_needed = [(n + block_size - 1) // block_size for n in lengths]
+    num_blocks = sum(blocks_needed) + 5
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen)  # blocks scattered over the pool, as in use
+    width = max(blocks_needed)
+    tables = torch.zeros(len(lengths), width, dtype=torch.long)
+    used = 0
+    for i, n in enumerate(blocks_needed):
+        tables[i, :n] = order[used:used + n]
+        used += n
+    # q as the model has it: a view of the fused q|k|v rows, not contiguous
+    qkv = torch.randn(len(lengths), heads + 2 * kv_heads, dim, generator=gen)
+    batch = AttentionBatch(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lengths),
+                           decode_block_tables=tables, decode_context_lens=torch.tensor(lengths),
+                           decode_max_len=max(lengths))
+    return qkv[:, :heads], k_cache, v_cache, batch
+
+
+@needs_kernels
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (9, 3)])
+def test_paged_decode_attention_equals_gather_and_sdpa(heads, kv_heads, monkeypatch):
+    q, k_cache, v_cache, batch = _decode_case([1, 4, 5, 13, 40], heads, kv_heads)
+    kv = q[:, :kv_heads]  # this step's k, v: only prefills read them
+    scale = 32**-0.5
+    got = paged_attention(q, kv, kv, k_cache, v_cache, batch, scale)
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    expected = paged_attention(q, kv, kv, k_cache, v_cache, batch, scale)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_paged_decode_attention_handles_long_contexts_and_extreme_scores(monkeypatch):
+    """A softmax over 700 tokens with scores hundreds apart: the kernel's exp must neither overflow
+    nor lose the few keys that matter."""
+    q, k_cache, v_cache, batch = _decode_case([700, 3], 4, 2, dim=16, block_size=16)
+    q = q * 30
+    kv = q[:, :2]
+    got = paged_attention(q, kv, kv, k_cache, v_cache, batch, 1.0)
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    expected = paged_attention(q, kv, kv, k_cache, v_cache, batch, 1.0)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_without_a_compiler_the_kernels_are_off_and_say_so(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("INFERPLANE_NATIVE_DIR", str(tmp_path))
+    native.kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="inferplane.worker.native"):
+            assert native.kernels() is None
+        assert "native kernels unavailable" in caplog.text
+        monkeypatch.setenv("INFERPLANE_NATIVE", "0")
+        native.kernels.cache_clear()
+        assert native.kernels() is None
+    finally:
+        native.kernels.cache_clear()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("cc") is None, reason="no x86-64 C toolchain")
+def test_a_failed_build_is_reported_with_the_compiler_message(monkeypatch, tmp_path, caplog):
+    broken = tmp_path / "kernels.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setenv("INFERPLANE_NATIVE_DIR", str(tmp_path / "cache"))
+    native.kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="inferplane.worker.native"):
+            assert native.kernels() is None
+        assert "error" in caplog.text
+        assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built is left to load later
+    finally:
+        native.kernels.cache_clear()
