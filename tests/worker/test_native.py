@@ -135,3 +135,54 @@ def test_a_failed_build_is_reported_with_the_compiler_message(monkeypatch, tmp_p
         assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built is left to load later
     finally:
         native.kernels.cache_clear()
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_rms_norm_and_the_residual_add_before_it(rows):
+    from inferplane.worker.model.llama import RMSNorm
+
+    torch.manual_seed(rows)
+    norm = RMSNorm(40, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 2.0)
+    x, delta = torch.randn(rows, 40) * 3, torch.randn(rows, 40)
+    expected_sum = x + delta
+    expected = norm.weight * (expected_sum * torch.rsqrt(expected_sum.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(KERNELS.rms_norm(x.clone(), norm.weight.detach(), 1e-5), norm.weight.detach() * (
+        x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)), rtol=1e-5, atol=1e-6)
+    summed, normed = norm.add_and_norm(x, delta)
+    torch.testing.assert_close(summed, expected_sum)
+    torch.testing.assert_close(normed, expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
+def test_silu_mul_matches_pytorch_including_saturated_gates():
+    gate = torch.cat([torch.randn(3, 20) * 4, torch.tensor([[-120.0, 120.0, -88.0, 95.0] * 5])])
+    up = torch.randn(4, 20)
+    got = KERNELS.silu_mul(torch.cat([gate, up], dim=1))
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(got).all()
+
+
+@needs_kernels
+def test_rope_and_kv_store_in_one_pass_match_the_pytorch_ops():
+    from inferplane.worker.attention import store_kv
+    from inferplane.worker.model.llama import rope
+
+    heads, kv_heads, dim, t = 4, 2, 16, 5
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(t, heads + 2 * kv_heads, dim, generator=gen)
+    angles = torch.rand(t, 1, dim // 2, generator=gen) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    signed_sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    slots = torch.tensor([9, 2, 14, 0, 5])
+    caches = [torch.zeros(4, 4, kv_heads, dim) for _ in range(4)]  # ours k, v; reference k, v
+
+    qk = rope(qkv[:, : heads + kv_heads], cos, signed_sin)
+    store_kv(caches[2], caches[3], qk[:, heads:], qkv[:, heads + kv_heads:], slots)
+    fused = qkv.clone()
+    KERNELS.rope_store_kv(fused, heads, kv_heads, cos, signed_sin, slots, caches[0], caches[1])
+    torch.testing.assert_close(fused[:, : heads + kv_heads], qk, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(caches[0], caches[2], rtol=1e-6, atol=1e-6)
+    assert torch.equal(caches[1], caches[3]) and caches[1].abs().sum() > 0

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-Wall")
 _FEATURE_INT8_LINEAR = 1
+_FEATURE_F32_LINEAR = 2
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -52,7 +53,17 @@ class NativeKernels:
         lib.ip_paged_decode_attention.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P,
                                                   ctypes.c_float, _P, _I]
         lib.ip_paged_decode_attention.restype = ctypes.c_int
-        self.has_int8_linear = bool(lib.ip_features() & _FEATURE_INT8_LINEAR)
+        lib.ip_f32_linear.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I]
+        lib.ip_f32_linear.restype = ctypes.c_int
+        lib.ip_rms_norm.argtypes = [_P, _P, _I, _I, _P, ctypes.c_float, _P]
+        lib.ip_rms_norm.restype = None
+        lib.ip_silu_mul.argtypes = [_P, _I, _I, _P]
+        lib.ip_silu_mul.restype = None
+        lib.ip_rope_store_kv.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P]
+        lib.ip_rope_store_kv.restype = None
+        features = lib.ip_features()
+        self.has_int8_linear = bool(features & _FEATURE_INT8_LINEAR)
+        self.has_f32_linear = bool(features & _FEATURE_F32_LINEAR)
 
     def int8_linear(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
@@ -67,6 +78,47 @@ class NativeKernels:
                                       None if bias is None else bias.data_ptr(), n, out.data_ptr(), n)
         _check(rc, "ip_int8_linear")
         return out
+
+    def f32_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] @ weight[N, K].T (+ bias), float32, weight in its own layout; for few rows."""
+        m, k = x.shape
+        n = weight.shape[0]
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(m, n, dtype=torch.float32)
+        rc = self._lib.ip_f32_linear(x.data_ptr(), m, k, x.stride(0), weight.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), n, out.data_ptr(), n)
+        _check(rc, "ip_f32_linear")
+        return out
+
+    def f32_linear_applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (self.has_f32_linear and x.device.type == "cpu" and x.dtype == torch.float32
+                and weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape[0] % 8 == 0)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 delta: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of x [M, K] (contiguous float32); with `delta`, x += delta first, in place (the
+        residual add before a norm, one pass over the row instead of two)."""
+        m, k = x.shape
+        out = torch.empty_like(x)
+        self._lib.ip_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), m, k, weight.data_ptr(),
+                              eps, out.data_ptr())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[M, 2I] (gate | up) -> silu(gate) * up [M, I]."""
+        m, width = gate_up.shape
+        out = torch.empty(m, width // 2, dtype=torch.float32)
+        self._lib.ip_silu_mul(gate_up.data_ptr(), m, width // 2, out.data_ptr())
+        return out
+
+    def rope_store_kv(self, qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor,
+                      signed_sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> None:
+        """qkv [T, heads + 2 kv_heads, d]: q and k rotated in place, k and v copied to their slots."""
+        t, _, d = qkv.shape
+        self._lib.ip_rope_store_kv(qkv.data_ptr(), t, heads, kv_heads, d, cos.data_ptr(), signed_sin.data_ptr(),
+                                   slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -90,6 +142,11 @@ class NativeKernels:
                 and q.stride(2) == 1 and q.stride(1) == q.shape[2] and k_cache.is_contiguous()
                 and block_tables.dtype == torch.int64 and block_tables.is_contiguous()
                 and context_lens.dtype == torch.int64 and context_lens.is_contiguous())
+
+
+def float32_rows(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor is contiguous float32 on the CPU: what the element-wise kernels read."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
 
 def _check(rc: int, name: str) -> None:

@@ -20,19 +20,40 @@
 #include <string.h>
 #include <omp.h>
 
-#if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define IP_HAVE_VNNI 1
-#define IP_HAVE_VNNI_INCLUDED 1
+#if defined(__x86_64__) && defined(__AVX512F__)
+#define IP_HAVE_AVX512 1
 #include <immintrin.h>
+#else
+#define IP_HAVE_AVX512 0
+#endif
+
+#if IP_HAVE_AVX512 && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define IP_HAVE_VNNI 1
 #else
 #define IP_HAVE_VNNI 0
 #endif
 
-#define IP_FEATURE_INT8_LINEAR 1
-
-int ip_features(void) {
-    return IP_HAVE_VNNI ? IP_FEATURE_INT8_LINEAR : 0;
+#if IP_HAVE_AVX512
+/* exp of 16 floats: Cephes-style range reduction and polynomial, about 1 ulp. libm's expf is scalar
+ * without -ffast-math (which this file avoids: it would also change the quantization's rounding). */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, k);
 }
+#endif
+
+#define IP_FEATURE_INT8_LINEAR 1
 
 /* ---------------------------------------------------------------- int8 linear */
 
@@ -177,40 +198,98 @@ int ip_int8_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const uint
 #endif
 }
 
+/* ---------------------------------------------------------------- float32 linear (few rows) */
+
+#define IP_FEATURE_F32_LINEAR 2
+
+#if IP_HAVE_AVX512
+/* MR rows of x against NR weight rows, each output a dot product over k: the weight is read in its
+ * own row-major layout (no packed copy: a tied head shares its bytes with the embedding), each
+ * 64-byte vector of it used by MR rows of x while in a register. */
+static inline __attribute__((always_inline)) void f32_tile(const float *x, int64_t ldx, int mr, const float *w,
+                                                           int64_t k, int nr, const float *bias, float *out,
+                                                           int64_t ldo) {
+    __m512 acc[8][8];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < nr; c++) acc[r][c] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= k; j += 16) {
+        __m512 wv[8];
+#pragma GCC unroll 8
+        for (int c = 0; c < nr; c++) wv[c] = _mm512_loadu_ps(w + c * k + j);
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            __m512 xv = _mm512_loadu_ps(x + r * ldx + j);
+#pragma GCC unroll 8
+            for (int c = 0; c < nr; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+        }
+    }
+    if (j < k) {
+        const __mmask16 tail = (__mmask16)((1u << (k - j)) - 1);
+        __m512 wv[8];
+#pragma GCC unroll 8
+        for (int c = 0; c < nr; c++) wv[c] = _mm512_maskz_loadu_ps(tail, w + c * k + j);
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            __m512 xv = _mm512_maskz_loadu_ps(tail, x + r * ldx + j);
+#pragma GCC unroll 8
+            for (int c = 0; c < nr; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < nr; c++) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]) + (bias ? bias[c] : 0.0f);
+}
+#endif
+
+/* out [m, n] (rows ldo apart) = x [m, k] (rows ldx apart) @ w[n, k].T + bias. Meant for few rows
+ * and a tall weight (an output head), where the GEMM libraries block poorly. Needs n % 8 == 0.
+ * Returns 0, or -1 where this build has no such kernel. */
+int ip_f32_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const float *w, const float *bias, int64_t n,
+                  float *out, int64_t ldo) {
+#if IP_HAVE_AVX512
+    const int64_t groups = n / 8;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t col = g * 8;
+        const float *wg = w + col * k;
+        const float *bg = bias ? bias + col : NULL;
+        int64_t r = 0;
+        for (; r + 8 <= m; r += 8)
+            for (int c = 0; c < 8; c += 2)
+                f32_tile(x + r * ldx, ldx, 8, wg + c * k, k, 2, bg ? bg + c : NULL, out + r * ldo + col + c, ldo);
+        if (r + 4 <= m) {
+            for (int c = 0; c < 8; c += 4)
+                f32_tile(x + r * ldx, ldx, 4, wg + c * k, k, 4, bg ? bg + c : NULL, out + r * ldo + col + c, ldo);
+            r += 4;
+        }
+        if (r + 2 <= m) {
+            f32_tile(x + r * ldx, ldx, 2, wg, k, 8, bg, out + r * ldo + col, ldo);
+            r += 2;
+        }
+        if (r < m) f32_tile(x + r * ldx, ldx, 1, wg, k, 8, bg, out + r * ldo + col, ldo);
+    }
+    return 0;
+#else
+    (void)x; (void)m; (void)k; (void)ldx; (void)w; (void)bias; (void)n; (void)out; (void)ldo;
+    return -1;
+#endif
+}
+
 /* ---------------------------------------------------------------- paged decode attention */
 
-#if defined(__x86_64__) && defined(__AVX512F__)
-#define IP_HAVE_AVX512 1
-#ifndef IP_HAVE_VNNI_INCLUDED
-#include <immintrin.h>
-#endif
-#else
-#define IP_HAVE_AVX512 0
-#endif
-
-/* s[t] <- exp(s[t] - top) for t < n; returns the sum. The AVX-512 path uses a Cephes-style
- * polynomial (about 1 ulp; libm's expf is scalar without -ffast-math, and the softmax was a third
- * of the kernel's time). */
+/* s[t] <- exp(s[t] - top) for t < n; returns the sum. */
 static float exp_shifted(float *s, int64_t n, float top) {
     float total = 0.0f;
     int64_t t = 0;
 #if IP_HAVE_AVX512
-    const __m512 vtop = _mm512_set1_ps(top), lo = _mm512_set1_ps(-87.3f), log2e = _mm512_set1_ps(1.44269504f);
-    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+    const __m512 vtop = _mm512_set1_ps(top);
     __m512 sum = _mm512_setzero_ps();
     for (; t + 16 <= n; t += 16) {
-        __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), vtop), lo);
-        __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512 r = _mm512_fnmadd_ps(k, ln2_hi, x);
-        r = _mm512_fnmadd_ps(k, ln2_lo, r);
-        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-        p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-        __m512 e = _mm512_scalef_ps(p, k);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), vtop));
         _mm512_storeu_ps(s + t, e);
         sum = _mm512_add_ps(sum, e);
     }
@@ -239,61 +318,145 @@ static inline float dot(const float *a, const float *b, int64_t d) {
 
 /* q [b, heads, d] (rows q_stride apart) attends to its sequence's first context_lens[i] tokens in
  * k_cache / v_cache [blocks, block_size, kv_heads, d], found through block_tables [b, max_blocks].
- * out [b, heads, d] (rows out_stride apart). Grouped-query: the heads / kv_heads query heads of a
- * KV head are done together, so each key and value is read once per group. Exact softmax in two
- * passes over a per-thread score buffer. */
+ * out [b, heads, d] (rows out_stride apart). Exact softmax in two passes over a per-thread score
+ * buffer. A task is one sequence and all its KV heads, so each token's keys (and values) are read
+ * as one contiguous row of kv_heads * d floats: split by head, three threads each read a third of
+ * every row and the KV reads, which dominate, ran at half the memory bandwidth. With fewer
+ * sequences than threads, tasks split a sequence's KV heads instead. */
 int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64_t heads, int64_t kv_heads,
                               int64_t d, const float *k_cache, const float *v_cache, int64_t block_size,
                               const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
                               float scale, float *out, int64_t out_stride) {
     const int64_t group = heads / kv_heads;
+    const int64_t row = kv_heads * d;  /* floats per token in the cache */
     int64_t longest = 0;
     for (int64_t i = 0; i < b; i++) longest = context_lens[i] > longest ? context_lens[i] : longest;
+    const int64_t splits = b >= 2 * (int64_t)omp_get_max_threads() ? 1 : kv_heads;
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * longest + 1));
-        float *acc = (float *)malloc(sizeof(float) * (size_t)(group * d));
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(heads * longest + 1));
+        float *acc = (float *)malloc(sizeof(float) * (size_t)(heads * d));
         if (!scores || !acc) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < b * kv_heads; task++) {
+        for (int64_t task = 0; task < b * splits; task++) {
             if (!scores || !acc) continue;
-            const int64_t seq = task / kv_heads, kvh = task % kv_heads;
+            const int64_t seq = task / splits, part = task % splits;
+            const int64_t h0 = part * kv_heads / splits, h1 = (part + 1) * kv_heads / splits;
             const int64_t len = context_lens[seq];
             const int64_t *table = block_tables + seq * max_blocks;
-            const float *qs = q + seq * q_stride + kvh * group * d;
+            const float *qs = q + seq * q_stride;
             for (int64_t t = 0; t < len; t++) {
-                const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                const float *key = k_cache + (slot * kv_heads + kvh) * d;
-                for (int64_t g = 0; g < group; g++) scores[g * len + t] = dot(qs + g * d, key, d) * scale;
+                const float *keys = k_cache + (table[t / block_size] * block_size + t % block_size) * row;
+                for (int64_t h = h0; h < h1; h++)
+                    for (int64_t g = 0; g < group; g++) {
+                        const int64_t qh = h * group + g;
+                        scores[qh * len + t] = dot(qs + qh * d, keys + h * d, d) * scale;
+                    }
             }
-            for (int64_t g = 0; g < group; g++) {
-                float *s = scores + g * len;
+            for (int64_t qh = h0 * group; qh < h1 * group; qh++) {
+                float *s = scores + qh * len;
                 float top = -INFINITY;
                 for (int64_t t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
                 const float total = exp_shifted(s, len, top);
                 const float inv = total > 0.0f ? 1.0f / total : 0.0f;
                 for (int64_t t = 0; t < len; t++) s[t] *= inv;
             }
-            memset(acc, 0, sizeof(float) * (size_t)(group * d));
+            memset(acc, 0, sizeof(float) * (size_t)(heads * d));
             for (int64_t t = 0; t < len; t++) {
-                const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                const float *value = v_cache + (slot * kv_heads + kvh) * d;
-                for (int64_t g = 0; g < group; g++) {
-                    const float p = scores[g * len + t];
-                    float *a = acc + g * d;
+                const float *values = v_cache + (table[t / block_size] * block_size + t % block_size) * row;
+                for (int64_t h = h0; h < h1; h++)
+                    for (int64_t g = 0; g < group; g++) {
+                        const int64_t qh = h * group + g;
+                        const float p = scores[qh * len + t];
+                        const float *v = values + h * d;
+                        float *a = acc + qh * d;
 #pragma omp simd
-                    for (int64_t j = 0; j < d; j++) a[j] += p * value[j];
-                }
+                        for (int64_t j = 0; j < d; j++) a[j] += p * v[j];
+                    }
             }
-            for (int64_t g = 0; g < group; g++)
-                memcpy(out + seq * out_stride + (kvh * group + g) * d, acc + g * d, sizeof(float) * (size_t)d);
+            const int64_t first = h0 * group * d, count = (h1 - h0) * group * d;
+            memcpy(out + seq * out_stride + first, acc + first, sizeof(float) * (size_t)count);
         }
         free(scores);
         free(acc);
     }
     return failed ? -2 : 0;
+}
+
+/* ---------------------------------------------------------------- the small ops between the matmuls */
+
+/* Each of these replaces several eager PyTorch ops (RMSNorm alone was eight, about 45 us per call at
+ * one row, where the arithmetic takes one or two). Rows are independent; threads only from 8 rows. */
+
+/* x += delta (the residual add) where delta is given, then out = x / sqrt(mean(x^2) + eps) * weight. */
+void ip_rms_norm(float *x, const float *delta, int64_t m, int64_t k, const float *weight, float eps, float *out) {
+#pragma omp parallel for schedule(static) if (m >= 8)
+    for (int64_t i = 0; i < m; i++) {
+        float *xr = x + i * k;
+        float *o = out + i * k;
+        if (delta) {
+            const float *dr = delta + i * k;
+#pragma omp simd
+            for (int64_t j = 0; j < k; j++) xr[j] += dr[j];
+        }
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t j = 0; j < k; j++) squares += xr[j] * xr[j];
+        const float inv = 1.0f / sqrtf(squares / (float)k + eps);
+#pragma omp simd
+        for (int64_t j = 0; j < k; j++) o[j] = weight[j] * (xr[j] * inv);
+    }
+}
+
+/* gate_up [m, 2 * inter] (gate then up, as the fused projection lays them out) -> out [m, inter]:
+ * silu(gate) * up. */
+void ip_silu_mul(const float *gate_up, int64_t m, int64_t inter, float *out) {
+#pragma omp parallel for schedule(static) if (m >= 8)
+    for (int64_t i = 0; i < m; i++) {
+        const float *g = gate_up + i * 2 * inter, *u = g + inter;
+        float *o = out + i * inter;
+        int64_t j = 0;
+#if IP_HAVE_AVX512
+        for (; j + 16 <= inter; j += 16) {
+            const __m512 gv = _mm512_loadu_ps(g + j);
+            const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(
+                _mm512_setzero_ps(), gv))));
+            _mm512_storeu_ps(o + j, _mm512_mul_ps(sig, _mm512_loadu_ps(u + j)));
+        }
+#endif
+        for (; j < inter; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}
+
+/* qkv [t, heads + 2 * kv_heads, d], fused q|k|v rows: rotates q and k in place (x * cos + roll(x, d/2)
+ * * signed_sin, the tables already looked up for each row's position: [t, d]) and copies k and v
+ * into the caches [blocks, block_size, kv_heads, d] at flat slot slots[r]. */
+void ip_rope_store_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, const float *cos,
+                      const float *signed_sin, const int64_t *slots, float *k_cache, float *v_cache) {
+    const int64_t width = (heads + 2 * kv_heads) * d, half = d / 2;
+#pragma omp parallel for schedule(static) if (t >= 8)
+    for (int64_t r = 0; r < t; r++) {
+        float *row = qkv + r * width;
+        const float *c = cos + r * d, *sn = signed_sin + r * d;
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            float *x = row + h * d;
+            float rotated[512];
+            for (int64_t j = 0; j < half; j++) {
+                rotated[j] = x[j] * c[j] + x[j + half] * sn[j];
+                rotated[j + half] = x[j + half] * c[j + half] + x[j] * sn[j + half];
+            }
+            memcpy(x, rotated, sizeof(float) * (size_t)d);
+        }
+        memcpy(k_cache + slots[r] * kv_heads * d, row + heads * d, sizeof(float) * (size_t)(kv_heads * d));
+        memcpy(v_cache + slots[r] * kv_heads * d, row + (heads + kv_heads) * d, sizeof(float) * (size_t)(kv_heads * d));
+    }
+}
+
+/* Which of the kernels above this build has (the others return -1). */
+int ip_features(void) {
+    return (IP_HAVE_VNNI ? IP_FEATURE_INT8_LINEAR : 0) | (IP_HAVE_AVX512 ? IP_FEATURE_F32_LINEAR : 0);
 }
