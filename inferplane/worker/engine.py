@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inferplane.worker import native
 from inferplane.worker.attention import PagedKVCache
 from inferplane.worker.kv.paged import blocks_for
 from inferplane.worker.model.loader import LoadedModel
@@ -262,4 +263,6 @@ class Engine:
             block_size=self.block_size,
             max_model_len=self.max_model_len,
         )
+        if self.device.type == "cpu":  # whether decode runs on the C kernels or the slower PyTorch ops
+            stats["native_kernels"] = 1.0 if native.kernels() is not None else 0.0
         return stats

@@ -36,6 +36,7 @@ _GAUGE_STATS = {
     "blocks_cached": "inferplane_worker_kv_blocks_cached",
     "peak_blocks_used": "inferplane_worker_kv_blocks_peak_used",
     "tree_nodes": "inferplane_worker_prefix_cache_tree_nodes",
+    "native_kernels": "inferplane_worker_native_kernels",
 }
 
 

@@ -186,3 +186,12 @@ def test_rope_and_kv_store_in_one_pass_match_the_pytorch_ops():
     torch.testing.assert_close(fused[:, : heads + kv_heads], qk, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(caches[0], caches[2], rtol=1e-6, atol=1e-6)
     assert torch.equal(caches[1], caches[3]) and caches[1].abs().sum() > 0
+
+
+@needs_kernels
+def test_a_cpu_engine_says_it_runs_on_the_kernels(tiny_llama, monkeypatch):
+    from inferplane.worker.llm import LLM
+
+    assert LLM(tiny_llama, device="cpu", num_kv_blocks=16).stats()["native_kernels"] == 1.0
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    assert LLM(tiny_llama, device="cpu", num_kv_blocks=16).stats()["native_kernels"] == 0.0
