@@ -1,6 +1,8 @@
 """Fixtures for the control plane's data layer: a migrated database on SQLite *and* PostgreSQL.
 
-PostgreSQL is real (127.0.0.1:5432, trust auth, database `test`, or `$INFERPLANE_TEST_PG_URL`). Other
+PostgreSQL is real (127.0.0.1:5432, trust auth, database `test`, or `$INFERPLANE_TEST_PG_URL`), started
+by `scripts/test_services.sh` (which `.ci/run` runs). Without it the PostgreSQL cases skip with the
+reason, except under CI (`CI` set), where they fail: CI must never pass by skipping them. Other
 test runs may share that database, so every test gets its own uniquely named schema, selected
 through the URL's `search_path`, and drops it afterwards. Nothing here is autouse: the routing tests
 in this folder are unaffected.
@@ -16,6 +18,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
+
+from tests.services import missing_service
 
 PG_BASE_URL = os.environ.get("INFERPLANE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 _pg_checked: list[str | None] = []
@@ -45,7 +49,7 @@ def pg_url() -> Iterator[str]:
     """A URL whose connections live in a fresh, empty PostgreSQL schema (dropped afterwards)."""
     reason = _pg_unavailable()
     if reason:
-        pytest.skip(reason)
+        missing_service(reason)
     schema = f"ip_test_{uuid.uuid4().hex[:12]}"
     admin = sa.create_engine(PG_BASE_URL)
     with admin.begin() as c:
