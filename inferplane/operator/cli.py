@@ -18,7 +18,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch the whole cluster")
     parser.add_argument("--peering", default=os.environ.get("INFERPLANE_PEERING", "inferplane"),
                         help="kopf peering name: among replicas sharing it, only one acts (default: %(default)s)")
-    parser.add_argument("--standalone", action="store_true", help="no peering (a single replica; development)")
+    parser.add_argument("--standalone", action="store_true",
+                        help="no peering and no peering object needed (a single replica; development)")
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                         help="liveness endpoint for the kubelet, or '' for none (default: %(default)s)")
     parser.add_argument("--worker-image", default=os.environ.get("INFERPLANE_WORKER_IMAGE", DEFAULT_IMAGE),
@@ -54,13 +55,18 @@ def run(args: argparse.Namespace) -> int:
         webhook = WebhookConfig(port=args.webhook_port, host=args.webhook_host, certfile=args.webhook_cert,
                                 pkeyfile=args.webhook_key, cafile=args.webhook_ca,
                                 managed=args.webhook_configuration or None)
-    config = OperatorConfig(worker_image=args.worker_image, monitoring=not args.no_monitoring, webhook=webhook,
-                            post_events=not args.no_events, peering_name=args.peering)
     namespaces = args.namespace or [ns for ns in os.environ.get("WATCH_NAMESPACE", "").split(",") if ns]
     if not namespaces and not args.all_namespaces:
         namespaces = ["default"]
+    namespaces = [] if args.all_namespaces else namespaces
+    # kopf makes peering mandatory whenever a peering name is passed, even with standalone=True,
+    # and then pauses every watch for want of the peering object: standalone passes no name.
+    peering = None if args.standalone else args.peering
+    config = OperatorConfig(worker_image=args.worker_image, monitoring=not args.no_monitoring, webhook=webhook,
+                            post_events=not args.no_events, peering_name=peering,
+                            namespaces=tuple(namespaces), clusterwide=args.all_namespaces)
     asyncio.run(kopf.operator(
-        clusterwide=args.all_namespaces, namespaces=[] if args.all_namespaces else namespaces,
-        standalone=args.standalone, peering_name=args.peering, liveness_endpoint=args.liveness or None,
+        clusterwide=args.all_namespaces, namespaces=namespaces,
+        standalone=args.standalone, peering_name=peering, liveness_endpoint=args.liveness or None,
         memo=kopf.Memo(config=config)))
     return 0

@@ -27,6 +27,10 @@ class OperatorConfig:
     monitoring: bool = True  # create ServiceMonitor/PrometheusRule (needs the Prometheus operator's CRDs)
     webhook: WebhookConfig | None = None
     post_events: bool = True
-    peering_name: str = "inferplane"
+    # None: standalone (one replica, no peering object needed). A name: kopf acts only while it
+    # holds that peering, and waits until the KopfPeering (ClusterKopfPeering) object exists.
+    peering_name: str | None = None
+    namespaces: tuple[str, ...] = ()  # what the operator watches (for the peering check)
+    clusterwide: bool = False
     max_backoff_seconds: float = 60.0
     extra: dict[str, str] = field(default_factory=dict)

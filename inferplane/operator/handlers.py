@@ -20,7 +20,7 @@ from typing import Any
 import kopf
 
 from inferplane.api.deployment import GROUP, PLURAL, VERSION, InferenceDeploymentSpec, SpecError
-from inferplane.operator import manifests
+from inferplane.operator import manifests, peering
 from inferplane.operator.config import OperatorConfig
 from inferplane.operator.kube import ApiError, KubeClient, path_for, path_of
 from inferplane.operator.selection import select_runtime
@@ -59,7 +59,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         prefix="inferplane.io", key="last-handled-configuration")
     settings.posting.enabled = config.post_events
     settings.posting.level = logging.WARNING
-    settings.peering.name = config.peering_name
+    if config.peering_name is not None:
+        settings.peering.name = config.peering_name
     settings.networking.error_backoffs = [1, 2, 5, 10, 20]  # kopf's own API calls
     settings.batching.worker_limit = 256
     if config.webhook is None:
@@ -81,11 +82,24 @@ async def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
         memo["client"] = KubeClient.from_connection_info(info)
         if old is not None:
             await old.close()
+        _check_peering_once(memo, kwargs["logger"])
     return info
+
+
+def _check_peering_once(memo: kopf.Memo, logger: logging.Logger) -> None:
+    """With peering, warn (in the background, as long as it lasts) when the peering object is missing."""
+    config = _config(memo)
+    if config.peering_name is None or memo.get("peering_check") is not None:
+        return
+    memo["peering_check"] = asyncio.create_task(peering.report_missing_peering(
+        lambda: memo["client"], config.peering_name, config.namespaces, config.clusterwide, logger))
 
 
 @kopf.on.cleanup()
 async def close_client(memo: kopf.Memo, **_: Any) -> None:
+    check = memo.pop("peering_check", None)
+    if check is not None:
+        check.cancel()
     client = memo.pop("client", None)
     if client is not None:
         await client.close()
