@@ -111,9 +111,14 @@ class KubeClient:
         return await self.request("GET", path)
 
     async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Server-side apply: creates or updates, and drops the fields this manager stopped setting."""
+        """Server-side apply: creates or updates, and drops the fields this manager stopped setting.
+
+        Strict field validation: a field the server does not know is an error (400) here, where
+        the default would prune it with only a warning header that nobody reads.
+        """
         return await self.request("PATCH", path_of(obj), body=obj, content_type=APPLY_CONTENT_TYPE,
-                                  params={"fieldManager": FIELD_MANAGER, "force": "true"})
+                                  params={"fieldManager": FIELD_MANAGER, "force": "true",
+                                          "fieldValidation": "Strict"})
 
     async def patch_status(self, obj_path: str, status: Mapping[str, Any]) -> dict[str, Any] | None:
         return await self.request("PATCH", obj_path + "/status", body={"status": status},
