@@ -29,8 +29,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-events", action="store_true", help="do not post Kubernetes Events")
     hook = parser.add_argument_group("admission webhook (off unless --webhook-port is given)")
     hook.add_argument("--webhook-port", type=int, default=None, help="serve the validating webhook on this port")
-    hook.add_argument("--webhook-host", default=None,
-                      help="the name the API server dials, e.g. inferplane-operator.inferplane.svc")
+    dial = hook.add_mutually_exclusive_group()
+    dial.add_argument("--webhook-service", default=None, metavar="NAMESPACE/NAME",
+                      help="the Service the API server dials (port: --webhook-port); the certificate must name "
+                           "NAME.NAMESPACE.svc")
+    dial.add_argument("--webhook-host", default=None,
+                      help="or a host the API server dials by URL, e.g. 127.0.0.1 outside a cluster")
     hook.add_argument("--webhook-cert", default=None, help="TLS certificate (PEM) for the webhook")
     hook.add_argument("--webhook-key", default=None, help="TLS private key (PEM) for the webhook")
     hook.add_argument("--webhook-ca", default=None, help="CA bundle that signed the certificate (for caBundle)")
@@ -47,13 +51,15 @@ def run(args: argparse.Namespace) -> int:
 
     import inferplane.operator.handlers  # noqa: F401  (registers the handlers)
     from inferplane.operator.config import OperatorConfig, WebhookConfig
+    from inferplane.operator.webhook import parse_service
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     webhook = None
     if args.webhook_port is not None:
-        webhook = WebhookConfig(port=args.webhook_port, host=args.webhook_host, certfile=args.webhook_cert,
-                                pkeyfile=args.webhook_key, cafile=args.webhook_ca,
+        service = parse_service(args.webhook_service) if args.webhook_service else None
+        webhook = WebhookConfig(port=args.webhook_port, host=args.webhook_host, service=service,
+                                certfile=args.webhook_cert, pkeyfile=args.webhook_key, cafile=args.webhook_ca,
                                 managed=args.webhook_configuration or None)
     namespaces = args.namespace or [ns for ns in os.environ.get("WATCH_NAMESPACE", "").split(",") if ns]
     if not namespaces and not args.all_namespaces:

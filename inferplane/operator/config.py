@@ -13,7 +13,8 @@ class WebhookConfig:
 
     port: int = 9443
     addr: str = "0.0.0.0"
-    host: str | None = None  # the name the API server dials, e.g. <service>.<namespace>.svc
+    host: str | None = None  # a host the API server dials by URL (https://<host>:<port>/...)
+    service: tuple[str, str] | None = None  # or (namespace, name) of the Service it dials (port = port)
     certfile: str | None = None
     pkeyfile: str | None = None
     cafile: str | None = None

@@ -25,6 +25,7 @@ from inferplane.operator.config import OperatorConfig
 from inferplane.operator.kube import ApiError, KubeClient, path_for, path_of
 from inferplane.operator.selection import select_runtime
 from inferplane.operator.status import compute_status, condition, invalid_status
+from inferplane.operator.webhook import ServiceWebhookServer
 
 FINALIZER = "inferplane.io/finalizer"
 
@@ -67,9 +68,13 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         settings.admission.server = _no_webhook_server
     else:
         hook = config.webhook
-        settings.admission.server = kopf.WebhookServer(
-            addr=hook.addr, port=hook.port, host=hook.host, insecure=hook.insecure,
-            certfile=hook.certfile, pkeyfile=hook.pkeyfile, cafile=hook.cafile)
+        listener = dict(addr=hook.addr, port=hook.port, insecure=hook.insecure, certfile=hook.certfile,
+                        pkeyfile=hook.pkeyfile, cafile=hook.cafile)
+        if hook.service is not None:
+            settings.admission.server = ServiceWebhookServer(
+                service_namespace=hook.service[0], service_name=hook.service[1], **listener)
+        else:
+            settings.admission.server = kopf.WebhookServer(host=hook.host, **listener)
         settings.admission.managed = hook.managed
 
 

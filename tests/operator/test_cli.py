@@ -6,6 +6,8 @@ import argparse
 import subprocess
 import sys
 
+import pytest
+
 
 def test_configure_imports_neither_kopf_nor_kubernetes() -> None:
     code = ("import argparse, sys; import inferplane.operator.cli as c; c.configure(argparse.ArgumentParser()); "
@@ -22,6 +24,21 @@ def test_options_parse() -> None:
     args = parser.parse_args(["-n", "a", "-n", "b", "--webhook-port", "9443", "--no-monitoring", "--peering", "p"])
     assert args.namespace == ["a", "b"] and args.webhook_port == 9443 and args.no_monitoring
     assert args.peering == "p" and not args.all_namespaces
+
+
+def test_webhook_is_dialled_through_a_service_or_a_host_not_both() -> None:
+    from inferplane.operator import cli
+    from inferplane.operator.webhook import parse_service
+
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    args = parser.parse_args(["--webhook-port", "9443", "--webhook-service", "inference/inferplane-operator"])
+    assert parse_service(args.webhook_service) == ("inference", "inferplane-operator")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--webhook-service", "a/b", "--webhook-host", "127.0.0.1"])
+    for bad in ("inferplane-operator", "/svc", "ns/", "a/b/c"):
+        with pytest.raises(ValueError, match="--webhook-service must be NAMESPACE/NAME"):
+            parse_service(bad)
 
 
 async def test_inferplane_operator_command_reconciles_with_peering(fake_api) -> None:
