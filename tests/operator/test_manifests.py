@@ -12,7 +12,7 @@ from inferplane.operator import manifests
 from inferplane.operator.selection import select_runtime
 from tests.operator.conftest import EXAMPLES, load_example
 
-K8S_VERSION = "1.30.0"
+K8S_VERSION = "1.34.0"  # the chart's minimum (Chart.yaml kubeVersion)
 BUILT_IN = {"Deployment", "Service", "PodDisruptionBudget"}  # kubernetes-validate skips custom resources
 
 

@@ -1,0 +1,110 @@
+"""The CRD's schema and every CEL rule, evaluated by a real kube-apiserver.
+
+Each rule (`x-kubernetes-validations`) gets one resource the server accepts and one it refuses;
+the refusal must carry the rule's message at the rule's field path. Requests are server-side dry
+runs: the server defaults, validates and runs CEL exactly as for a real create, and stores nothing.
+The in-memory test API's verdict (`inferplane.operator.crd`) is compared with the server's, so the
+fast kmock tests cannot drift from what a cluster does.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+
+from inferplane.operator import crd
+from tests.k8s.cluster import Cluster
+from tests.k8s.conftest import idep, idep_path, namespace
+
+NAMESPACE = "cel"
+
+# rule message -> (a spec the rule accepts, a spec it refuses); both are otherwise valid.
+CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "minReplicas must not exceed maxReplicas": (
+        {"minReplicas": 2, "maxReplicas": 2, "replicas": 2}, {"minReplicas": 3, "maxReplicas": 2, "replicas": 3}),
+    "replicas must lie within minReplicas..maxReplicas": (
+        {"replicas": 4, "maxReplicas": 4}, {"replicas": 5, "maxReplicas": 4}),
+    "runtime cpu-int8 runs on CPU; set resources.gpus to 0 or choose paged, radix or auto": (
+        {"runtime": "cpu-int8", "resources": {"gpus": 0}}, {"runtime": "cpu-int8", "resources": {"gpus": 1}}),
+    "runtime cpu-int8 computes in float32": (
+        {"runtime": "cpu-int8", "engine": {"dtype": "float32"}},
+        {"runtime": "cpu-int8", "engine": {"dtype": "bfloat16"}}),
+    "engine.quantizeHead is a cpu-int8 option (runtime cpu-int8 or auto)": (
+        {"runtime": "auto", "engine": {"quantizeHead": True}},
+        {"runtime": "paged", "engine": {"quantizeHead": True}}),
+    "float16 needs a GPU (resources.gpus > 0); use float32 or bfloat16": (
+        {"resources": {"gpus": 1}, "engine": {"dtype": "float16"}}, {"engine": {"dtype": "float16"}}),
+    "set exactly one of model.name (a registry entry) or model.uri (a path)": (
+        {"model": {"name": "smollm2-135m"}},
+        {"model": {"name": "smollm2-135m", "uri": "/models/a.gguf", "format": "gguf"}}),
+    "model.format is required with model.uri (safetensors or gguf)": (
+        {"model": {"uri": "/models/a.gguf", "format": "gguf"}}, {"model": {"uri": "/models/a.gguf"}}),
+    "maxNumBatchedTokens must be at least maxNumSeqs: every running sequence needs one token per step": (
+        {"engine": {"maxNumSeqs": 16, "maxNumBatchedTokens": 16}},
+        {"engine": {"maxNumSeqs": 32, "maxNumBatchedTokens": 16}}),
+}
+
+
+def crd_rules(schema: Mapping[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """(field path the server reports, rule) for every x-kubernetes-validations rule in the schema."""
+    for rule in schema.get("x-kubernetes-validations") or []:
+        yield (path + rule.get("fieldPath", "")).lstrip("."), rule
+    for name, sub in (schema.get("properties") or {}).items():
+        yield from crd_rules(sub, f"{path}.{name}")
+    if isinstance(schema.get("items"), Mapping):
+        yield from crd_rules(schema["items"], f"{path}[*]")
+
+
+RULES = {rule["message"]: field for field, rule in crd_rules(crd.version_schema())}
+
+
+@pytest.fixture(scope="module")
+def ns(crds: Cluster) -> Iterator[str]:
+    with namespace(crds, NAMESPACE) as name:
+        yield name
+
+
+def dry_run_create(cluster: Cluster, spec: dict[str, Any], name: str) -> tuple[int, Any]:
+    body = idep(name, NAMESPACE)
+    body["spec"].update(copy.deepcopy(spec))
+    return cluster.request("POST", idep_path(NAMESPACE), body, params={"dryRun": "All", "fieldValidation": "Strict"})
+
+
+def test_every_rule_in_the_crd_has_a_case() -> None:
+    assert len(RULES) >= 9
+    assert set(RULES) == set(CASES), "add a case for each new rule (and drop the cases of removed ones)"
+
+
+@pytest.mark.parametrize("message", sorted(CASES), ids=lambda m: m.split(" (")[0][:40])
+def test_rule_accepts_one_and_refuses_the_other(crds: Cluster, ns: str, message: str) -> None:
+    accepted, refused = CASES[message]
+    status, body = dry_run_create(crds, accepted, "accepted")
+    assert status == 201, body.get("message")
+    # What the server stored (defaults applied) is what the in-memory API's defaulting produces.
+    local, errors = crd.validate({**idep("accepted", NAMESPACE), "spec": {**idep("a", NAMESPACE)["spec"], **accepted}})
+    assert errors == []
+    assert body["spec"] == local["spec"]
+
+    status, body = dry_run_create(crds, refused, "refused")
+    assert status == 422, body.get("message")
+    assert body["reason"] == "Invalid"
+    field = RULES[message]
+    assert f"{field}: Invalid value" in body["message"], body["message"]
+    assert message in body["message"]
+    assert any(message in (cause.get("message") or "") for cause in body["details"]["causes"])
+    # The in-memory API refuses it for the same rule.
+    _, errors = crd.validate({**idep("refused", NAMESPACE), "spec": {**idep("r", NAMESPACE)["spec"], **refused}})
+    assert any(message in error for error in errors), errors
+
+
+def test_schema_refuses_unknown_fields_and_bad_enums(crds: Cluster, ns: str) -> None:
+    status, body = dry_run_create(crds, {"runtime": "tensorrt"}, "enum")
+    assert status == 422 and "spec.runtime" in body["message"] and "tensorrt" in body["message"], body
+    status, body = dry_run_create(crds, {"engine": {"blockSize": 17}}, "enum2")
+    assert status == 422 and "spec.engine.blockSize" in body["message"], body
+    # Strict field validation (kubectl's default) refuses a misspelt field instead of pruning it.
+    status, body = dry_run_create(crds, {"replica": 2}, "typo")
+    assert status == 400 and 'unknown field "spec.replica"' in body["message"], body
