@@ -106,22 +106,31 @@ async def _waiting(stub) -> float:
     return stats.values.get("num_waiting", 0.0)
 
 
-async def _scenario(gateway, victim_proc, victim_address) -> tuple[list[Stream], set[int], list[Stream]]:
+async def _scenario(gateway, procs, addresses) -> tuple[list[Stream], set[int], list[Stream]]:
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with (httpx.AsyncClient(base_url=gateway.base_url, timeout=httpx.Timeout(60), limits=limits) as client,
-                grpc.aio.insecure_channel(victim_address) as channel):
-        victim = worker_pb2_grpc.WorkerStub(channel)
+                grpc.aio.insecure_channel(addresses[0]) as channel0,
+                grpc.aio.insecure_channel(addresses[1]) as channel1):
+        stubs = [worker_pb2_grpc.WorkerStub(channel0), worker_pb2_grpc.WorkerStub(channel1)]
         streams = [Stream(i) for i in range(STREAMS)]
         tasks = [asyncio.create_task(_stream(client, s, gateway.key)) for s in streams]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 60
-        while True:  # >= 3 in flight with 2 slots per worker: one of them runs on the victim
+        victim_proc = None
+        # The victim is whichever replica has requests queued (14 requests, 2 slots each: one has),
+        # once >= 3 streams are in flight. Routing decides which one: prefix affinity on the ring
+        # depends on the workers' ports, so a fixed victim may get too few requests to queue any.
+        while victim_proc is None:
             in_flight = [s for s in streams if s.started and not s.finished]
-            if len(in_flight) >= 3 and await _waiting(victim) >= 1:
-                break
-            assert loop.time() < deadline, f"never saw the victim busy: {streams}"
-            assert not all(s.finished for s in streams), "every stream finished before the kill"
-            await asyncio.sleep(0.01)
+            if len(in_flight) >= 3:
+                for proc, stub in zip(procs, stubs, strict=True):
+                    if await _waiting(stub) >= 1:
+                        victim_proc = proc
+                        break
+            if victim_proc is None:
+                assert loop.time() < deadline, f"never saw a replica with queued requests: {streams}"
+                assert not all(s.finished for s in streams), "every stream finished before the kill"
+                await asyncio.sleep(0.01)
         # Freeze the victim first, so that the responses it already started reach the client before
         # the snapshot: a frozen worker starts nothing new, which makes "had started" exact.
         victim_proc.send_signal(signal.SIGSTOP)
@@ -141,7 +150,7 @@ def _complete(s: Stream) -> bool:
 
 def test_killing_a_replica_loses_no_request_that_had_not_started(two_replicas):
     gateway, workers, addresses = two_replicas
-    streams, started_at_kill, late = asyncio.run(_scenario(gateway, workers[0], addresses[0]))
+    streams, started_at_kill, late = asyncio.run(_scenario(gateway, workers, addresses))
 
     not_started = [s for s in streams if s.index not in started_at_kill]
     assert not_started, "nothing was queued when the worker died"
