@@ -134,7 +134,7 @@ class Resources:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine knobs; None means "the runtime preset decides" (see inferplane.operator.selection)."""
+    """Engine knobs; None means "the runtime preset decides" (see inferplane.api.selection)."""
 
     block_size: int = 16
     max_num_seqs: int | None = None

@@ -126,11 +126,11 @@ def _create_key(gateway) -> str:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    from inferplane.api.tokenizer import TextTokenizer
     from inferplane.control_plane.gateway.catalog import ServedModel
     from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
     from inferplane.control_plane.routing import Deployment, StaticEndpointSource
     from inferplane.v1 import worker_pb2
-    from inferplane.worker.model.tokenizer import TextTokenizer
 
     with tempfile.TemporaryDirectory(prefix="inferplane-gw-") as home:
         settings = GatewaySettings(db_url=f"sqlite:///{home}/gateway.db", port=args.port, grpc_port=args.grpc_port,

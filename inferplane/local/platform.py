@@ -18,15 +18,15 @@ from pathlib import Path
 import yaml
 
 from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
+from inferplane.api.selection import engine_settings, served_cache_isolation
+from inferplane.api.tokenizer import TextTokenizer
 from inferplane.control_plane import auth, registry, tenants
 from inferplane.control_plane.errors import Conflict, NotFound
 from inferplane.control_plane.gateway.catalog import ServedModel
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
 from inferplane.control_plane.routing import Deployment
 from inferplane.local.supervisor import LocalDeployment, Replica, Supervisor
-from inferplane.operator.selection import engine_settings
 from inferplane.v1 import worker_pb2
-from inferplane.worker.model.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +145,11 @@ class LocalPlatform:
     async def _publish(self, deployment: LocalDeployment, replica: Replica) -> None:
         """Adds the served model to the catalog with the tokenizer and context length the worker reports."""
         info = await self.gateway.channels.stub(replica.address).Info(worker_pb2.InfoRequest(), timeout=30)
-        self.gateway.catalog.put(ServedModel(name=deployment.served_model_name,
-                                             tokenizer=TextTokenizer.from_wire(info),
-                                             max_model_len=info.max_model_len,
-                                             cache_isolation=deployment.spec.cache_isolation))
+        served = deployment.served_model_name
+        isolation = served_cache_isolation(d.spec.cache_isolation for d in self.supervisor.deployments.values()
+                                           if d.served_model_name == served)
+        self.gateway.catalog.put(ServedModel(name=served, tokenizer=TextTokenizer.from_wire(info),
+                                             max_model_len=info.max_model_len, cache_isolation=isolation))
 
     async def wait_ready(self, timeout: float) -> bool:
         loop = asyncio.get_running_loop()

@@ -25,9 +25,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferplane.api.deployment import InferenceDeploymentSpec
+from inferplane.api.selection import Selection, select_runtime
 from inferplane.control_plane.routing import StaticEndpointSource
 from inferplane.operator.manifests import worker_invocation
-from inferplane.operator.selection import Selection, select_runtime
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from typing import Any
 import kopf
 
 from inferplane.api.deployment import GROUP, PLURAL, VERSION, InferenceDeploymentSpec, SpecError
+from inferplane.api.selection import select_runtime
 from inferplane.operator import manifests, peering
 from inferplane.operator.config import OperatorConfig
 from inferplane.operator.kube import ApiError, KubeClient, path_for, path_of
-from inferplane.operator.selection import select_runtime
 from inferplane.operator.status import compute_status, condition, invalid_status
 from inferplane.operator.webhook import ServiceWebhookServer
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from inferplane.api.deployment import API_VERSION, KIND, InferenceDeploymentSpec
 from inferplane.api.quantities import parse_quantity
-from inferplane.operator.selection import Selection, engine_settings, select_runtime
+from inferplane.api.selection import Selection, engine_settings, select_runtime
 
 GRPC_PORT = 50051
 METRICS_PORT = 9090
@@ -120,7 +120,6 @@ def worker_invocation(
         args.append("--quantize-head")
     args += [
         "--served-model-name", spec.served_model_name(name),
-        "--cache-isolation", spec.cache_isolation,
         "--drain-grace-seconds", str(spec.drain_grace_seconds),
     ]
     env = {"INFERPLANE_MODEL_CACHE": model_root, "INFERPLANE_DEPLOYMENT": name}

@@ -12,8 +12,8 @@ import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from inferplane.api.selection import Selection
 from inferplane.operator.manifests import GRPC_PORT, LABEL_DEPLOYMENT
-from inferplane.operator.selection import Selection
 
 
 def _now() -> str:

@@ -26,7 +26,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--served-model-name", default=None, help="name reported to the gateway")
-    parser.add_argument("--cache-isolation", default="tenant", choices=["tenant", "shared"])
     parser.add_argument("--kv-manager", default=None, choices=["paged", "radix"], help="cpu-int8 only")
     parser.add_argument("--drain-grace-seconds", type=float, default=30.0)
     parser.add_argument("--skip-quality-gate", action="store_true", help="cpu-int8: serve even if the gate fails")
@@ -47,7 +46,7 @@ def _build_engine(args: argparse.Namespace):
         runtime=args.runtime, device=args.device, dtype=args.dtype, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
-        enforce_eager=args.enforce_eager, cache_isolation=args.cache_isolation, kv_manager=args.kv_manager,
+        enforce_eager=args.enforce_eager, kv_manager=args.kv_manager,
         skip_quality_gate=args.skip_quality_gate, quantize_head=args.quantize_head,
         quant_scale_multiplier=args.quant_scale_multiplier,
     )

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inferplane.api.tokenizer import IncrementalDetokenizer
 from inferplane.worker import native
 from inferplane.worker.attention import PagedKVCache
 from inferplane.worker.kv.paged import blocks_for
 from inferplane.worker.model.loader import LoadedModel
-from inferplane.worker.model.tokenizer import IncrementalDetokenizer
 from inferplane.worker.model_runner import ModelRunner
 from inferplane.worker.options import EngineOptions, parse_memory
 from inferplane.worker.runtimes import build_kv_manager, build_scheduler

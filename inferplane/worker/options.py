@@ -40,7 +40,6 @@ class EngineOptions:
     num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_memory (tests)
     max_model_len: int | None = None
     enforce_eager: bool = False  # CUDA: no CUDA graphs
-    cache_isolation: str = "tenant"  # radix: "shared" lets every salt share one namespace
     kv_manager: str | None = None  # cpu-int8: "paged" or "radix" (default radix)
     skip_quality_gate: bool = False  # cpu-int8: serve even if the int8 quality gate fails
     quantize_head: bool = False  # cpu-int8: int8 output head too (embeddings stay float)
@@ -75,5 +74,3 @@ class EngineOptions:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
-        if self.cache_isolation not in ("tenant", "shared"):
-            raise ValueError(f"cache_isolation: must be 'tenant' or 'shared', got {self.cache_isolation!r}")

@@ -60,7 +60,7 @@ def build_kv_manager(options: EngineOptions, num_blocks: int):
     if kv_manager_kind(options) == "radix":
         from inferplane.worker.kv.radix import RadixKV
 
-        return RadixKV(num_blocks, options.block_size, shared_namespace=options.cache_isolation == "shared")
+        return RadixKV(num_blocks, options.block_size)
     return PagedKV(num_blocks, options.block_size)
 
 

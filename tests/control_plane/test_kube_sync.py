@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
+from inferplane.api.selection import served_cache_isolation
 from inferplane.control_plane.gateway.catalog import Catalog
 from inferplane.control_plane.gateway.kube_sync import (
     KubernetesCatalogSync,
     resource_route,
     resource_routes,
     route_table,
-    served_cache_isolation,
 )
 from inferplane.control_plane.gateway.worker_client import WorkerChannels
 from inferplane.control_plane.routing import Endpoint, Router, RouteRequest, StaticEndpointSource, Tier
@@ -79,8 +79,8 @@ def test_model_fingerprint_follows_the_model_not_the_scale() -> None:
 def test_cache_isolation_is_shared_only_when_every_deployment_says_so() -> None:
     shared = resource_route(idep("a", cacheIsolation="shared"))
     tenant = resource_route(idep("b"))
-    assert served_cache_isolation([shared]) == "shared"
-    assert served_cache_isolation([shared, tenant]) == "tenant"
+    assert served_cache_isolation(m.cache_isolation for m in [shared]) == "shared"
+    assert served_cache_isolation(m.cache_isolation for m in [shared, tenant]) == "tenant"
 
 
 class StaticPollingSource(StaticEndpointSource):

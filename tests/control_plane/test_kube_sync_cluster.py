@@ -126,6 +126,15 @@ def endpoint_slice(service: str, namespace: str, port: int, *, ready: bool = Tru
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     """A tiny worker (tokenizer included) on 127.0.0.1, as tests/worker/test_worker_process.py starts
     one; its port. Not waited for: the sync must cope with a replica that is still loading."""
+    yield from _tiny_worker(tmp_path_factory, "paged")
+
+
+@pytest.fixture(scope="module")
+def radix_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    yield from _tiny_worker(tmp_path_factory, "radix")
+
+
+def _tiny_worker(tmp_path_factory: pytest.TempPathFactory, runtime: str) -> Iterator[int]:
     from inferplane.bench.tiny_model import make_tiny_model
 
     folder = tmp_path_factory.mktemp("tiny")
@@ -133,7 +142,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     port = free_port()
     log = open(folder / "worker.log", "wb")  # noqa: SIM115 (the child writes it until the end)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "inferplane.cli", "worker", "--model", model, "--runtime", "paged", "--device", "cpu",
+        [sys.executable, "-m", "inferplane.cli", "worker", "--model", model, "--runtime", runtime, "--device", "cpu",
          "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--max-model-len", "256",
          "--max-num-seqs", "8", "--drain-grace-seconds", "1"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -233,6 +242,50 @@ async def test_cluster_resources_become_routes_and_go_away(worker: int, tmp_path
 
                 await eventually(gone, "the served model to disappear")
                 assert gateway.router.models() == [] and gateway.catalog.visible(None) == []
+        finally:
+            await sync.stop()
+            await gateway.stop()
+            api_client.close()
+
+
+@pytest.mark.timeout(180)
+async def test_mixed_cache_isolation_keeps_tenants_apart(radix_worker: int, tmp_path: Path) -> None:
+    """One served name, a `shared` deployment (primary, taking the traffic) and a `tenant` one: the
+    stricter wins, so two tenants never share the radix worker's prefix cache."""
+    from tests.e2e.isolation import assert_tenants_do_not_share_the_prefix_cache
+
+    async with fake_cluster([NS]) as (api, kubeconfig):
+        port = free_port()
+        gateway = Gateway(GatewaySettings(db_url=f"sqlite:///{tmp_path / 'gw.db'}", port=port,
+                                          health_poll_interval=0.2))
+        keys = {}
+        with gateway.sessions.begin() as session:
+            for tenant in ("acme", "globex"):
+                tenants.create_tenant(session, tenant, actor="test")
+                keys[tenant] = auth.create_key(session, tenant, actor="test", scopes=(auth.SCOPE_INFER,)).secret
+        api_client = load_api_client(str(kubeconfig))
+        sync = KubernetesCatalogSync.from_api_client(api_client, gateway.router, gateway.catalog, gateway.channels,
+                                                     namespaces=[NS], resync_interval=0.2, endpoint_interval=0.2)
+        await gateway.start()
+        sync.start()
+        try:
+            await api_call(api, "POST", IDEPS.format(ns=NS), idep("open", NS, "mixed", cacheIsolation="shared"))
+            await api_call(api, "POST", IDEPS.format(ns=NS),
+                           idep("strict", NS, "mixed", cacheIsolation="tenant",
+                                serving={"servedModelName": "mixed", "tier": "spillover"}))
+            await api_call(api, "POST", SLICES.format(ns=NS), endpoint_slice("open", NS, radix_worker))
+            await api_call(api, "POST", SLICES.format(ns=NS), endpoint_slice("strict", NS, radix_worker + 1,
+                                                                             ready=False))
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+                async def served() -> bool:
+                    reply = await complete(http, keys["acme"], "mixed")
+                    assert reply.status_code == 200, reply.text
+                    return True
+
+                await eventually(served, "a completion through the synced route")
+            assert gateway.catalog.get("mixed", None).cache_isolation == "tenant"
+            await asyncio.to_thread(assert_tenants_do_not_share_the_prefix_cache, f"http://127.0.0.1:{port}",
+                                    keys["acme"], keys["globex"], "mixed")
         finally:
             await sync.stop()
             await gateway.stop()

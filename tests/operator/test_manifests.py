@@ -8,8 +8,8 @@ import kubernetes_validate
 import pytest
 
 from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
+from inferplane.api.selection import select_runtime
 from inferplane.operator import manifests
-from inferplane.operator.selection import select_runtime
 from tests.operator.conftest import EXAMPLES, load_example
 
 K8S_VERSION = "1.34.0"  # the chart's minimum (Chart.yaml kubeVersion)

@@ -64,7 +64,7 @@ def test_incremental_detokenizer_never_splits_a_character(tiny_llama):
     pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from inferplane.worker.model.tokenizer import IncrementalDetokenizer, TextTokenizer
+    from inferplane.api.tokenizer import IncrementalDetokenizer, TextTokenizer
 
     # A byte-level vocabulary: every byte its own token, so a multi-byte character spans tokens.
     byte_chars = pre_tokenizers.ByteLevel.alphabet()

@@ -11,8 +11,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from inferplane.api.tokenizer import TextTokenizer
 from inferplane.control_plane.errors import NotFound
-from inferplane.worker.model.tokenizer import TextTokenizer
 
 
 @dataclass

@@ -31,12 +31,12 @@ from typing import Any, Protocol
 import grpc
 
 from inferplane.api.deployment import GROUP, PLURAL, VERSION, InferenceDeploymentSpec, SpecError
+from inferplane.api.selection import engine_settings, select_runtime, served_cache_isolation
+from inferplane.api.tokenizer import TextTokenizer
 from inferplane.control_plane.gateway.catalog import Catalog, ServedModel
 from inferplane.control_plane.gateway.worker_client import WorkerChannels
 from inferplane.control_plane.routing import Deployment, Endpoint, Router, Tier
-from inferplane.operator.selection import engine_settings, select_runtime
 from inferplane.v1 import worker_pb2
-from inferplane.worker.model.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +119,6 @@ def route_table(routes: Iterable[ResourceRoute]) -> dict[str, tuple[ResourceRout
     for route in routes:
         table.setdefault(route.served_model_name, []).append(route)
     return {model: tuple(sorted(members, key=lambda r: r.key)) for model, members in sorted(table.items())}
-
-
-def served_cache_isolation(members: Iterable[ResourceRoute]) -> str:
-    """"shared" only if every deployment of the model asks for it: one "tenant" deployment behind
-    the name means tenants' prompts must not share prefix caches there, so the stricter wins."""
-    return "shared" if all(m.cache_isolation == "shared" for m in members) else "tenant"
 
 
 # ---- the sync ------------------------------------------------------------------------------------
@@ -251,7 +245,7 @@ class KubernetesCatalogSync:
             addresses = self._addresses(members)
             if not addresses:
                 continue
-            isolation = served_cache_isolation(members)
+            isolation = served_cache_isolation(m.cache_isolation for m in members)
             trigger = (tuple(m.model_fingerprint for m in members), isolation, tuple(sorted(addresses)))
             previous = self._published.get(model)
             if previous is not None and previous.trigger == trigger:

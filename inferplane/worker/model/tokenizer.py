@@ -1,80 +1,20 @@
-"""Tokenizer from a HF tokenizer.json or from GGUF metadata, plus the chat template and
-incremental detokenization (text deltas that never split a multi-byte character)."""
+"""Loading a model's tokenizer: from a HF folder (tokenizer.json, tokenizer_config.json) or from
+GGUF metadata. The tokenizer itself is `inferplane.api.tokenizer.TextTokenizer`, shared with the
+gateway."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from inferplane.api.tokenizer import TextTokenizer
 from inferplane.worker.model.config import ModelLoadError, gguf_value
 
 # ggml token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
 _GGML_CONTROL = 3
 _GGML_USER_DEFINED = 4
-
-
-@dataclass
-class TextTokenizer:
-    tokenizer: Tokenizer
-    chat_template: str | None = None
-    bos_token: str | None = None
-    eos_token: str | None = None
-    add_bos: bool = False
-    special_ids: set[int] = field(default_factory=set)
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return None if self.bos_token is None else self.tokenizer.token_to_id(self.bos_token)
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return None if self.eos_token is None else self.tokenizer.token_to_id(self.eos_token)
-
-    def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id, *ids]
-        return ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def to_wire(self) -> dict:
-        """The fields of worker.proto's InfoResponse that rebuild this tokenizer elsewhere."""
-        return dict(tokenizer_json=self.tokenizer.to_str(), chat_template=self.chat_template or "",
-                    bos_token=self.bos_token or "", eos_token=self.eos_token or "", add_bos=self.add_bos)
-
-    @classmethod
-    def from_wire(cls, info) -> TextTokenizer:
-        tok = Tokenizer.from_str(info.tokenizer_json)
-        specials = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
-        return cls(tokenizer=tok, chat_template=info.chat_template or None, bos_token=info.bos_token or None,
-                   eos_token=info.eos_token or None, add_bos=info.add_bos, special_ids=specials)
-
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        if not self.chat_template:
-            raise ValueError("this model has no chat template; send a plain prompt instead")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                raise ValueError(f"messages[{i}] must have 'role' and 'content'")
-        return _render_chat(self.chat_template, messages, add_generation_prompt, self.bos_token, self.eos_token)
-
-
-def _render_chat(template: str, messages, add_generation_prompt: bool, bos: str | None, eos: str | None) -> str:
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str):
-        raise ValueError(f"chat template: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos or "", eos_token=eos or ""
-    )
 
 
 def _token_content(entry) -> str | None:
@@ -140,27 +80,3 @@ def load_gguf_tokenizer(reader) -> TextTokenizer:
         add_bos=bool(gguf_value(reader, "tokenizer.ggml.add_bos_token", False)),
         special_ids=set(special),
     )
-
-
-class IncrementalDetokenizer:
-    """Emits text deltas as tokens arrive. Decoding a short window (not the whole output) keeps
-    each step cheap; a delta ending in U+FFFD waits for the rest of its UTF-8 bytes."""
-
-    def __init__(self, tokenizer: TextTokenizer, prompt_ids: Sequence[int]):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = list(prompt_ids[-6:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
-        self.text = ""
-
-    def add(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix) :]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            self.text += delta
-            return delta
-        return ""

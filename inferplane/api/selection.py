@@ -3,11 +3,13 @@
 The three runtimes are presets of one engine (see ARCHITECTURE.md); what differs between them is
 the device, the weight format, the KV manager and the engine defaults below. `select_runtime` is
 the only place that turns `auto` into a concrete runtime, and it says why, so that status can
-tell the user.
+tell the user. It lives in api/ because the operator (worker pods), the gateway's cluster sync and
+local mode all need the same answer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from inferplane.api.deployment import InferenceDeploymentSpec
@@ -92,3 +94,15 @@ def engine_settings(spec: InferenceDeploymentSpec, selection: Selection) -> Engi
         dtype=selection.dtype,
         max_model_len=engine.max_model_len,
     )
+
+
+def served_cache_isolation(isolations: Iterable[str]) -> str:
+    """The cache isolation of a served model name from its deployments' `cacheIsolation`s.
+
+    "shared" only if every deployment behind the name asks for it: one "tenant" deployment means
+    tenants' prompts must not share prefix caches there, so the stricter wins. The gateway applies
+    it (one salt for all, or one per tenant) and the workers obey the salt, in cluster and local
+    mode alike.
+    """
+    isolations = list(isolations)
+    return "shared" if isolations and all(i == "shared" for i in isolations) else "tenant"
