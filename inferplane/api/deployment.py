@@ -233,14 +233,13 @@ class WorkloadHints:
     multi_turn: bool = False
     shared_prefix: bool = False
     agent: bool = False
-    long_generation: bool = False
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WorkloadHints:
         return cls(**{
             attr: _get(data, key, f"workload.{key}", bool, False)
             for attr, key in (("multi_turn", "multiTurn"), ("shared_prefix", "sharedPrefix"),
-                              ("agent", "agent"), ("long_generation", "longGeneration"))
+                              ("agent", "agent"))
         })
 
 

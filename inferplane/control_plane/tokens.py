@@ -4,7 +4,7 @@ The verifier is configured with exactly one algorithm and one key, and passes on
 to pyjwt, which closes the classic holes: `alg: none` is refused, and an HS256 token forged with an
 RS256 public key as the HMAC secret is refused (HS256 is not in the list; and a PEM key is never
 accepted as an HS256 secret here). `exp`, `iat`, `aud` and `sub` are required; tokens valid for
-longer than `max_lifetime` are refused, so a leaked token is a short-lived problem.
+longer than `max_lifetime_s` are refused, so a leaked token is a short-lived problem.
 
 Claims: `sub` (who, for the audit log), `aud`, `exp`, `iat`, optional `iss`, `scope` (space-separated,
 as in OAuth; default "admin") and optional `tenant` (restricts the token to one tenant).

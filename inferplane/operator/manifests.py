@@ -122,11 +122,7 @@ def worker_invocation(
         "--served-model-name", spec.served_model_name(name),
         "--drain-grace-seconds", str(spec.drain_grace_seconds),
     ]
-    env = {"INFERPLANE_MODEL_CACHE": model_root, "INFERPLANE_DEPLOYMENT": name}
-    if spec.model.version is not None:
-        env["INFERPLANE_MODEL_VERSION"] = spec.model.version
-    if spec.model.format is not None:
-        env["INFERPLANE_MODEL_FORMAT"] = spec.model.format
+    env: dict[str, str] = {}
     if selection.device == "cpu":
         # torch otherwise sizes its pool to the node's cores, not the pod's CPU allowance.
         env["OMP_NUM_THREADS"] = str(max(1, math.floor(parse_quantity(spec.resources.cpu))))

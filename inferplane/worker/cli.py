@@ -32,7 +32,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize-head", action="store_true", help="cpu-int8: int8 output head too")
     # Test hook: scales multiplied by this make a deliberately wrong quantization the gate must catch.
     parser.add_argument("--quant-scale-multiplier", type=float, default=1.0, help=argparse.SUPPRESS)
-    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture CUDA graphs")
 
 
 def _build_engine(args: argparse.Namespace):
@@ -46,7 +45,7 @@ def _build_engine(args: argparse.Namespace):
         runtime=args.runtime, device=args.device, dtype=args.dtype, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
-        enforce_eager=args.enforce_eager, kv_manager=args.kv_manager,
+        kv_manager=args.kv_manager,
         skip_quality_gate=args.skip_quality_gate, quantize_head=args.quantize_head,
         quant_scale_multiplier=args.quant_scale_multiplier,
     )

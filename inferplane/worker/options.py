@@ -39,7 +39,6 @@ class EngineOptions:
     kv_cache_memory: int | float | str | None = None
     num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_memory (tests)
     max_model_len: int | None = None
-    enforce_eager: bool = False  # CUDA: no CUDA graphs
     kv_manager: str | None = None  # cpu-int8: "paged" or "radix" (default radix)
     skip_quality_gate: bool = False  # cpu-int8: serve even if the int8 quality gate fails
     quantize_head: bool = False  # cpu-int8: int8 output head too (embeddings stay float)

@@ -103,7 +103,6 @@ def test_worker_invocation_is_the_container_command_line() -> None:
     ({"resources": {"gpus": 1}}, {"multiTurn": True}, "radix"),
     ({"resources": {"gpus": 1}}, {"sharedPrefix": True}, "radix"),
     ({"resources": {"gpus": 1}}, {"agent": True}, "radix"),
-    ({"resources": {"gpus": 1}}, {"longGeneration": True}, "paged"),
     ({"resources": {"gpus": 1}}, {}, "paged"),
 ])
 def test_auto_selection(spec: dict, hints: dict, runtime: str) -> None:

@@ -10,7 +10,7 @@ from collections import deque
 
 
 class OutOfBlocks(Exception):
-    """Raised internally when an allocation cannot be met; schedulers check `can_allocate` first."""
+    """Raised internally when an allocation cannot be met; the KV managers check `num_free` first."""
 
 
 class BlockPool:
