@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test test-fast test-k8s services envtest lint proto bench clean
+.PHONY: install up test test-fast test-k8s services envtest lint proto bench bench-operator clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ proto: install
 
 bench: install
 	$(VENV)/bin/inferplane bench engine
+
+# The operator settling 200 InferenceDeployments on the loopback kube-apiserver the tests use.
+bench-operator: install services envtest
+	$(PY) scripts/bench_operator_envtest.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

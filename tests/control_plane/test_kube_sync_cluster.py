@@ -1,7 +1,7 @@
 """The cluster sync end to end: InferenceDeployments and EndpointSlices in an API server, a real
 tiny worker process, the real gateway, completions over REST.
 
-Only the Kubernetes API server is mocked: kmock, extended by ``inferplane.operator.fakeapi``, plus
+Only the Kubernetes API server is mocked: kmock, extended by ``tests.operator.fakeapi``, plus
 (below) the two things that API lacks for this test: EndpointSlices as a resource and
 ``labelSelector`` filtering on lists. The gateway talks to it with the official ``kubernetes``
 client through a kubeconfig, exactly as outside a cluster. No operator runs: the test plays the
@@ -34,7 +34,7 @@ from inferplane.control_plane import auth, tenants
 from inferplane.control_plane.gateway.kube_sync import KubernetesCatalogSync, load_api_client
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
 from inferplane.local.supervisor import free_port
-from inferplane.operator.fakeapi import FakeApiServer, write_kubeconfig
+from tests.operator.fakeapi import FakeApiServer, write_kubeconfig
 
 NS = "team-a"
 OTHER_NS = "team-b"

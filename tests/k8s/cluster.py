@@ -44,6 +44,8 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 
 ENVTEST_DIR = Path(__file__).resolve().parent / "envtest"
+CRD_FILES = [*sorted((Path(__file__).resolve().parents[2] / "helm" / "inferplane" / "crds").glob("*.yaml")),
+             Path(__file__).resolve().parent / "monitoring-crds.yaml"]
 START_TIMEOUT = 240.0  # a loaded 2-core machine takes tens of seconds to bring the API server up
 
 AUDIT_POLICY = {
@@ -344,6 +346,15 @@ PLURALS = {"InferenceDeployment": "inferencedeployments", "PodDisruptionBudget":
            "KopfPeering": "kopfpeerings", "ServiceMonitor": "servicemonitors", "PrometheusRule": "prometheusrules"}
 CLUSTER_SCOPED = {"Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding",
                   "ValidatingWebhookConfiguration", "ClusterKopfPeering"}
+
+
+def install_crds(cluster: Cluster, files: list[Path] = CRD_FILES) -> None:
+    """The chart's CRDs (InferenceDeployment, kopf peerings) and the Prometheus operator's two kinds."""
+    for path in files:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                cluster.apply(doc)
+                cluster.wait_established(doc["metadata"]["name"])
 
 
 def wait_for(check: Any, timeout: float, what: str, interval: float = 0.25) -> Any:

@@ -18,14 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from tests.k8s.cluster import Cluster, missing_binaries, running_cluster, wait_for
+from tests.k8s.cluster import Cluster, install_crds, missing_binaries, running_cluster, wait_for
 from tests.services import missing_service
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "inferplane"
-MONITORING_CRDS = Path(__file__).resolve().parent / "monitoring-crds.yaml"
 OPERATOR_START_TIMEOUT = 120.0
 
 
@@ -41,11 +39,7 @@ def cluster() -> Iterator[Cluster]:
 @pytest.fixture(scope="session")
 def crds(cluster: Cluster) -> Cluster:
     """The chart's CRDs (InferenceDeployment, kopf peerings) and the Prometheus operator's two kinds."""
-    for path in [*sorted((CHART / "crds").glob("*.yaml")), MONITORING_CRDS]:
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc:
-                cluster.apply(doc)
-                cluster.wait_established(doc["metadata"]["name"])
+    install_crds(cluster)
     return cluster
 
 

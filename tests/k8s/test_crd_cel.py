@@ -3,7 +3,7 @@
 Each rule (`x-kubernetes-validations`) gets one resource the server accepts and one it refuses;
 the refusal must carry the rule's message at the rule's field path. Requests are server-side dry
 runs: the server defaults, validates and runs CEL exactly as for a real create, and stores nothing.
-The in-memory test API's verdict (`inferplane.operator.crd`) is compared with the server's, so the
+The in-memory test API's verdict (`tests.operator.crd`) is compared with the server's, so the
 fast kmock tests cannot drift from what a cluster does.
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from inferplane.operator import crd
 from tests.k8s.cluster import Cluster
 from tests.k8s.conftest import idep, idep_path, namespace
+from tests.operator import crd
 
 NAMESPACE = "cel"
 

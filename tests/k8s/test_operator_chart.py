@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 import yaml
 
-from inferplane.operator import crd
 from inferplane.operator.manifests import ANNOTATION_HASH
 from tests.k8s.cluster import Cluster, free_port, kubernetes_version
 from tests.k8s.conftest import CHART, ROOT, OperatorProcess, idep, idep_path, namespace, run_kubectl
+from tests.operator import crd
 
 RELEASE, RELEASE_NS, WATCHED = "inferplane", "inferplane", "team-a"
 SERVICE = f"{RELEASE}-operator"  # the operator's ServiceAccount, Service and Deployment

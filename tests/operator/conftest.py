@@ -1,6 +1,6 @@
 """Fixtures for the operator tests.
 
-Only the Kubernetes API server is mocked (kmock, extended by inferplane.operator.fakeapi); the
+Only the Kubernetes API server is mocked (kmock, extended by tests.operator.fakeapi); the
 operator under test is the real kopf operator with the real handlers, and helm is a real binary.
 """
 
@@ -37,7 +37,7 @@ async def eventually(check: Callable[[], Any], timeout: float = 20.0, interval: 
 
 @pytest.fixture
 async def fake_api() -> AsyncIterator[tuple[Any, Path]]:
-    from inferplane.operator.fakeapi import fake_cluster
+    from tests.operator.fakeapi import fake_cluster
 
     async with fake_cluster([NAMESPACE]) as (api, _url, kubeconfig):
         yield api, kubeconfig
@@ -47,7 +47,7 @@ async def fake_api() -> AsyncIterator[tuple[Any, Path]]:
 async def operator(fake_api: tuple[Any, Path]) -> AsyncIterator[Any]:
     """The real operator, with its admission webhook served over plain HTTP on a free local port."""
     from inferplane.operator.config import OperatorConfig, WebhookConfig
-    from inferplane.operator.fakeapi import running_operator
+    from tests.operator.fakeapi import running_operator
 
     api, kubeconfig = fake_api
     config = OperatorConfig(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from inferplane.api.deployment import InferenceDeploymentSpec
-from inferplane.operator import crd
+from tests.operator import crd
 from tests.operator.conftest import EXAMPLES, ROOT, load_example
 
 

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from inferplane.operator import crd
+from tests.operator import crd
 from tests.operator.conftest import ROOT
 
 CHART = ROOT / "helm" / "inferplane"

@@ -1,4 +1,4 @@
-"""The real kopf operator against the in-memory API (kmock + inferplane.operator.fakeapi).
+"""The real kopf operator against the in-memory API (kmock + tests.operator.fakeapi).
 
 Each test drives the API the way kubectl, the Deployment controller or the autoscaler would, and
 checks what the operator did in response.
@@ -173,7 +173,7 @@ async def test_schema_and_cel_rules_refuse_with_reasons(operator: Any) -> None:
 
 async def test_restarted_operator_resumes_without_rewriting_children(fake_api: Any) -> None:
     from inferplane.operator.config import OperatorConfig
-    from inferplane.operator.fakeapi import running_operator
+    from tests.operator.fakeapi import running_operator
 
     api, kubeconfig = fake_api
     config = OperatorConfig(post_events=False)

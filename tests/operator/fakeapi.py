@@ -12,7 +12,7 @@ subclass adds, in the order a request meets them:
 * the status and scale subresources: a patch to the main resource cannot change status, a
   patch to /status changes only status; GET/PATCH of /scale reads and writes spec.replicas;
 * CRD behaviour for InferenceDeployments: structural defaults, openAPIV3Schema and CEL
-  validation (inferplane.operator.crd), then validating admission webhooks read from the
+  validation (tests.operator.crd), then validating admission webhooks read from the
   ValidatingWebhookConfiguration objects kopf manages, called over HTTP as the API server would;
 * uid, resourceVersion, generation (bumped when spec changes) and creationTimestamp;
 * 422 (not 500) when a JSON-patch `test` operation fails;
@@ -46,7 +46,7 @@ import yaml
 from kmock._internal import dicts as kmock_dicts
 
 from inferplane.api.deployment import GROUP, KIND, PLURAL, VERSION
-from inferplane.operator import crd
+from tests.operator import crd
 
 IDEP = kmock.resource(group=GROUP, version=VERSION, plural=PLURAL)
 WEBHOOK_CONFIGS = kmock.resource(group="admissionregistration.k8s.io", version="v1",

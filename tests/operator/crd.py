@@ -1,8 +1,8 @@
-"""The CRD as the API server applies it: structural defaults, openAPIV3Schema validation, CEL rules.
+"""The CRD as the API server applies it, modelled for the in-memory test API: structural defaults,
+openAPIV3Schema validation (jsonschema), CEL rules (cel-python).
 
-Kubernetes validates and defaults custom resources itself, but no API server runs on our machines;
-this module does the same from the one CRD file, for the tests and the in-memory test API
-(`fakeapi`), so that examples and invalid resources meet the rules they will meet in a cluster.
+Test-only: the in-memory API (`fakeapi`) and fast tests use it; tests/k8s/test_crd_cel.py compares
+its verdicts with a real kube-apiserver's on every CEL rule, and the real server is right.
 jsonschema and cel-python are test dependencies and are imported only where used.
 """
 
