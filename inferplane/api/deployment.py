@@ -33,6 +33,22 @@ _NAME = re.compile(r"^[a-z0-9]([-a-z0-9._]*[a-z0-9])?$")
 _URI = re.compile(r"^(/[^\s]*|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?)$")
 
 
+# The fields of each section as users write them (the CRD's properties; a test holds the two equal).
+FIELDS: dict[str, tuple[str, ...]] = {
+    "": ("model", "runtime", "replicas", "minReplicas", "maxReplicas", "resources", "engine", "serving",
+         "autoscaling", "slo", "cacheIsolation", "workload", "image", "drainGraceSeconds", "nodeSelector",
+         "tolerations", "affinity"),
+    "model": ("name", "version", "uri", "format"),
+    "resources": ("gpus", "cpu", "memory", "gpuResourceName"),
+    "engine": ("blockSize", "maxNumSeqs", "maxNumBatchedTokens", "kvCacheMemory", "dtype", "maxModelLen",
+               "quantizeHead"),
+    "serving": ("servedModelName", "weight", "tier"),
+    "autoscaling": ("enabled", "targetQueueDepth", "targetKvCacheUtilization", "scaleDownDelaySeconds"),
+    "slo": ("ttftP95Seconds", "errorRatePercent", "availability"),
+    "workload": ("multiTurn", "sharedPrefix", "agent"),
+}
+
+
 class SpecError(ValueError):
     """An invalid spec; `field` is the dotted path of the offending field, as users write it."""
 
@@ -40,6 +56,14 @@ class SpecError(ValueError):
         super().__init__(f"spec.{field_path}: {message}")
         self.field = field_path
         self.reason = message
+
+
+def _known_fields(data: Mapping[str, Any], section: str) -> None:
+    """A field nobody reads is refused, not ignored: a typo (`replica: 3`) must not pass silently."""
+    unknown = sorted(str(key) for key in data if key not in FIELDS[section])
+    if unknown:
+        where = f"{section}.{unknown[0]}" if section else unknown[0]
+        raise SpecError(where, f"unknown field; {section or 'spec'} has {', '.join(FIELDS[section])}")
 
 
 def _get(data: Mapping[str, Any], key: str, path: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
@@ -80,6 +104,7 @@ class ModelRef:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelRef:
+        _known_fields(data, "model")
         name = _get(data, "name", "model.name", str)
         version = _get(data, "version", "model.version", (str, int))
         uri = _get(data, "uri", "model.uri", str)
@@ -116,6 +141,7 @@ class Resources:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Resources:
+        _known_fields(data, "resources")
         gpus = _get(data, "gpus", "resources.gpus", int, 0)
         _bounded(gpus, "resources.gpus", 0, 8)
         cpu = str(_get(data, "cpu", "resources.cpu", (str, int, float), "2"))
@@ -146,6 +172,7 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:
+        _known_fields(data, "engine")
         block_size = _get(data, "blockSize", "engine.blockSize", int, 16)
         _enum(block_size, "engine.blockSize", BLOCK_SIZES)
         max_num_seqs = _get(data, "maxNumSeqs", "engine.maxNumSeqs", int)
@@ -179,6 +206,7 @@ class Serving:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Serving:
+        _known_fields(data, "serving")
         name = _get(data, "servedModelName", "serving.servedModelName", str)
         if name is not None and not (1 <= len(name) <= 128):
             raise SpecError("serving.servedModelName", "must be 1 to 128 characters")
@@ -198,6 +226,7 @@ class Autoscaling:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Autoscaling:
+        _known_fields(data, "autoscaling")
         enabled = _get(data, "enabled", "autoscaling.enabled", bool, False)
         queue = float(_get(data, "targetQueueDepth", "autoscaling.targetQueueDepth", (int, float), 4.0))
         _bounded(queue, "autoscaling.targetQueueDepth", 0.1, 10_000)
@@ -217,6 +246,7 @@ class SLO:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SLO:
+        _known_fields(data, "slo")
         ttft = float(_get(data, "ttftP95Seconds", "slo.ttftP95Seconds", (int, float), 2.0))
         _bounded(ttft, "slo.ttftP95Seconds", 0.001, 600)
         err = float(_get(data, "errorRatePercent", "slo.errorRatePercent", (int, float), 1.0))
@@ -236,6 +266,7 @@ class WorkloadHints:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WorkloadHints:
+        _known_fields(data, "workload")
         return cls(**{
             attr: _get(data, key, f"workload.{key}", bool, False)
             for attr, key in (("multi_turn", "multiTurn"), ("shared_prefix", "sharedPrefix"),
@@ -270,6 +301,7 @@ class InferenceDeploymentSpec:
             raise SpecError("model", "the spec is empty; at least spec.model is required")
         if not isinstance(data.get("model"), Mapping):
             raise SpecError("model", "is required: {name: <registry name>} or {uri: <path>, format: <format>}")
+        _known_fields(data, "")
 
         def section(key: str) -> Mapping[str, Any]:
             value = data.get(key) or {}

@@ -1,54 +1,56 @@
 """`inferplane worker`: one process, one model replica, served over gRPC.
 
-The arguments mirror an InferenceDeployment's `engine` section; the operator's manifests and the
-local supervisor both start workers with exactly these flags.
+The engine flags are `EngineOptions`' fields, with its defaults (one home for them); the operator's
+manifests and the local supervisor both start workers with these flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+
+from inferplane.worker.options import DTYPES, EngineOptions
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    engine = EngineOptions()  # the defaults
     parser.add_argument("--model", required=True, help="alias (e.g. smollm2-135m), .gguf file or HF folder")
-    parser.add_argument("--runtime", default="paged", choices=["paged", "radix", "cpu-int8"])
+    parser.add_argument("--runtime", default=engine.runtime, choices=["paged", "radix", "cpu-int8"])
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
     parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0 disables)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--kv-cache-memory", default=None,
+    parser.add_argument("--device", default=engine.device, choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default=engine.dtype, choices=DTYPES)
+    parser.add_argument("--block-size", type=int, default=engine.block_size)
+    parser.add_argument("--max-num-seqs", type=int, default=engine.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=engine.max_num_batched_tokens)
+    parser.add_argument("--kv-cache-memory", default=engine.kv_cache_memory,
                         help="KV pool size: bytes like 2GiB, or a fraction of free GPU memory like 0.9")
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=engine.num_kv_blocks, help=argparse.SUPPRESS)
+    parser.add_argument("--max-model-len", type=int, default=engine.max_model_len)
     parser.add_argument("--served-model-name", default=None, help="name reported to the gateway")
-    parser.add_argument("--kv-manager", default=None, choices=["paged", "radix"], help="cpu-int8 only")
+    parser.add_argument("--kv-manager", default=engine.kv_manager, choices=["paged", "radix"], help="cpu-int8 only")
     parser.add_argument("--drain-grace-seconds", type=float, default=30.0)
     parser.add_argument("--skip-quality-gate", action="store_true", help="cpu-int8: serve even if the gate fails")
     parser.add_argument("--quantize-head", action="store_true", help="cpu-int8: int8 output head too")
     # Test hook: scales multiplied by this make a deliberately wrong quantization the gate must catch.
-    parser.add_argument("--quant-scale-multiplier", type=float, default=1.0, help=argparse.SUPPRESS)
+    parser.add_argument("--quant-scale-multiplier", type=float, default=engine.quant_scale_multiplier,
+                        help=argparse.SUPPRESS)
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """Every EngineOptions field from the flag of the same name (a new option needs a flag, or fails here)."""
+    return EngineOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineOptions)})
 
 
 def _build_engine(args: argparse.Namespace):
     from inferplane.worker.engine import Engine
     from inferplane.worker.model.loader import load_model
-    from inferplane.worker.options import EngineOptions
     from inferplane.worker.runtimes import check_runtime, prepare_weights
 
     check_runtime(args.runtime)
-    options = EngineOptions(
-        runtime=args.runtime, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
-        kv_manager=args.kv_manager,
-        skip_quality_gate=args.skip_quality_gate, quantize_head=args.quantize_head,
-        quant_scale_multiplier=args.quant_scale_multiplier,
-    )
+    options = engine_options(args)
     options.validate()
     device = options.resolve_device()
     dtype = options.resolve_dtype(device)

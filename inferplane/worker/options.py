@@ -1,13 +1,19 @@
-"""Engine options: the knobs an InferenceDeployment's `engine` section and `LLM(...)` expose."""
+"""Engine options: the knobs an InferenceDeployment's `engine` section and `LLM(...)` expose.
+
+The one home of the engine's defaults: `inferplane worker`'s flags take theirs from here. Importing
+this module does not import torch (the CLI builds its --help from it); resolving a device does.
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
@@ -53,6 +59,8 @@ class EngineOptions:
         return cls(**kwargs)
 
     def resolve_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             # cpu-int8 is the CPU runtime by definition, GPU or not.
             use_cuda = torch.cuda.is_available() and self.runtime != "cpu-int8"
@@ -63,11 +71,13 @@ class EngineOptions:
         return device
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype is None:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -87,3 +87,25 @@ def test_kv_cache_pattern_is_shared_with_python() -> None:
 
     engine = crd.version_schema()["properties"]["spec"]["properties"]["engine"]["properties"]
     assert engine["kvCacheMemory"]["pattern"] == KV_CACHE_MEMORY_PATTERN
+
+
+def test_the_parser_knows_exactly_the_crd_fields() -> None:
+    """Each section's fields in the Python parser are the CRD's properties: neither ignores the other's."""
+    from inferplane.api.deployment import FIELDS
+
+    spec = crd.version_schema()["properties"]["spec"]
+    for section, fields in FIELDS.items():
+        node = spec if section == "" else spec["properties"][section]
+        assert sorted(fields) == sorted(node["properties"]), section or "spec"
+
+
+@pytest.mark.parametrize(("spec", "field"), [
+    ({"replica": 2}, "spec.replica"),
+    ({"engine": {"maxNumSeq": 8}}, "spec.engine.maxNumSeq"),
+    ({"workload": {"longGeneration": True}}, "spec.workload.longGeneration"),
+])
+def test_unknown_fields_are_refused_naming_them(spec: dict, field: str) -> None:
+    from inferplane.api.deployment import SpecError
+
+    with pytest.raises(SpecError, match=f"^{field}: unknown field"):
+        InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, **spec})

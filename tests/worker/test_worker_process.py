@@ -151,3 +151,17 @@ def test_a_cpu_int8_worker_refuses_a_model_that_fails_the_quality_gate(tmp_path)
     assert proc.returncode != 0
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "perplexity" in errors[0].lower(), stderr[-2000:]
+
+
+def test_worker_flags_are_the_engine_options_with_their_defaults() -> None:
+    """One home for engine defaults: every EngineOptions field has a flag, defaulting to its value."""
+    import argparse
+
+    from inferplane.worker import cli
+    from inferplane.worker.options import EngineOptions
+
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    assert cli.engine_options(parser.parse_args(["--model", "m"])) == EngineOptions()
+    changed = cli.engine_options(parser.parse_args(["--model", "m", "--max-num-seqs", "8", "--quantize-head"]))
+    assert (changed.max_num_seqs, changed.quantize_head) == (8, True)
