@@ -183,21 +183,36 @@ async def complete(http: httpx.AsyncClient, key: str, model: str) -> httpx.Respo
 # ---- the sync inside a gateway ---------------------------------------------------------------------
 
 
+@contextlib.asynccontextmanager
+async def synced_gateway(kubeconfig: Path, tmp_path: Path, tenant_ids: list[str]
+                         ) -> AsyncIterator[tuple[Gateway, int, dict[str, str]]]:
+    """A gateway whose routes come from the cluster sync (watching NS), with a key per tenant."""
+    port = free_port()
+    gateway = Gateway(GatewaySettings(db_url=f"sqlite:///{tmp_path / 'gw.db'}", port=port, health_poll_interval=0.2))
+    keys = {}
+    with gateway.sessions.begin() as session:
+        for tenant in tenant_ids:
+            tenants.create_tenant(session, tenant, actor="test")
+            keys[tenant] = auth.create_key(session, tenant, actor="test",
+                                           scopes=(auth.SCOPE_INFER, auth.SCOPE_MODELS_READ)).secret
+    api_client = load_api_client(str(kubeconfig))
+    sync = KubernetesCatalogSync.from_api_client(api_client, gateway.router, gateway.catalog, gateway.channels,
+                                                 namespaces=[NS], resync_interval=0.2, endpoint_interval=0.2)
+    await gateway.start()
+    sync.start()
+    try:
+        yield gateway, port, keys
+    finally:
+        await sync.stop()
+        await gateway.stop()
+        api_client.close()
+
+
 @pytest.mark.timeout(180)
 async def test_cluster_resources_become_routes_and_go_away(worker: int, tmp_path: Path) -> None:
     async with fake_cluster([NS, OTHER_NS]) as (api, kubeconfig):
-        port = free_port()
-        gateway = Gateway(GatewaySettings(db_url=f"sqlite:///{tmp_path / 'gw.db'}", port=port,
-                                          health_poll_interval=0.2))
-        with gateway.sessions.begin() as session:
-            tenants.create_tenant(session, "acme", actor="test")
-            key = auth.create_key(session, "acme", actor="test", scopes=(auth.SCOPE_INFER, auth.SCOPE_MODELS_READ))
-        api_client = load_api_client(str(kubeconfig))
-        sync = KubernetesCatalogSync.from_api_client(api_client, gateway.router, gateway.catalog, gateway.channels,
-                                                     namespaces=[NS], resync_interval=0.2, endpoint_interval=0.2)
-        await gateway.start()
-        sync.start()
-        try:
+        async with synced_gateway(kubeconfig, tmp_path, ["acme"]) as (gateway, port, keys):
+            key = keys["acme"]
             # Outside the watched namespace: never routed, although its slice points at a live worker.
             await api_call(api, "POST", IDEPS.format(ns=OTHER_NS), idep("hidden", OTHER_NS, "hidden"))
             await api_call(api, "POST", SLICES.format(ns=OTHER_NS), endpoint_slice("hidden", OTHER_NS, worker))
@@ -212,13 +227,13 @@ async def test_cluster_resources_become_routes_and_go_away(worker: int, tmp_path
 
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
                 async def served() -> bool:
-                    reply = await complete(http, key.secret, "tiny")
+                    reply = await complete(http, key, "tiny")
                     assert reply.status_code == 200, reply.text
                     return reply.json()
 
                 body = await eventually(served, "a completion through the synced route")
                 assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["text"]
-                models = (await http.get("/v1/models", headers={"Authorization": f"Bearer {key.secret}"})).json()
+                models = (await http.get("/v1/models", headers={"Authorization": f"Bearer {key}"})).json()
                 assert [m["id"] for m in models["data"]] == ["tiny"]
                 deps = gateway.router.deployments("tiny")
                 assert [(d.name, d.weight, d.tier.value) for d in deps] == [
@@ -238,14 +253,10 @@ async def test_cluster_resources_become_routes_and_go_away(worker: int, tmp_path
                 await api_call(api, "DELETE", IDEPS.format(ns=NS) + "/tiny-a")
 
                 async def gone() -> bool:
-                    return (await complete(http, key.secret, "tiny")).status_code == 404
+                    return (await complete(http, key, "tiny")).status_code == 404
 
                 await eventually(gone, "the served model to disappear")
                 assert gateway.router.models() == [] and gateway.catalog.visible(None) == []
-        finally:
-            await sync.stop()
-            await gateway.stop()
-            api_client.close()
 
 
 @pytest.mark.timeout(180)
@@ -255,20 +266,7 @@ async def test_mixed_cache_isolation_keeps_tenants_apart(radix_worker: int, tmp_
     from tests.e2e.isolation import assert_tenants_do_not_share_the_prefix_cache
 
     async with fake_cluster([NS]) as (api, kubeconfig):
-        port = free_port()
-        gateway = Gateway(GatewaySettings(db_url=f"sqlite:///{tmp_path / 'gw.db'}", port=port,
-                                          health_poll_interval=0.2))
-        keys = {}
-        with gateway.sessions.begin() as session:
-            for tenant in ("acme", "globex"):
-                tenants.create_tenant(session, tenant, actor="test")
-                keys[tenant] = auth.create_key(session, tenant, actor="test", scopes=(auth.SCOPE_INFER,)).secret
-        api_client = load_api_client(str(kubeconfig))
-        sync = KubernetesCatalogSync.from_api_client(api_client, gateway.router, gateway.catalog, gateway.channels,
-                                                     namespaces=[NS], resync_interval=0.2, endpoint_interval=0.2)
-        await gateway.start()
-        sync.start()
-        try:
+        async with synced_gateway(kubeconfig, tmp_path, ["acme", "globex"]) as (gateway, port, keys):
             await api_call(api, "POST", IDEPS.format(ns=NS), idep("open", NS, "mixed", cacheIsolation="shared"))
             await api_call(api, "POST", IDEPS.format(ns=NS),
                            idep("strict", NS, "mixed", cacheIsolation="tenant",
@@ -286,10 +284,6 @@ async def test_mixed_cache_isolation_keeps_tenants_apart(radix_worker: int, tmp_
             assert gateway.catalog.get("mixed", None).cache_isolation == "tenant"
             await asyncio.to_thread(assert_tenants_do_not_share_the_prefix_cache, f"http://127.0.0.1:{port}",
                                     keys["acme"], keys["globex"], "mixed")
-        finally:
-            await sync.stop()
-            await gateway.stop()
-            api_client.close()
 
 
 # ---- `inferplane gateway` as a process -------------------------------------------------------------
