@@ -106,7 +106,11 @@ def start_operator(tmp_path: Path) -> Iterator[Callable[..., OperatorProcess]]:
 
 @contextmanager
 def namespace(cluster: Cluster, name: str) -> Iterator[str]:
-    """A namespace for one test, deleted afterwards (the namespace controller removes its content)."""
+    """A namespace for one test, deleted afterwards and waited for, so that the name can be reused.
+
+    The namespace controller removes the content; InferenceDeployments whose operator has already
+    stopped would keep their finalizer forever, so it is dropped here (as an admin would).
+    """
     cluster.create_namespace(name)
     wait_for(lambda: cluster.get(f"/api/v1/namespaces/{name}/serviceaccounts/default"), 60,
              f"the default ServiceAccount in {name}")
@@ -114,6 +118,14 @@ def namespace(cluster: Cluster, name: str) -> Iterator[str]:
         yield name
     finally:
         cluster.delete_namespace(name)
+
+        def gone() -> bool:
+            for item in (cluster.get(idep_path(name)) or {}).get("items") or []:
+                if item["metadata"].get("finalizers"):
+                    cluster.request("PATCH", idep_path(name, item["metadata"]["name"]),
+                                    {"metadata": {"finalizers": None}}, content_type="application/merge-patch+json")
+            return cluster.get(f"/api/v1/namespaces/{name}") is None
+        wait_for(gone, 180, f"namespace {name} deleted", interval=0.5)
 
 
 def idep(name: str, namespace: str, **spec: Any) -> dict[str, Any]:

@@ -68,9 +68,11 @@ def operator_args(manifest: str, webhook_files: dict[str, Path]) -> list[str]:
     return args
 
 
-@pytest.fixture(scope="module")
-def release(crds: Cluster, helm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """`helm install` with the webhook on and team-a watched; yields the release's files and manifest."""
+@pytest.fixture(scope="module", params=["namespaced", "cluster"])
+def release(request: pytest.FixtureRequest, crds: Cluster, helm: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[dict[str, Any]]:
+    """`helm install` with the webhook on, in either RBAC mode: Roles in team-a (watched alone), or a
+    ClusterRole and --all-namespaces. Every test of this module runs once per mode."""
     cluster = crds
     files = tmp_path_factory.mktemp("webhook")
     cert, key = cluster.ca.issue(files, "tls", dns=(f"{SERVICE}.{RELEASE_NS}.svc",))
@@ -81,6 +83,7 @@ def release(crds: Cluster, helm: Path, tmp_path_factory: pytest.TempPathFactory)
                        "metadata": {"name": "operator-webhook-tls", "namespace": RELEASE_NS},
                        "data": {k: base64.b64encode(p.read_bytes()).decode() for k, p in webhook_files.items()}})
         helm_cmd(helm, cluster, "install", RELEASE, str(CHART), "--namespace", RELEASE_NS,
+                 "--set", f"operator.rbacMode={request.param}",
                  "--set", f"operator.watchNamespaces={{{WATCHED}}}", "--set", "operator.webhook.enabled=true",
                  "--set", "operator.webhook.tlsSecretName=operator-webhook-tls")
         manifest = helm_cmd(helm, cluster, "get", "manifest", RELEASE, "--namespace", RELEASE_NS).stdout
