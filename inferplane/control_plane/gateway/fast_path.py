@@ -8,7 +8,9 @@ in the same order and with the same answers, and nothing else:
 
   read the body (413 over the limit, also for chunked bodies without a Content-Length) →
   decode JSON when the content type says JSON (400 if it is not JSON) → authenticate (401/403) →
-  validate the body with the same pydantic model (422) → `Completions`.
+  validate the body with the same pydantic model (422) → `Completions`, cancelled if the client
+  disconnects before it has a response (a non-streaming request would otherwise generate to the
+  end for nobody, holding a worker's sequence and its KV blocks; streams stop on their own).
 
 Every other request, including other methods on these paths, goes on to FastAPI. The FastAPI
 routes for these paths stay: they document the endpoints in the OpenAPI schema, and they call the
@@ -17,6 +19,8 @@ same `Completions` methods, so the two cannot drift apart in what they send back
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import email.message
 import json
 from collections.abc import Awaitable, Callable
@@ -94,7 +98,7 @@ class InferenceFastPath:
             body = endpoint.body_model.model_validate(data, from_attributes=True)
         except ValidationError as exc:
             return validation_error_response(exc.errors())
-        return await endpoint.handler(body, principal)
+        return await _cancelled_on_disconnect(endpoint.handler(body, principal), receive)
 
     async def _read_body(self, receive) -> bytes:
         limit = self.ctx.max_body_bytes
@@ -111,6 +115,30 @@ class InferenceFastPath:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+async def _cancelled_on_disconnect(work: Awaitable[Response], receive) -> Response:
+    """Await `work`, unless the client disconnects first: then cancel it (closing the worker stream
+    frees the sequence) and raise _Disconnected. The body has been read, so the only message left
+    to receive is the disconnect."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise _Disconnected
+    finally:
+        for pending in (task, watcher):  # also when this coroutine itself is cancelled
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pending
+
+
+async def _disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _is_json(content_type: str | None) -> bool:

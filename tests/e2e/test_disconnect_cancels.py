@@ -1,0 +1,86 @@
+"""A client that walks away from a non-streaming completion cancels it (issue 13, item 1).
+
+One tiny worker running one sequence at a time, so that requests queue behind each other; four
+non-streaming completions whose clients give up long before the work could be done. Without
+cancellation the worker would run all four to `max_tokens` for nobody. The check is what the
+worker says it did: its metrics count requests that finished with reason "abort", and it becomes
+idle without generating four requests' worth of tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import httpx
+import pytest
+
+from inferplane.bench.gateway_harness import SERVED_MODEL, free_port, start_gateway, start_worker, wait_serving
+from inferplane.bench.tiny_model import make_tiny_model
+from inferplane.v1 import worker_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+REQUESTS = 4
+MAX_TOKENS = 200
+
+
+def _metric(text: str, finish_reason: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("inferplane_worker_requests_total{") and f'finish_reason="{finish_reason}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _abandon(base_url: str, key: str) -> None:
+    """Send the requests and close each connection after a short wait, as an impatient client does."""
+    body = {"model": SERVED_MODEL, "prompt": "tell me a long story", "max_tokens": MAX_TOKENS, "temperature": 0}
+
+    async def one() -> None:
+        async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(0.3)) as client:
+            try:
+                reply = await client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            except httpx.TimeoutException:
+                return
+            assert reply.status_code == 200, reply.text  # served before the client gave up: allowed
+
+    await asyncio.gather(*(one() for _ in range(REQUESTS)))
+
+
+async def _idle(address: str) -> dict[str, float]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        for _ in range(600):  # generous: the machine may be slow; the assertion is not about time
+            stats = (await stub.Stats(worker_pb2.StatsRequest(), timeout=5)).values
+            if stats.get("num_running", 0) == 0 and stats.get("num_waiting", 0) == 0:
+                return dict(stats)
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"the worker never became idle: {dict(stats)}")
+
+
+def test_abandoned_non_streaming_requests_are_cancelled(tmp_path_factory: pytest.TempPathFactory) -> None:
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+    logs = tmp_path_factory.mktemp("logs")
+    port, metrics_port = free_port(), free_port()
+    worker = start_worker(model, port, "--max-model-len", "256", "--max-num-seqs", "1",
+                          "--metrics-port", str(metrics_port), log_path=str(logs / "worker.log"))
+    gateway = None
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_serving(address, worker)
+        gateway = start_gateway([address], log_path=str(logs / "gateway.log"))
+        asyncio.run(_abandon(gateway.base_url, gateway.key))
+        stats = asyncio.run(_idle(address))
+        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        worker.kill()
+        worker.wait()
+    aborted = _metric(metrics, "abort")
+    completed = _metric(metrics, "length")
+    # Queued behind one running sequence, at least three had not finished when their clients left.
+    assert aborted >= REQUESTS - 1, metrics
+    assert aborted + completed == REQUESTS, metrics
+    assert stats["generation_tokens_total"] < REQUESTS * MAX_TOKENS
