@@ -92,7 +92,10 @@ class AdminTokenVerifier:
             )
         except jwt.PyJWTError as e:
             raise Unauthenticated(f"invalid token: {e}") from None
-        # pyjwt has checked exp (past) and iat (not in the future) against the clock.
+        # pyjwt has checked exp (past) and iat (not in the future) against the clock, but it also
+        # accepts them as numeric strings ("1800000000"); the claims are NumericDates (numbers).
+        if not all(isinstance(claims[c], (int, float)) and not isinstance(claims[c], bool) for c in ("exp", "iat")):
+            raise Unauthenticated("invalid token: exp and iat must be numbers (seconds since the epoch)")
         if claims["exp"] - claims["iat"] > s.max_lifetime_s:
             raise Unauthenticated(f"invalid token: lifetime over {s.max_lifetime_s:.0f} s")
         raw_scope = claims.get("scope", SCOPE_ADMIN)

@@ -126,3 +126,14 @@ def test_settings_validation(rsa_keys: tuple[bytes, bytes]) -> None:
         JWTSettings("RS256", private)
     with pytest.raises(InvalidInput):
         JWTSettings("none", SECRET)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("claim", ["exp", "iat"])
+def test_numeric_date_claims_given_as_strings_are_refused(claim: str) -> None:
+    """pyjwt accepts "1800000000" for exp/iat; the lifetime check then met a string (500 before)."""
+    now = int(time.time())
+    payload = {"sub": "alice", "aud": "inferplane-admin", "iat": now, "exp": now + 300, "scope": "admin"}
+    payload[claim] = str(payload[claim])
+    token = jwt.encode(payload, SECRET, algorithm="HS256")
+    with pytest.raises(Unauthenticated, match="exp and iat must be numbers|must be an integer"):
+        _hs().verify(token)

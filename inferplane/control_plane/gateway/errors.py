@@ -80,6 +80,8 @@ def as_error(exc: BaseException) -> tuple[int, str, str | None, dict[str, str] |
         return 404, str(exc), "model_not_found", None
     if isinstance(exc, NoReplicaAvailable):
         return 503, str(exc), "no_replica_available", {"Retry-After": "1"}
+    if isinstance(exc, RecursionError):  # json.loads on a body nested thousands deep
+        return 400, "request body is nested too deeply", "invalid_json", None
     if isinstance(exc, StreamBrokenAfterStart):  # a replica died mid-answer: its fault, not a gateway bug
         return 503, f"the model replica failed mid-response; the output is incomplete ({exc})", "upstream_error", None
     log.exception("unexpected error on the request path", exc_info=exc)

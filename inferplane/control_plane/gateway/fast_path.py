@@ -7,8 +7,9 @@ against 7% for the endpoint's own work. This does what those layers did for thes
 in the same order and with the same answers, and nothing else:
 
   read the body (413 over the limit, also for chunked bodies without a Content-Length) →
-  decode JSON when the content type says JSON (400 if it is not JSON) → authenticate (401/403) →
-  validate the body with the same pydantic model (422) → `Completions`, cancelled if the client
+  authenticate (401/403), so that no work is done on the body of an unknown caller → decode JSON
+  when the content type says JSON (400 if it is not JSON, or nested too deeply) → validate the
+  body with the same pydantic model (422) → `Completions`, cancelled if the client
   disconnects before it has a response (a non-streaming request would otherwise generate to the
   end for nobody, holding a worker's sequence and its KV blocks; streams stop on their own).
 
@@ -79,6 +80,7 @@ class InferenceFastPath:
 
     async def _handle(self, endpoint: _Endpoint, scope: Scope, receive) -> Response:
         raw = await self._read_body(receive)
+        principal = self.ctx.tenant_principal(bearer(header(scope, b"authorization")))
         data: Any = raw
         if not raw:
             data = None
@@ -89,7 +91,6 @@ class InferenceFastPath:
                 return error_response(400, "request body is not valid JSON", "invalid_json")
             except ValueError:  # not UTF-8 at all
                 return error_response(400, "There was an error parsing the body", None)
-        principal = self.ctx.tenant_principal(bearer(header(scope, b"authorization")))
         if data is None:
             return validation_error_response([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
         try:

@@ -6,11 +6,38 @@ penalties) are refused with a message naming them rather than silently dropped.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from inferplane.v1 import worker_pb2
+
+# The wire types of worker.proto's SamplingParams: a larger number is a 422, not an overflow (500).
+INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1
+
+
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """The path of the first string holding a lone UTF-16 surrogate (JSON's "\\ud800"), or None.
+
+    Such a string is not Unicode text: tokenizers and the gRPC wire (UTF-8) cannot carry it.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = lone_surrogate_at(item, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
 
 
 class _Base(BaseModel):
@@ -23,18 +50,26 @@ class StreamOptions(_Base):
 
 class _Sampling(_Base):
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
     n: int = Field(default=1, ge=1, le=1, description="one choice per request")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="not supported")
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="not supported")
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data: Any) -> Any:
+        where = lone_surrogate_at(data)
+        if where:
+            raise ValueError(f"{where}: not valid Unicode text (a lone UTF-16 surrogate)")
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -65,7 +100,7 @@ class _Sampling(_Base):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] = Field(description="a string (a list must hold exactly one)")
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: Literal[False] = False
 
@@ -98,7 +133,7 @@ class ChatMessage(_Base):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
 
     def default_max_tokens(self) -> int | None:

@@ -25,19 +25,22 @@ from inferplane.control_plane.gateway.fast_path import InferenceFastPath
 from inferplane.control_plane.gateway.middleware import LimitsAndMetrics
 from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 
+# Integers the database stores as 64-bit: a larger one is a 422 naming the field, not an overflow.
+INT64_MAX = 2**63 - 1
+
 
 class TenantIn(BaseModel):
     id: str = Field(min_length=1)
     display_name: str | None = None
-    monthly_token_quota: int | None = Field(default=None, ge=0)
+    monthly_token_quota: int | None = Field(default=None, ge=0, le=INT64_MAX)
 
 class KeyIn(BaseModel):
     tenant_id: str | None = None
     name: str | None = None
     scopes: list[str] = Field(default_factory=lambda: list(auth.DEFAULT_SCOPES))
-    expires_in_seconds: int | None = Field(default=None, gt=0)
-    requests_per_minute: int | None = Field(default=None, gt=0)
-    tokens_per_minute: int | None = Field(default=None, gt=0)
+    expires_in_seconds: int | None = Field(default=None, gt=0, le=100 * 365 * 86400)
+    requests_per_minute: int | None = Field(default=None, gt=0, le=INT64_MAX)
+    tokens_per_minute: int | None = Field(default=None, gt=0, le=INT64_MAX)
 
 class ModelIn(BaseModel):
     source: str = Field(min_length=1)
