@@ -92,24 +92,28 @@ class InferenceService:
                                              token_ids=worker_pb2.TokenIds(ids=prepared.token_ids))
         route = RouteRequest(model.name, token_ids=prepared.token_ids, cache_salt=salt)
         completion_tokens = 0
+        served = False  # a worker answered: only then is there anything to bill
 
         def call(endpoint):
             return self.channels.stub(endpoint.address).Generate(request, timeout=self.request_timeout)
 
         try:
             async for message in route_and_stream(self.router, route, call):
+                served = True
                 completion_tokens += len(message.token_ids)
                 yield message
         except grpc.aio.AioRpcError as exc:
             raise _worker_error(exc) from exc
         finally:
-            self._account(prepared, completion_tokens)
+            self._account(prepared, completion_tokens, served)
 
-    def _account(self, prepared: PreparedRequest, completion_tokens: int) -> None:
+    def _account(self, prepared: PreparedRequest, completion_tokens: int, served: bool) -> None:
+        """Charge the key's token bucket for what was generated; bill the tenant only for a request
+        a worker served (no replica, or a failure before the first token, is a metric, not usage)."""
         principal = prepared.principal
         if principal.key_id is not None:
             self.limiter.charge(principal.key_id, _limits(principal), completion_tokens)
-        if self.usage is not None and principal.tenant_id is not None:
+        if served and self.usage is not None and principal.tenant_id is not None:
             self.usage.record(principal.tenant_id, prepared.model.name, prompt_tokens=prepared.prompt_tokens,
                               completion_tokens=completion_tokens)
 

@@ -1,6 +1,7 @@
-"""Hostile input gets a 4xx naming what is wrong, never a 500 (issue 13, item 6).
+"""Issue 13's attacks that need no worker: hostile input gets a 4xx naming what is wrong, never a
+500 (item 6), and a request nobody served is not billed (item 7).
 
-Each case was a 500 before: a body nested 100,000 deep was parsed before the key was checked (and
+Each bad-input case was a 500 before: a body nested 100,000 deep was parsed before the key was checked (and
 overflowed the parser's recursion), a lone UTF-16 surrogate or an integer beyond the wire types
 reached the worker request, an admin integer beyond 64 bits reached the database.
 """
@@ -80,3 +81,23 @@ async def test_integers_beyond_the_wire_types_are_refused(gateway, field, value)
 async def test_admin_integers_beyond_64_bits_are_refused(gateway, path, body, field):
     status, answer = await _post(gateway, path, json.dumps(body), gateway.infer_key)
     assert status == 422 and answer["error"]["param"] == field, answer
+
+
+async def test_a_request_no_replica_served_is_not_billed(gateway, tmp_path):
+    """Issue 13, item 7: a 503 no_replica_available used to count a request and its prompt tokens."""
+    from inferplane.bench.tiny_model import make_tiny_model
+    from inferplane.control_plane.gateway.catalog import ServedModel
+    from inferplane.control_plane.routing import Deployment, StaticEndpointSource
+    from inferplane.worker.model.tokenizer import load_hf_tokenizer
+
+    tokenizer = load_hf_tokenizer(make_tiny_model(tmp_path / "tiny"))
+    gateway.catalog.put(ServedModel(name="m", tokenizer=tokenizer, max_model_len=256))
+    gateway.router.set_route("m", [Deployment("team-a/m", StaticEndpointSource([]))])  # no replica
+    status, answer = await _post(gateway, "/v1/completions", json.dumps({"model": "m", "prompt": "hi"}),
+                                 gateway.infer_key)
+    assert status == 503 and answer["error"]["code"] == "no_replica_available", answer
+    gateway.usage.flush()
+    transport = httpx.ASGITransport(create_asgi_app(gateway.context))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        usage = (await client.get("/v1/usage", headers={"authorization": f"Bearer {gateway.infer_key}"})).json()
+    assert usage["totals"]["requests"] == 0 and usage["totals"]["prompt_tokens"] == 0, usage
