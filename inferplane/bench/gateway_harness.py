@@ -134,7 +134,8 @@ async def _serve(args: argparse.Namespace) -> int:
 
     with tempfile.TemporaryDirectory(prefix="inferplane-gw-") as home:
         settings = GatewaySettings(db_url=f"sqlite:///{home}/gateway.db", port=args.port, grpc_port=args.grpc_port,
-                                   health_poll_interval=args.health_poll_interval)
+                                   health_poll_interval=args.health_poll_interval,
+                                   drain_grace_seconds=args.drain_grace_seconds)
         gateway = Gateway(settings)
         key = _create_key(gateway)  # before start(): the key cache loads it on its first refresh
         await gateway.start()
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--served-model-name", default=SERVED_MODEL)
     serve.add_argument("--max-outstanding", type=int, default=1024, help="per replica before it counts as full")
     serve.add_argument("--health-poll-interval", type=float, default=2.0)
+    serve.add_argument("--drain-grace-seconds", type=float, default=30.0)
     args = parser.parse_args(argv)
     return aio.run(_serve(args))
 

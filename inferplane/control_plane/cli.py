@@ -70,6 +70,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="seconds between listings of InferenceDeployments (default: %(default)s)")
     parser.add_argument("--endpoint-interval", type=float, default=env("INFERPLANE_ENDPOINT_INTERVAL", "2"),
                         help="seconds between listings of each deployment's EndpointSlices (default: %(default)s)")
+    parser.add_argument("--drain-grace-seconds", type=float, default=env("INFERPLANE_DRAIN_GRACE_SECONDS", "30"),
+                        help="on SIGTERM, how long requests and streams in flight may take to finish "
+                             "(default: %(default)s)")
     parser.add_argument("--verbose", "-v", action="store_true")
 
 
@@ -143,11 +146,14 @@ def gateway_settings(args: argparse.Namespace) -> Any:
         raise UsageError("--port must be 1..65535 and --grpc-port 0..65535")
     if args.resync_interval <= 0 or args.endpoint_interval <= 0:
         raise UsageError("--resync-interval and --endpoint-interval must be positive")
+    if args.drain_grace_seconds < 0:
+        raise UsageError("--drain-grace-seconds must not be negative")
     return GatewaySettings(
         db_url=db_url(args), host=args.host, port=args.port, grpc_port=args.grpc_port or None,
         bootstrap_key=_read_secret(args.bootstrap_key_file, "INFERPLANE_BOOTSTRAP_KEY", "bootstrap key"),
         jwt_algorithm=args.jwt_algorithm, jwt_key=jwt_key, jwt_audience=args.jwt_audience,
-        salt_secret=_salt(_read_secret(args.salt_secret_file, "INFERPLANE_SALT_SECRET", "salt secret")))
+        salt_secret=_salt(_read_secret(args.salt_secret_file, "INFERPLANE_SALT_SECRET", "salt secret")),
+        drain_grace_seconds=args.drain_grace_seconds)
 
 
 # ---- running ---------------------------------------------------------------------------------------

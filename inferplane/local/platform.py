@@ -164,5 +164,6 @@ class LocalPlatform:
         return False
 
     async def stop(self) -> None:
-        await self.supervisor.stop()
+        """The gateway drains first (what is in flight finishes on the workers), then the workers stop."""
         await self.gateway.stop()
+        await self.supervisor.stop()

@@ -42,6 +42,9 @@ class GatewaySettings:
     key_refresh_interval: float = 1.0
     usage_flush_interval: float = 2.0
     health_poll_interval: float = 2.0
+    # On stop (SIGTERM): new connections are refused at once, requests and streams in flight get
+    # this long to finish (the workers' drainGraceSeconds by default), then the rest is cancelled.
+    drain_grace_seconds: float = 30.0
 
 
 class Gateway:
@@ -80,7 +83,8 @@ class Gateway:
         # access_log=False: the access logger sits below log_level anyway, but uvicorn would still
         # format the client address and path of every request before finding that out.
         config = uvicorn.Config(self.app, host=self.settings.host, port=self.settings.port, log_level="warning",
-                                lifespan="off", timeout_graceful_shutdown=5, access_log=False)
+                                lifespan="off", timeout_graceful_shutdown=self.settings.drain_grace_seconds,
+                                access_log=False)
         self._http = uvicorn.Server(config)
         self._http.install_signal_handlers = lambda: None  # the caller owns Ctrl-C
         self._tasks.append(asyncio.create_task(self._http.serve()))
@@ -108,10 +112,11 @@ class Gateway:
                 log.exception("pruning worker channels failed")
 
     async def stop(self) -> None:
+        """Drain: stop accepting, let what is in flight finish (up to drain_grace_seconds), close."""
         if self._http is not None:
             self._http.should_exit = True
         if self._grpc is not None:
-            await self._grpc.stop(grace=2)
+            await self._grpc.stop(grace=self.settings.drain_grace_seconds)
         for task in self._tasks:
             if task is not self._tasks[-1]:
                 task.cancel()
