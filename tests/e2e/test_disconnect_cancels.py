@@ -1,4 +1,5 @@
-"""A client that walks away from a non-streaming completion cancels it (issue 13, item 1).
+"""A client that walks away from a completion cancels it (issue 13, item 1): REST without streaming,
+and the tenant gRPC API (server-streaming) whose client gives up at its deadline.
 
 One tiny worker running one sequence at a time, so that requests queue behind each other; four
 non-streaming completions whose clients give up long before the work could be done. Without
@@ -17,7 +18,7 @@ import pytest
 
 from inferplane.bench.gateway_harness import SERVED_MODEL, free_port, start_gateway, start_worker, wait_serving
 from inferplane.bench.tiny_model import make_tiny_model
-from inferplane.v1 import worker_pb2, worker_pb2_grpc
+from inferplane.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +49,23 @@ async def _abandon(base_url: str, key: str) -> None:
     await asyncio.gather(*(one() for _ in range(REQUESTS)))
 
 
+async def _abandon_grpc(address: str, key: str) -> None:
+    """The same over the tenant gRPC API: each call's deadline passes long before it could finish."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        request = inference_pb2.CompleteRequest(model=SERVED_MODEL, prompt="tell me a long story",
+                                                params=worker_pb2.SamplingParams(max_tokens=MAX_TOKENS))
+
+        async def one() -> None:
+            try:
+                async for _ in stub.Complete(request, metadata=[("authorization", f"Bearer {key}")], timeout=0.3):
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc
+
+        await asyncio.gather(*(one() for _ in range(REQUESTS)))
+
+
 async def _idle(address: str) -> dict[str, float]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
@@ -59,7 +77,8 @@ async def _idle(address: str) -> dict[str, float]:
     raise AssertionError(f"the worker never became idle: {dict(stats)}")
 
 
-def test_abandoned_non_streaming_requests_are_cancelled(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("api", ["rest", "grpc"])
+def test_abandoned_requests_are_cancelled(tmp_path_factory: pytest.TempPathFactory, api: str) -> None:
     model = make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
     logs = tmp_path_factory.mktemp("logs")
     port, metrics_port = free_port(), free_port()
@@ -70,7 +89,10 @@ def test_abandoned_non_streaming_requests_are_cancelled(tmp_path_factory: pytest
     try:
         wait_serving(address, worker)
         gateway = start_gateway([address], log_path=str(logs / "gateway.log"))
-        asyncio.run(_abandon(gateway.base_url, gateway.key))
+        if api == "rest":
+            asyncio.run(_abandon(gateway.base_url, gateway.key))
+        else:
+            asyncio.run(_abandon_grpc(f"127.0.0.1:{gateway.grpc_port}", gateway.key))
         stats = asyncio.run(_idle(address))
         metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
     finally:
