@@ -101,3 +101,36 @@ async def test_a_request_no_replica_served_is_not_billed(gateway, tmp_path):
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
         usage = (await client.get("/v1/usage", headers={"authorization": f"Bearer {gateway.infer_key}"})).json()
     assert usage["totals"]["requests"] == 0 and usage["totals"]["prompt_tokens"] == 0, usage
+
+
+@pytest.mark.parametrize(("params", "field"), [
+    ({"temperature": float("nan")}, "temperature"),
+    ({"stop": ["x"] * 100_000}, "stop"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"stop_token_ids": list(range(1000))}, "params.stop_token_ids"),
+])
+async def test_the_grpc_api_validates_like_rest(gateway, params, field):
+    """Issue 13, item 8: the tenant gRPC API skipped the REST validation (NaN temperature, a huge
+    stop list slowed every tenant); it now goes through the same pydantic models, before any model lookup."""
+    import grpc
+
+    from inferplane.control_plane.gateway.grpc_api import InferenceServicer
+    from inferplane.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
+
+    server = grpc.aio.server()
+    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(gateway.context), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            request = inference_pb2.CompleteRequest(model="m", prompt="hi",
+                                                    params=worker_pb2.SamplingParams(max_tokens=4, **params))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in stub.Complete(request, metadata=[("authorization", f"Bearer {gateway.infer_key}")],
+                                             timeout=30):
+                    pass
+    finally:
+        await server.stop(None)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    assert caught.value.details().startswith(f"{field}"), caught.value.details()

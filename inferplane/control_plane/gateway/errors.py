@@ -93,11 +93,17 @@ def validation_error_response(errors: Sequence[Any]) -> JSONResponse:
     naming the first offending field."""
     if any(e.get("type") == "json_invalid" for e in errors):
         return error_response(400, "request body is not valid JSON", "invalid_json")
+    message, param = validation_message(errors)
+    return error_response(422, message, "invalid_value", param)
+
+
+def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """(message naming the first offending field, its dotted path) from pydantic's errors."""
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
-    return error_response(422, message, "invalid_value", param)
+    return message, param
 
 
 def install_error_handlers(app: FastAPI) -> None:
