@@ -134,3 +134,22 @@ async def test_the_grpc_api_validates_like_rest(gateway, params, field):
         await server.stop(None)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
     assert caught.value.details().startswith(f"{field}"), caught.value.details()
+
+
+async def test_405_names_every_method_the_path_takes(gateway):
+    transport = httpx.ASGITransport(create_asgi_app(gateway.context))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        assert (await client.get("/v1/completions")).headers["allow"] == "POST"
+        reply = await client.put("/admin/v1/tenants")
+    assert reply.status_code == 405 and reply.headers["allow"] == "GET, POST"
+    assert reply.json()["error"]["message"] == "Method Not Allowed"
+
+
+async def test_a_write_the_database_refuses_is_a_503_not_a_500(gateway):
+    """A read-only database (a PostgreSQL standby, a read-only SQLite file) is an outage to retry."""
+    from sqlalchemy import event
+
+    gateway.engine.dispose()
+    event.listen(gateway.engine, "connect", lambda dbapi, _record: dbapi.execute("PRAGMA query_only = ON"))
+    status, answer = await _post(gateway, "/admin/v1/keys", json.dumps({"tenant_id": "t1"}), gateway.infer_key)
+    assert status == 503 and answer["error"]["code"] == "database_unavailable", answer

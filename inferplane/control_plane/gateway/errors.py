@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from sqlalchemy.exc import DBAPIError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferplane.control_plane.errors import ControlPlaneError, RateLimited
@@ -80,12 +81,24 @@ def as_error(exc: BaseException) -> tuple[int, str, str | None, dict[str, str] |
         return 404, str(exc), "model_not_found", None
     if isinstance(exc, NoReplicaAvailable):
         return 503, str(exc), "no_replica_available", {"Retry-After": "1"}
+    if _database_unavailable(exc):
+        log.warning("database refused or unreachable: %s", " ".join(str(exc).split())[:300])
+        return 503, "the database cannot take this request now (read-only or unreachable); retry later", \
+            "database_unavailable", {"Retry-After": "5"}
     if isinstance(exc, RecursionError):  # json.loads on a body nested thousands deep
         return 400, "request body is nested too deeply", "invalid_json", None
     if isinstance(exc, StreamBrokenAfterStart):  # a replica died mid-answer: its fault, not a gateway bug
         return 503, f"the model replica failed mid-response; the output is incomplete ({exc})", "upstream_error", None
     log.exception("unexpected error on the request path", exc_info=exc)
     return 500, "internal error", "internal_error", None
+
+
+def _database_unavailable(exc: BaseException) -> bool:
+    """The database side, not our code: an operational failure (connection lost, SQLite read-only),
+    or PostgreSQL refusing a write in a read-only transaction (a standby: SQLSTATE 25006)."""
+    if isinstance(exc, OperationalError):
+        return True
+    return isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) == "25006"
 
 
 def validation_error_response(errors: Sequence[Any]) -> JSONResponse:
@@ -113,7 +126,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), None)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # Starlette names the first route's methods; a path may have several
+            headers["Allow"] = _allowed_methods(request)
+        return error_response(exc.status_code, str(exc.detail), None, headers=headers or None)
 
     async def _known(request: Request, exc: Exception):
         status, message, code, headers = as_error(exc)
@@ -124,6 +140,18 @@ def install_error_handlers(app: FastAPI) -> None:
     for kind in (ControlPlaneError, GatewayError, RoutingError):
         app.add_exception_handler(kind, _known)
     app.add_exception_handler(Exception, _known)
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method some route of this path takes (the Allow header of a 405)."""
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return ", ".join(sorted(methods))
 
 
 def sse_error(exc: BaseException) -> str:
