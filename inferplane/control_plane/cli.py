@@ -62,6 +62,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                           "$INFERPLANE_JWT_KEY gives the key itself)")
     jwt.add_argument("--jwt-audience", default=env("INFERPLANE_JWT_AUDIENCE", "inferplane-admin"),
                      help="required 'aud' claim (default: $INFERPLANE_JWT_AUDIENCE, else %(default)s)")
+    jwt.add_argument("--jwt-issuer", default=env("INFERPLANE_JWT_ISSUER"),
+                     help="required 'iss' claim, e.g. your identity provider's URL (default: $INFERPLANE_JWT_ISSUER; "
+                          "unset: not checked)")
     parser.add_argument("--salt-secret-file", default=env("INFERPLANE_SALT_SECRET_FILE"),
                         help="secret keying tenants' prefix-cache salts; every gateway replica needs the same one "
                              "(hex, or any text) (default: $INFERPLANE_SALT_SECRET_FILE; $INFERPLANE_SALT_SECRET "
@@ -139,7 +142,8 @@ def gateway_settings(args: argparse.Namespace) -> Any:
         from inferplane.control_plane.tokens import JWTSettings
 
         try:  # checked here so that a weak or wrong key is a usage error, not a start-up traceback
-            JWTSettings(algorithm=args.jwt_algorithm, key=jwt_key, audience=args.jwt_audience)
+            JWTSettings(algorithm=args.jwt_algorithm, key=jwt_key, audience=args.jwt_audience,
+                        issuer=args.jwt_issuer)
         except InvalidInput as exc:
             raise UsageError(f"JWT key: {exc}") from exc
     if not 0 < args.port < 65536 or not 0 <= args.grpc_port < 65536:
@@ -152,6 +156,7 @@ def gateway_settings(args: argparse.Namespace) -> Any:
         db_url=db_url(args), host=args.host, port=args.port, grpc_port=args.grpc_port or None,
         bootstrap_key=_read_secret(args.bootstrap_key_file, "INFERPLANE_BOOTSTRAP_KEY", "bootstrap key"),
         jwt_algorithm=args.jwt_algorithm, jwt_key=jwt_key, jwt_audience=args.jwt_audience,
+        jwt_issuer=args.jwt_issuer or None,
         salt_secret=_salt(_read_secret(args.salt_secret_file, "INFERPLANE_SALT_SECRET", "salt secret")),
         drain_grace_seconds=args.drain_grace_seconds)
 

@@ -66,8 +66,10 @@ def test_secrets_come_from_files_or_env(monkeypatch: pytest.MonkeyPatch, tmp_pat
     (tmp_path / "salt").write_text("00ff10\n")
     settings = cli.gateway_settings(parse("--bootstrap-key-file", str(tmp_path / "boot"), "--jwt-algorithm", "HS256",
                                           "--jwt-key-file", str(tmp_path / "jwt"), "--salt-secret-file",
-                                          str(tmp_path / "salt"), "--grpc-port", "9001"))
+                                          str(tmp_path / "salt"), "--grpc-port", "9001",
+                                          "--jwt-issuer", "https://idp.example", "--drain-grace-seconds", "45"))
     assert settings.bootstrap_key == "ipadmin_from-file"
+    assert settings.jwt_issuer == "https://idp.example" and settings.drain_grace_seconds == 45
     assert (settings.jwt_algorithm, settings.jwt_key) == ("HS256", "a-shared-secret-long-enough-for-hs256-0123456789")
     assert settings.salt_secret == b"\x00\xff\x10" and settings.grpc_port == 9001
     monkeypatch.setenv("INFERPLANE_BOOTSTRAP_KEY", "ipadmin_from-env")

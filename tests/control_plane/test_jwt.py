@@ -137,3 +137,14 @@ def test_numeric_date_claims_given_as_strings_are_refused(claim: str) -> None:
     token = jwt.encode(payload, SECRET, algorithm="HS256")
     with pytest.raises(Unauthenticated, match="exp and iat must be numbers|must be an integer"):
         _hs().verify(token)
+
+
+def test_a_configured_issuer_is_required_and_checked() -> None:
+    now = int(time.time())
+    verifier = AdminTokenVerifier(JWTSettings("HS256", SECRET, issuer="https://idp.example"))
+    payload = {"sub": "alice", "aud": "inferplane-admin", "iat": now, "exp": now + 300, "scope": "admin"}
+    good = jwt.encode({**payload, "iss": "https://idp.example"}, SECRET, algorithm="HS256")
+    assert verifier.verify(good).subject == "jwt:alice"
+    for bad in ({**payload, "iss": "https://evil.example"}, payload):
+        with pytest.raises(Unauthenticated, match="(?i)iss"):
+            verifier.verify(jwt.encode(bad, SECRET, algorithm="HS256"))

@@ -38,6 +38,7 @@ class GatewaySettings:
     jwt_algorithm: str | None = None  # "HS256" or "RS256"
     jwt_key: str | None = None  # the HS256 secret or the RS256 public key (PEM)
     jwt_audience: str = "inferplane-admin"
+    jwt_issuer: str | None = None  # when set, tokens must carry exactly this `iss`
     salt_secret: bytes = b""
     key_refresh_interval: float = 1.0
     usage_flush_interval: float = 2.0
@@ -61,7 +62,7 @@ class Gateway:
         jwt_verifier = None
         if settings.jwt_algorithm and settings.jwt_key:
             jwt_verifier = AdminTokenVerifier(JWTSettings(algorithm=settings.jwt_algorithm, key=settings.jwt_key,
-                                                          audience=settings.jwt_audience))
+                                                          audience=settings.jwt_audience, issuer=settings.jwt_issuer))
         inference = InferenceService(self.catalog, self.router, self.channels, limiter=RateLimiter(),
                                      quota=self.quota, usage=self.usage,
                                      salt_secret=settings.salt_secret or secrets.token_bytes(32))
