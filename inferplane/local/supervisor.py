@@ -72,13 +72,14 @@ class Supervisor:
     """Starts, watches, scales and stops the worker processes of local deployments."""
 
     def __init__(self, home: Path, on_ready: Callable[[LocalDeployment, Replica], None] | None = None,
-                 restart_backoff: float = 2.0):
+                 restart_backoff: float = 2.0, healthy_reset: float = 60.0):
         self.home = home
         self.logs = home / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.deployments: dict[str, LocalDeployment] = {}
         self._on_ready = on_ready
         self._backoff = restart_backoff
+        self._healthy_reset = healthy_reset  # serving this long forgives earlier crashes
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
 
@@ -127,6 +128,7 @@ class Supervisor:
     async def _watch(self, deployment: LocalDeployment, replica: Replica) -> None:
         """Publishes the replica once SERVING; on an unexpected exit unpublishes and restarts it."""
         process = replica.process
+        served_since: float | None = None
         channel = grpc.aio.insecure_channel(replica.address)
         stub = health_pb2_grpc.HealthStub(channel)
         try:
@@ -136,6 +138,7 @@ class Supervisor:
                         reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                         if reply.status == health_pb2.HealthCheckResponse.SERVING:
                             replica.ready = True
+                            served_since = time.monotonic()
                             deployment.source.add(replica.address)
                             log.info("%s replica %d ready at %s", deployment.name, replica.index, replica.address)
                             if self._on_ready is not None:
@@ -152,10 +155,19 @@ class Supervisor:
         tail = _tail(replica.log_path)
         log.warning("%s replica %d exited with %s; restarting. Last log line: %s",
                     deployment.name, replica.index, process.returncode, tail)
-        replica.restarts += 1
-        await asyncio.sleep(min(60.0, self._backoff * 2 ** min(replica.restarts - 1, 5)))
+        served_for = None if served_since is None else time.monotonic() - served_since
+        await asyncio.sleep(self.restart_delay(replica, served_for))
         if not (replica.stopping or self._stopping) and replica in deployment.replicas:
             self._spawn(deployment, replica)
+
+    def restart_delay(self, replica: Replica, served_for: float | None) -> float:
+        """Counts the crash and says how long to wait before the restart: doubling from the base up
+        to a minute while the replica keeps crashing, and back to the base once it had served for
+        `healthy_reset` seconds (a crash a day must not cost a minute's wait forever after)."""
+        if served_for is not None and served_for >= self._healthy_reset:
+            replica.restarts = 0
+        replica.restarts += 1
+        return min(60.0, self._backoff * 2 ** min(replica.restarts - 1, 5))
 
     def _retire(self, deployment: LocalDeployment, replica: Replica) -> None:
         replica.stopping = True
