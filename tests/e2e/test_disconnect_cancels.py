@@ -16,9 +16,9 @@ import grpc
 import httpx
 import pytest
 
-from inferplane.bench.gateway_harness import SERVED_MODEL, free_port, start_gateway, start_worker, wait_serving
-from inferplane.bench.tiny_model import make_tiny_model
+from inferplane.bench.gateway_harness import SERVED_MODEL, free_port
 from inferplane.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.e2e.single_worker import single_worker_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -79,27 +79,16 @@ async def _idle(address: str) -> dict[str, float]:
 
 @pytest.mark.parametrize("api", ["rest", "grpc"])
 def test_abandoned_requests_are_cancelled(tmp_path_factory: pytest.TempPathFactory, api: str) -> None:
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
-    logs = tmp_path_factory.mktemp("logs")
-    port, metrics_port = free_port(), free_port()
-    worker = start_worker(model, port, "--max-model-len", "256", "--max-num-seqs", "1",
-                          "--metrics-port", str(metrics_port), log_path=str(logs / "worker.log"))
-    gateway = None
-    address = f"127.0.0.1:{port}"
-    try:
-        wait_serving(address, worker)
-        gateway = start_gateway([address], log_path=str(logs / "gateway.log"))
+    metrics_port = free_port()
+    with single_worker_gateway(tmp_path_factory, max_num_seqs=1,
+                               worker_extra=("--metrics-port", str(metrics_port))) as running:
+        gateway = running.gateway
         if api == "rest":
             asyncio.run(_abandon(gateway.base_url, gateway.key))
         else:
             asyncio.run(_abandon_grpc(f"127.0.0.1:{gateway.grpc_port}", gateway.key))
-        stats = asyncio.run(_idle(address))
+        stats = asyncio.run(_idle(running.worker_address))
         metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        worker.kill()
-        worker.wait()
     aborted = _metric(metrics, "abort")
     completed = _metric(metrics, "length")
     # Queued behind one running sequence, at least three had not finished when their clients left.

@@ -14,8 +14,8 @@ import signal
 import httpx
 import pytest
 
-from inferplane.bench.gateway_harness import SERVED_MODEL, free_port, start_gateway, start_worker, wait_serving
-from inferplane.bench.tiny_model import make_tiny_model
+from inferplane.bench.gateway_harness import SERVED_MODEL
+from tests.e2e.single_worker import single_worker_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -60,28 +60,15 @@ async def _scenario(gateway) -> dict[int, dict]:
 
 
 def test_sigterm_lets_every_stream_in_flight_finish(tmp_path_factory: pytest.TempPathFactory) -> None:
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
-    logs = tmp_path_factory.mktemp("logs")
-    port = free_port()
-    worker = start_worker(model, port, "--max-model-len", "256", "--max-num-seqs", "2",
-                          log_path=str(logs / "worker.log"))
-    gateway = None
-    try:
-        wait_serving(f"127.0.0.1:{port}", worker)
-        gateway = start_gateway([f"127.0.0.1:{port}"], log_path=str(logs / "gateway.log"),
-                                extra=("--drain-grace-seconds", "240"))
+    with single_worker_gateway(tmp_path_factory, max_num_seqs=2,
+                               gateway_extra=("--drain-grace-seconds", "240")) as running:
+        gateway = running.gateway
         results = asyncio.run(_scenario(gateway))
         assert gateway.proc.wait(timeout=60) == 0  # it exits by itself once drained
         # Drained means closed: a new request now finds nobody listening.
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{gateway.base_url}/healthz", timeout=5)
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        worker.kill()
-        worker.wait()
     assert len(results) == STREAMS
     unfinished = {i: r for i, r in results.items()
                   if not (r["status"] == 200 and r["done"] and r["error"] is None and r["tokens"] == MAX_TOKENS)}
     assert unfinished == {}, unfinished
-    assert "Traceback" not in (logs / "gateway.log").read_text()

@@ -21,8 +21,8 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from inferplane.bench.gateway_harness import SERVED_MODEL, free_port, start_gateway, start_worker, wait_serving
-from inferplane.bench.tiny_model import make_tiny_model
+from inferplane.bench.gateway_harness import SERVED_MODEL
+from tests.e2e.single_worker import single_worker_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -32,23 +32,9 @@ _EXAMPLES = 25  # per operation and mode: 10 operations x 2 modes stay well unde
 
 @pytest.fixture(scope="module")
 def live_gateway(tmp_path_factory):
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
-    logs = tmp_path_factory.mktemp("logs")
-    port = free_port()
-    worker = start_worker(model, port, "--max-model-len", "256", "--max-num-seqs", "16",
-                          log_path=str(logs / "worker.log"))
-    gateway = None
-    try:
-        wait_serving(f"127.0.0.1:{port}", worker)
-        gateway = start_gateway([f"127.0.0.1:{port}"], log_path=str(logs / "gateway.log"))
-        yield gateway
-    finally:
-        if gateway is not None:
-            assert gateway.stop() == 0, (logs / "gateway.log").read_text()
-        worker.kill()
-        worker.wait()
-    log = (logs / "gateway.log").read_text()
-    assert "Traceback" not in log, log
+    with single_worker_gateway(tmp_path_factory, max_num_seqs=16) as running:
+        yield running.gateway
+        assert running.gateway.stop() == 0, (running.logs / "gateway.log").read_text()
 
 
 @pytest.fixture(scope="module")
