@@ -121,9 +121,10 @@ def operator(release: dict[str, Any], crds: Cluster, tmp_path_factory: pytest.Te
     running = OperatorProcess(process, log)
     try:
         # kopf registers the webhook once it serves it: from then on admission applies.
-        registered = running.wait_for(lambda: cluster.get(
-            "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/inferplane.io"),
-            TIMEOUT, "the operator's ValidatingWebhookConfiguration")
+        # kopf first creates the configuration empty, then fills in the webhooks: wait for those.
+        registered = running.wait_for(lambda: (cfg := cluster.get(
+            "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/inferplane.io")) and
+            cfg.get("webhooks") and cfg, TIMEOUT, "the operator's webhook registered")
         (hook,) = registered["webhooks"]
         assert hook["clientConfig"]["service"] == {"namespace": RELEASE_NS, "name": SERVICE, "path": "/validate-spec",
                                                    "port": release["webhook_files"]["port"]}
