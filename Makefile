@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test test-fast test-k8s services envtest lint proto bench bench-operator clean
+.PHONY: install up test test-fast test-k8s services envtest lint proto crds bench bench-operator clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,10 @@ envtest:
 
 lint: install
 	$(PY) -m ruff check inferplane tests
+
+# The CRD is generated from inferplane/api/deployment.py; a test fails when a committed copy is stale.
+crds: install
+	$(VENV)/bin/inferplane crd --write deploy/crds helm/inferplane/crds
 
 proto: install
 	PY=$(PY) scripts/gen_proto.sh

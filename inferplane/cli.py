@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "models": ("inferplane.control_plane.cli_models", "model registry: register|list|show|delete"),
     "tenants": ("inferplane.control_plane.cli_tenants", "tenants: create|list"),
     "keys": ("inferplane.control_plane.cli_keys", "API keys: create|list|revoke"),
+    "crd": ("inferplane.crd_cli", "print the InferenceDeployment CRD generated from the spec models"),
     "quant-check": ("inferplane.worker.quant.cli", "int8 quality gate: perplexity, agreement, KL"),
 }
 

@@ -1,21 +1,33 @@
-"""The InferenceDeployment spec: parsing, defaults and validation, shared by everything that reads one.
+"""The InferenceDeployment spec as typed models: the one home of its fields, defaults, bounds and rules.
 
-The operator (reconcile and admission webhook), the control plane's local mode and the tests all
-read a spec through `InferenceDeploymentSpec.from_dict`, so a spec that one of them accepts every
-other accepts too. The CRD's openAPIV3Schema and CEL rules (deploy/crds/) express the same rules
-for the API server; the rules a schema cannot express (byte sizes against memory limits, a KV
-fraction without a GPU) live only here and reach the cluster through the admission webhook.
-Defaults equal the CRD's, so a spec read here matches what the API server stores.
+Everything that reads a spec (the operator's reconcile and admission webhook, the cluster gateway's
+sync, local mode, tests) goes through `InferenceDeploymentSpec.from_dict`, and the CRD's
+openAPIV3Schema is generated from these models (`inferplane crd`, see api/crd.py), so a field, its
+default or its bound is written once and the API server and Python cannot disagree about it.
+
+Cross-field rules are declared once in `RULES`, each with its CEL form (the API server checks it)
+and its Python form (the webhook and local mode check it); the rules CEL cannot express (byte sizes
+against memory limits, a KV fraction without a GPU) have no CEL and reach a cluster through the
+operator's admission webhook. Null values are dropped before validation, as the API server prunes
+them before defaulting.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from inferplane.api.quantities import KV_CACHE_MEMORY_PATTERN, kv_cache_fraction, parse_bytes, parse_quantity
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+from inferplane.api.quantities import (
+    KV_CACHE_MEMORY_PATTERN,
+    kv_cache_fraction,
+    parse_bytes,
+    parse_quantity,
+)
 
 GROUP = "inferplane.io"
 VERSION = "v1alpha1"
@@ -23,30 +35,45 @@ KIND = "InferenceDeployment"
 PLURAL = "inferencedeployments"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-RUNTIMES = ("paged", "radix", "cpu-int8", "auto")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-BLOCK_SIZES = (8, 16, 32, 64, 128)
-TIERS = ("primary", "spillover")
-CACHE_ISOLATION = ("tenant", "shared")
-MODEL_FORMATS = ("safetensors", "gguf")
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9._]*[a-z0-9])?$")
-_URI = re.compile(r"^(/[^\s]*|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?)$")
+# The runtimes a worker runs (each one preset in api/resolve.py); `auto` lets resolve() choose.
+ConcreteRuntime = Literal["paged", "radix", "cpu-int8"]
+Runtime = Literal[ConcreteRuntime, "auto"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+RUNTIMES: tuple[str, ...] = Runtime.__args__
+DTYPES: tuple[str, ...] = Dtype.__args__
 
-
-# The fields of each section as users write them (the CRD's properties; a test holds the two equal).
-FIELDS: dict[str, tuple[str, ...]] = {
-    "": ("model", "runtime", "replicas", "minReplicas", "maxReplicas", "resources", "engine", "serving",
-         "autoscaling", "slo", "cacheIsolation", "workload", "image", "drainGraceSeconds", "nodeSelector",
-         "tolerations", "affinity"),
-    "model": ("name", "version", "uri", "format"),
-    "resources": ("gpus", "cpu", "memory", "gpuResourceName"),
-    "engine": ("blockSize", "maxNumSeqs", "maxNumBatchedTokens", "kvCacheMemory", "dtype", "maxModelLen",
-               "quantizeHead"),
-    "serving": ("servedModelName", "weight", "tier"),
-    "autoscaling": ("enabled", "targetQueueDepth", "targetKvCacheUtilization", "scaleDownDelaySeconds"),
-    "slo": ("ttftP95Seconds", "errorRatePercent", "availability"),
-    "workload": ("multiTurn", "sharedPrefix", "agent"),
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9._]*[a-z0-9])?$"
+URI_PATTERN = r"^(/[^\s]*|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?)$"
+CPU_PATTERN = r"^[0-9]+(\.[0-9]+)?m?$"
+MEMORY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|K|M|G|T)?$"
+# What a user is told when a value misses its pattern (a regex is no explanation).
+PATTERN_HINTS = {
+    NAME_PATTERN: "is not a registry name (lowercase letters, digits, '-._')",
+    URI_PATTERN: "must be an absolute path or pvc://<claim>/<path>",
+    CPU_PATTERN: "is not a CPU quantity (like 2, 0.5 or 500m)",
+    MEMORY_PATTERN: "is not a memory quantity (like 8Gi or 512Mi)",
+    KV_CACHE_MEMORY_PATTERN: "must be a byte size like 2GiB or a fraction of free GPU memory like 0.9",
 }
+
+
+def _number_as_text(value: Any) -> Any:
+    """YAML reads `version: 2` or `cpu: 4` as numbers; the spec keeps them as the text the user meant."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+def number_as_text(*constraints: Any) -> Any:
+    """A string field that also takes a number (made text) and keeps its constraints in the schema.
+
+    The conversion goes last in the metadata so that pydantic validates (and writes into the JSON
+    schema) the constraints on the string it produced.
+    """
+    return Annotated[str, *constraints, BeforeValidator(_number_as_text)]
+
+
+# Kubernetes quantities may be written as numbers or strings (x-kubernetes-int-or-string).
+_INT_OR_STRING = Field(json_schema_extra={"x-kubernetes-int-or-string": True})
 
 
 class SpecError(ValueError):
@@ -58,70 +85,34 @@ class SpecError(ValueError):
         self.reason = message
 
 
-def _known_fields(data: Mapping[str, Any], section: str) -> None:
-    """A field nobody reads is refused, not ignored: a typo (`replica: 3`) must not pass silently."""
-    unknown = sorted(str(key) for key in data if key not in FIELDS[section])
-    if unknown:
-        where = f"{section}.{unknown[0]}" if section else unknown[0]
-        raise SpecError(where, f"unknown field; {section or 'spec'} has {', '.join(FIELDS[section])}")
+class Section(BaseModel):
+    """A part of the spec: camelCase as users write it, strict JSON types, unknown fields refused."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True,
+                              strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
 
-def _get(data: Mapping[str, Any], key: str, path: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
-    """Read one field, checking its JSON type; bool is rejected where a number is expected."""
-    value = data.get(key, default)
-    if value is None:
-        return default
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if isinstance(value, bool) and bool not in kinds:
-        raise SpecError(path, f"expected {kinds[0].__name__}, got a boolean")
-    if not isinstance(value, kinds):
-        raise SpecError(path, f"expected {kinds[0].__name__}, got {type(value).__name__}")
-    return value
+def section_default(description: str | None = None) -> Any:
+    """A section that may be left out: the API server defaults it to {} so that its fields default too."""
+    return Field(default_factory=dict, validate_default=True, description=description,
+                 json_schema_extra={"default": {}})
 
 
-def _bounded(value: int | float | None, path: str, low: float | None = None, high: float | None = None) -> None:
-    if value is None:
-        return
-    if low is not None and value < low:
-        raise SpecError(path, f"must be at least {low}, got {value}")
-    if high is not None and value > high:
-        raise SpecError(path, f"must be at most {high}, got {value}")
-
-
-def _enum(value: Any, path: str, allowed: tuple[Any, ...]) -> None:
-    if value not in allowed:
-        raise SpecError(path, f"must be one of {', '.join(map(str, allowed))}; got {value!r}")
-
-
-@dataclass(frozen=True)
-class ModelRef:
+class ModelRef(Section):
     """Either a registry entry (`name`, optional `version`) or weights at `uri` in a known `format`."""
 
-    name: str | None = None
-    version: str | None = None
-    uri: str | None = None
-    format: str | None = None
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ModelRef:
-        _known_fields(data, "model")
-        name = _get(data, "name", "model.name", str)
-        version = _get(data, "version", "model.version", (str, int))
-        uri = _get(data, "uri", "model.uri", str)
-        fmt = _get(data, "format", "model.format", str)
-        if (name is None) == (uri is None):
-            raise SpecError("model", "set exactly one of model.name (a registry entry) or model.uri (a path)")
-        if name is not None and not _NAME.match(name):
-            raise SpecError("model.name", f"{name!r} is not a registry name (lowercase letters, digits, '-._')")
-        if uri is not None:
-            if not _URI.match(uri):
-                raise SpecError("model.uri", f"{uri!r} must be an absolute path or pvc://<claim>/<path>")
-            if fmt is None:
-                raise SpecError("model.format", "is required with model.uri (safetensors or gguf)")
-            _enum(fmt, "model.format", MODEL_FORMATS)
-        elif fmt is not None:
-            _enum(fmt, "model.format", MODEL_FORMATS)
-        return cls(name=name, version=None if version is None else str(version), uri=uri, format=fmt)
+    name: Annotated[str, Field(max_length=253, pattern=NAME_PATTERN)] | None = None
+    version: number_as_text(Field(max_length=63)) | None = None
+    uri: Annotated[str, Field(max_length=1024, pattern=URI_PATTERN, description=(
+        "An absolute path inside the worker image, or pvc://<claim>/<path>."))] | None = None
+    format: Literal["safetensors", "gguf"] | None = None
 
     @property
     def pvc(self) -> tuple[str, str] | None:
@@ -132,241 +123,112 @@ class ModelRef:
         return claim, rest
 
 
-@dataclass(frozen=True)
-class Resources:
-    gpus: int = 0
-    cpu: str = "2"
-    memory: str = "8Gi"
+class Resources(Section):
+    gpus: Annotated[int, Field(ge=0, le=8)] = 0
     gpu_resource_name: str = "nvidia.com/gpu"
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Resources:
-        _known_fields(data, "resources")
-        gpus = _get(data, "gpus", "resources.gpus", int, 0)
-        _bounded(gpus, "resources.gpus", 0, 8)
-        cpu = str(_get(data, "cpu", "resources.cpu", (str, int, float), "2"))
-        memory = str(_get(data, "memory", "resources.memory", (str, int), "8Gi"))
-        for path, value in (("resources.cpu", cpu), ("resources.memory", memory)):
-            try:
-                if parse_quantity(value) <= 0:
-                    raise SpecError(path, f"must be positive, got {value!r}")
-            except ValueError as exc:
-                if isinstance(exc, SpecError):
-                    raise
-                raise SpecError(path, f"{value!r} is not a Kubernetes quantity (like 2, 500m, 8Gi)") from exc
-        gpu_name = _get(data, "gpuResourceName", "resources.gpuResourceName", str, "nvidia.com/gpu")
-        return cls(gpus=gpus, cpu=cpu, memory=memory, gpu_resource_name=gpu_name)
+    cpu: number_as_text(Field(pattern=CPU_PATTERN), _INT_OR_STRING) = "2"
+    memory: number_as_text(Field(pattern=MEMORY_PATTERN), _INT_OR_STRING) = "8Gi"
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine knobs; None means "the runtime preset decides" (see inferplane.api.selection)."""
+class EngineConfig(Section):
+    """Engine knobs; None means "the runtime preset decides" (see inferplane.api.resolve)."""
 
-    block_size: int = 16
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    kv_cache_memory: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    quantize_head: bool = False  # cpu-int8: the output head in int8 too
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:
-        _known_fields(data, "engine")
-        block_size = _get(data, "blockSize", "engine.blockSize", int, 16)
-        _enum(block_size, "engine.blockSize", BLOCK_SIZES)
-        max_num_seqs = _get(data, "maxNumSeqs", "engine.maxNumSeqs", int)
-        _bounded(max_num_seqs, "engine.maxNumSeqs", 1, 4096)
-        max_tokens = _get(data, "maxNumBatchedTokens", "engine.maxNumBatchedTokens", int)
-        _bounded(max_tokens, "engine.maxNumBatchedTokens", 16, 1_048_576)
-        kv = _get(data, "kvCacheMemory", "engine.kvCacheMemory", (str, float, int))
-        if kv is not None:
-            kv = str(kv)
-            if not re.match(KV_CACHE_MEMORY_PATTERN, kv):
-                raise SpecError("engine.kvCacheMemory",
-                                f"{kv!r} must be a byte size like 2GiB or a fraction of free GPU memory like 0.9")
-        dtype = _get(data, "dtype", "engine.dtype", str, "auto")
-        _enum(dtype, "engine.dtype", DTYPES)
-        max_model_len = _get(data, "maxModelLen", "engine.maxModelLen", int)
-        _bounded(max_model_len, "engine.maxModelLen", 16, 1_048_576)
-        quantize_head = _get(data, "quantizeHead", "engine.quantizeHead", bool, False)
-        if max_tokens is not None and max_num_seqs is not None and max_tokens < max_num_seqs:
-            raise SpecError("engine.maxNumBatchedTokens",
-                            f"({max_tokens}) must be at least engine.maxNumSeqs ({max_num_seqs}): "
-                            "every running sequence needs one token per step")
-        return cls(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
-                   kv_cache_memory=kv, dtype=dtype, max_model_len=max_model_len, quantize_head=quantize_head)
+    block_size: Literal[8, 16, 32, 64, 128] = 16
+    max_num_seqs: Annotated[int, Field(ge=1, le=4096)] | None = None
+    max_num_batched_tokens: Annotated[int, Field(ge=16, le=1_048_576)] | None = None
+    kv_cache_memory: number_as_text(Field(pattern=KV_CACHE_MEMORY_PATTERN, description=(
+        "Bytes (2GiB) or a fraction of free GPU memory (0.9)."))) | None = None
+    dtype: Dtype = "auto"
+    max_model_len: Annotated[int, Field(ge=16, le=1_048_576)] | None = None
+    quantize_head: bool = Field(False, description=(
+        "cpu-int8 only. The output head in int8 too (by default it stays float32)."))
 
 
-@dataclass(frozen=True)
-class Serving:
-    served_model_name: str | None = None
-    weight: int = 100
-    tier: str = "primary"
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Serving:
-        _known_fields(data, "serving")
-        name = _get(data, "servedModelName", "serving.servedModelName", str)
-        if name is not None and not (1 <= len(name) <= 128):
-            raise SpecError("serving.servedModelName", "must be 1 to 128 characters")
-        weight = _get(data, "weight", "serving.weight", int, 100)
-        _bounded(weight, "serving.weight", 0, 100)
-        tier = _get(data, "tier", "serving.tier", str, "primary")
-        _enum(tier, "serving.tier", TIERS)
-        return cls(served_model_name=name, weight=weight, tier=tier)
+class Serving(Section):
+    served_model_name: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    weight: int = Field(100, ge=0, le=100, description=(
+        "Share of the served model's traffic (A/B split across deployments)."))
+    tier: Literal["primary", "spillover"] = "primary"
 
 
-@dataclass(frozen=True)
-class Autoscaling:
+class Autoscaling(Section):
     enabled: bool = False
-    target_queue_depth: float = 4.0
-    target_kv_cache_utilization: float = 0.8
-    scale_down_delay_seconds: int = 300
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Autoscaling:
-        _known_fields(data, "autoscaling")
-        enabled = _get(data, "enabled", "autoscaling.enabled", bool, False)
-        queue = float(_get(data, "targetQueueDepth", "autoscaling.targetQueueDepth", (int, float), 4.0))
-        _bounded(queue, "autoscaling.targetQueueDepth", 0.1, 10_000)
-        kv = float(_get(data, "targetKvCacheUtilization", "autoscaling.targetKvCacheUtilization", (int, float), 0.8))
-        _bounded(kv, "autoscaling.targetKvCacheUtilization", 0.05, 1.0)
-        delay = _get(data, "scaleDownDelaySeconds", "autoscaling.scaleDownDelaySeconds", int, 300)
-        _bounded(delay, "autoscaling.scaleDownDelaySeconds", 0, 86_400)
-        return cls(enabled=enabled, target_queue_depth=queue, target_kv_cache_utilization=kv,
-                   scale_down_delay_seconds=delay)
+    target_queue_depth: float = Field(4.0, ge=0.1, le=10_000)
+    target_kv_cache_utilization: float = Field(0.8, ge=0.05, le=1.0)
+    scale_down_delay_seconds: int = Field(300, ge=0, le=86_400)
 
 
-@dataclass(frozen=True)
-class SLO:
-    ttft_p95_seconds: float = 2.0
-    error_rate_percent: float = 1.0
-    availability: float = 99.5
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SLO:
-        _known_fields(data, "slo")
-        ttft = float(_get(data, "ttftP95Seconds", "slo.ttftP95Seconds", (int, float), 2.0))
-        _bounded(ttft, "slo.ttftP95Seconds", 0.001, 600)
-        err = float(_get(data, "errorRatePercent", "slo.errorRatePercent", (int, float), 1.0))
-        _bounded(err, "slo.errorRatePercent", 0, 100)
-        avail = float(_get(data, "availability", "slo.availability", (int, float), 99.5))
-        _bounded(avail, "slo.availability", 0, 100)
-        return cls(ttft_p95_seconds=ttft, error_rate_percent=err, availability=avail)
+class SLO(Section):
+    ttft_p95_seconds: float = Field(2.0, ge=0.001, le=600)
+    error_rate_percent: float = Field(1.0, ge=0, le=100)
+    availability: float = Field(99.5, ge=0, le=100)
 
 
-@dataclass(frozen=True)
-class WorkloadHints:
-    """What the traffic looks like; `runtime: auto` picks from these (see selection.py)."""
+class WorkloadHints(Section):
+    """What the traffic looks like; `runtime: auto` picks from these (see api/resolve.py)."""
 
     multi_turn: bool = False
     shared_prefix: bool = False
     agent: bool = False
 
+
+class Toleration(Section):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class InferenceDeploymentSpec(Section):
+    model: ModelRef = Field(description="A registry entry (name, version) or weights at a path (uri, format).")
+    runtime: Runtime = "auto"
+    replicas: int = Field(1, ge=0, le=1000)
+    min_replicas: int = Field(1, ge=0, le=1000)
+    # Left out, it is max(replicas, minReplicas) (filled in before validation; the CRD has no default).
+    max_replicas: Annotated[int, Field(ge=1, le=1000)] | None = None
+    resources: Resources = section_default()
+    engine: EngineConfig = section_default("Unset fields take the runtime preset's value.")
+    serving: Serving = section_default()
+    autoscaling: Autoscaling = section_default()
+    slo: SLO = section_default()
+    cache_isolation: Literal["tenant", "shared"] = Field("tenant", description=(
+        "tenant keeps each tenant's cached prefixes apart; shared reuses them across tenants, only if every "
+        "deployment with the same served name is shared."))
+    workload: WorkloadHints = section_default("Traffic hints that runtime auto chooses from.")
+    image: Annotated[str, Field(max_length=512)] | None = None
+    drain_grace_seconds: int = Field(30, ge=0, le=3600)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    affinity: dict[str, Any] = Field(default_factory=dict,
+                                     json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+
+    @model_validator(mode="before")
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> WorkloadHints:
-        _known_fields(data, "workload")
-        return cls(**{
-            attr: _get(data, key, f"workload.{key}", bool, False)
-            for attr, key in (("multi_turn", "multiTurn"), ("shared_prefix", "sharedPrefix"),
-                              ("agent", "agent"))
-        })
+    def _default_max_replicas(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or data.get("maxReplicas", data.get("max_replicas")) is not None:
+            return data
+        counts = [data.get(key, 1) for key in ("replicas", "minReplicas")]
+        if all(isinstance(n, int) and not isinstance(n, bool) for n in counts):
+            return {**data, "maxReplicas": max(counts)}
+        return data  # a wrong type fails its own field's validation
 
-
-@dataclass(frozen=True)
-class InferenceDeploymentSpec:
-    model: ModelRef
-    runtime: str = "auto"
-    replicas: int = 1
-    min_replicas: int = 1
-    max_replicas: int = 1
-    resources: Resources = field(default_factory=Resources)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    serving: Serving = field(default_factory=Serving)
-    autoscaling: Autoscaling = field(default_factory=Autoscaling)
-    slo: SLO = field(default_factory=SLO)
-    cache_isolation: str = "tenant"
-    workload: WorkloadHints = field(default_factory=WorkloadHints)
-    image: str | None = None
-    drain_grace_seconds: int = 30
-    node_selector: dict[str, str] = field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = field(default_factory=list)
-    affinity: dict[str, Any] = field(default_factory=dict)
+    @model_validator(mode="after")
+    def _check_rules(self) -> InferenceDeploymentSpec:
+        for rule in RULES:
+            if not rule.holds(self):
+                raise PydanticCustomError("spec_rule", "{reason}", {"field": rule.field, "reason": rule.message})
+        return self
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> InferenceDeploymentSpec:
         """Parse and validate a spec; raises SpecError naming the first offending field."""
-        if not isinstance(data, Mapping):
+        if not isinstance(data, Mapping) or not data:
             raise SpecError("model", "the spec is empty; at least spec.model is required")
-        if not isinstance(data.get("model"), Mapping):
-            raise SpecError("model", "is required: {name: <registry name>} or {uri: <path>, format: <format>}")
-        _known_fields(data, "")
-
-        def section(key: str) -> Mapping[str, Any]:
-            value = data.get(key) or {}
-            if not isinstance(value, Mapping):
-                raise SpecError(key, f"expected an object, got {type(value).__name__}")
-            return value
-
-        runtime = _get(data, "runtime", "runtime", str, "auto")
-        _enum(runtime, "runtime", RUNTIMES)
-        replicas = _get(data, "replicas", "replicas", int, 1)
-        _bounded(replicas, "replicas", 0, 1000)
-        min_replicas = _get(data, "minReplicas", "minReplicas", int, 1)
-        _bounded(min_replicas, "minReplicas", 0, 1000)
-        max_replicas = _get(data, "maxReplicas", "maxReplicas", int, max(replicas, min_replicas))
-        _bounded(max_replicas, "maxReplicas", 1, 1000)
-        if min_replicas > max_replicas:
-            raise SpecError("minReplicas", f"({min_replicas}) must not exceed maxReplicas ({max_replicas})")
-        if not min_replicas <= replicas <= max_replicas:
-            raise SpecError("replicas", f"({replicas}) must lie within minReplicas..maxReplicas "
-                                        f"({min_replicas}..{max_replicas})")
-        resources = Resources.from_dict(section("resources"))
-        engine = EngineConfig.from_dict(section("engine"))
-        cache_isolation = _get(data, "cacheIsolation", "cacheIsolation", str, "tenant")
-        _enum(cache_isolation, "cacheIsolation", CACHE_ISOLATION)
-        drain = _get(data, "drainGraceSeconds", "drainGraceSeconds", int, 30)
-        _bounded(drain, "drainGraceSeconds", 0, 3600)
-        spec = cls(
-            model=ModelRef.from_dict(section("model")), runtime=runtime, replicas=replicas,
-            min_replicas=min_replicas, max_replicas=max_replicas, resources=resources, engine=engine,
-            serving=Serving.from_dict(section("serving")), autoscaling=Autoscaling.from_dict(section("autoscaling")),
-            slo=SLO.from_dict(section("slo")), cache_isolation=cache_isolation,
-            workload=WorkloadHints.from_dict(section("workload")), image=_get(data, "image", "image", str),
-            drain_grace_seconds=drain,
-            node_selector=dict(section("nodeSelector")),
-            tolerations=list(_get(data, "tolerations", "tolerations", list, [])),
-            affinity=dict(section("affinity")),
-        )
-        spec._check_cross_field()
-        return spec
-
-    def _check_cross_field(self) -> None:
-        """Rules spanning sections; the last two are beyond what the CRD's schema and CEL can express."""
-        if self.runtime == "cpu-int8" and self.resources.gpus > 0:
-            raise SpecError("resources.gpus", "runtime cpu-int8 runs on CPU; set resources.gpus to 0 "
-                                              "or choose runtime paged, radix or auto")
-        if self.runtime == "cpu-int8" and self.engine.dtype not in ("auto", "float32"):
-            raise SpecError("engine.dtype", f"runtime cpu-int8 computes in float32; got {self.engine.dtype}")
-        if self.engine.quantize_head and self.runtime in ("paged", "radix"):
-            raise SpecError("engine.quantizeHead", "a cpu-int8 option (runtime cpu-int8 or auto)")
-        if self.resources.gpus == 0 and self.engine.dtype == "float16":
-            raise SpecError("engine.dtype", "float16 needs a GPU (resources.gpus > 0); use float32 or bfloat16")
-        kv = self.engine.kv_cache_memory
-        if kv is None:
-            return
-        if kv_cache_fraction(kv) is not None:
-            if self.resources.gpus == 0:
-                raise SpecError("engine.kvCacheMemory", f"{kv} is a fraction of free GPU memory, but "
-                                                        "resources.gpus is 0; give a byte size such as 2GiB")
-            return
-        if self.resources.gpus == 0:
-            kv_bytes, limit = parse_bytes(kv), parse_quantity(self.resources.memory)
-            if kv_bytes >= limit:
-                raise SpecError("engine.kvCacheMemory",
-                                f"{kv} does not fit in resources.memory ({self.resources.memory}), which on a "
-                                "CPU worker must also hold the weights")
+        try:
+            return cls.model_validate(dict(data))
+        except ValidationError as exc:
+            raise spec_error(exc) from None
 
     @property
     def uses_gpu(self) -> bool:
@@ -375,3 +237,128 @@ class InferenceDeploymentSpec:
     def served_model_name(self, resource_name: str) -> str:
         """What tenants ask for: serving.servedModelName, else the registry name, else the resource name."""
         return self.serving.served_model_name or self.model.name or resource_name
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule across fields, written once: CEL for the API server, Python for the webhook and local mode.
+
+    `scope` is the section whose CEL `self` the rule sees ("" is the spec); `field` is the dotted
+    path (from spec) an error names. A rule without CEL is beyond what CEL can say; the admission
+    webhook enforces it in a cluster.
+    """
+
+    scope: str
+    field: str
+    message: str
+    holds: Callable[[InferenceDeploymentSpec], bool]
+    cel: str | None = None
+
+
+def _kv_fraction_has_gpu(spec: InferenceDeploymentSpec) -> bool:
+    kv = spec.engine.kv_cache_memory
+    return kv is None or kv_cache_fraction(kv) is None or spec.uses_gpu
+
+
+def _kv_bytes_fit_memory(spec: InferenceDeploymentSpec) -> bool:
+    kv = spec.engine.kv_cache_memory
+    if kv is None or kv_cache_fraction(kv) is not None or spec.uses_gpu:
+        return True
+    return parse_bytes(kv) < parse_quantity(spec.resources.memory)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("model", "model", "set exactly one of model.name (a registry entry) or model.uri (a path)",
+         lambda s: (s.model.name is None) != (s.model.uri is None),
+         cel="has(self.name) != has(self.uri)"),
+    Rule("model", "model.format", "model.format is required with model.uri (safetensors or gguf)",
+         lambda s: s.model.uri is None or s.model.format is not None,
+         cel="!has(self.uri) || has(self.format)"),
+    Rule("", "minReplicas", "minReplicas must not exceed maxReplicas",
+         lambda s: s.max_replicas is None or s.min_replicas <= s.max_replicas,
+         cel="!has(self.maxReplicas) || self.minReplicas <= self.maxReplicas"),
+    Rule("", "replicas", "replicas must lie within minReplicas..maxReplicas",
+         lambda s: s.min_replicas <= s.replicas and (s.max_replicas is None or s.replicas <= s.max_replicas),
+         cel="self.replicas >= self.minReplicas && (!has(self.maxReplicas) || self.replicas <= self.maxReplicas)"),
+    Rule("", "resources.gpus", "runtime cpu-int8 runs on CPU; set resources.gpus to 0 or choose paged, radix or auto",
+         lambda s: not (s.runtime == "cpu-int8" and s.resources.gpus > 0),
+         cel="!(self.runtime == 'cpu-int8' && self.resources.gpus > 0)"),
+    Rule("", "engine.dtype", "runtime cpu-int8 computes in float32",
+         lambda s: not (s.runtime == "cpu-int8" and s.engine.dtype in ("bfloat16", "float16")),
+         cel="!(self.runtime == 'cpu-int8' && self.engine.dtype in ['bfloat16', 'float16'])"),
+    Rule("", "engine.quantizeHead", "engine.quantizeHead is a cpu-int8 option (runtime cpu-int8 or auto)",
+         lambda s: not (s.engine.quantize_head and s.runtime in ("paged", "radix")),
+         cel="!(self.engine.quantizeHead && self.runtime in ['paged', 'radix'])"),
+    Rule("", "engine.dtype", "float16 needs a GPU (resources.gpus > 0); use float32 or bfloat16",
+         lambda s: not (s.resources.gpus == 0 and s.engine.dtype == "float16"),
+         cel="!(self.resources.gpus == 0 && self.engine.dtype == 'float16')"),
+    Rule("engine", "engine.maxNumBatchedTokens",
+         "maxNumBatchedTokens must be at least maxNumSeqs: every running sequence needs one token per step",
+         lambda s: (s.engine.max_num_batched_tokens is None or s.engine.max_num_seqs is None
+                    or s.engine.max_num_batched_tokens >= s.engine.max_num_seqs),
+         cel="!(has(self.maxNumBatchedTokens) && has(self.maxNumSeqs)) || self.maxNumBatchedTokens >= self.maxNumSeqs"),
+    Rule("", "resources.cpu", "must be a positive quantity", lambda s: parse_quantity(s.resources.cpu) > 0),
+    Rule("", "resources.memory", "must be a positive quantity", lambda s: parse_quantity(s.resources.memory) > 0),
+    Rule("", "engine.kvCacheMemory",
+         "is a fraction of free GPU memory, but resources.gpus is 0; give a byte size such as 2GiB",
+         _kv_fraction_has_gpu),
+    Rule("", "engine.kvCacheMemory",
+         "does not fit in resources.memory, which on a CPU worker must also hold the weights",
+         _kv_bytes_fit_memory),
+)
+
+
+def section_models() -> dict[str, type[Section]]:
+    """The spec's sections by the name users write ("" is the spec itself)."""
+    sections: dict[str, type[Section]] = {"": InferenceDeploymentSpec}
+    for name, info in InferenceDeploymentSpec.model_fields.items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, Section):
+            sections[info.alias or name] = info.annotation
+    return sections
+
+
+def field_names(model: type[Section]) -> tuple[str, ...]:
+    return tuple(info.alias or name for name, info in model.model_fields.items())
+
+
+# The fields of each section as users write them (derived from the models, for messages and tests).
+FIELDS: dict[str, tuple[str, ...]] = {section: field_names(model) for section, model in section_models().items()}
+
+_TYPE_NAMES = {"int": "integer", "float": "number", "bool": "bool", "str": "string", "dict": "an object",
+               "list": "a list"}
+
+
+def spec_error(exc: ValidationError) -> SpecError:
+    """The first of pydantic's errors as a SpecError: the field as users write it and a plain reason."""
+    error = exc.errors()[0]
+    kind, value, ctx = error["type"], error.get("input"), error.get("ctx") or {}
+    path = ".".join(str(part) for part in error["loc"])
+    got = "a boolean" if isinstance(value, bool) else type(value).__name__
+    if kind == "spec_rule":
+        return SpecError(ctx["field"], ctx["reason"])
+    if kind == "extra_forbidden":
+        section = path.rpartition(".")[0]
+        known = FIELDS.get(section)
+        return SpecError(path, f"unknown field; {section or 'spec'} has {', '.join(known)}" if known
+                         else "unknown field")
+    if kind == "missing":
+        if path == "model":
+            return SpecError(path, "is required: {name: <registry name>} or {uri: <path>, format: <format>}")
+        return SpecError(path, "is required")
+    if kind == "literal_error":
+        return SpecError(path, f"must be one of {ctx['expected']}; got {value!r}")
+    if kind in ("greater_than_equal", "greater_than"):
+        return SpecError(path, f"must be at least {ctx.get('ge', ctx.get('gt'))}, got {value}")
+    if kind in ("less_than_equal", "less_than"):
+        return SpecError(path, f"must be at most {ctx.get('le', ctx.get('lt'))}, got {value}")
+    if kind == "string_pattern_mismatch":
+        return SpecError(path, f"{value!r} {PATTERN_HINTS.get(ctx['pattern'], 'must match ' + ctx['pattern'])}")
+    if kind in ("string_too_long", "string_too_short"):
+        bound = "at most" if kind == "string_too_long" else "at least"
+        return SpecError(path, f"must be {bound} {ctx.get('max_length', ctx.get('min_length'))} characters")
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return SpecError(path, f"expected an object, got {got}")
+    if kind.endswith("_type"):
+        expected = _TYPE_NAMES.get(kind.removesuffix("_type"), kind.removesuffix("_type"))
+        return SpecError(path, f"expected {expected}, got {got}")
+    return SpecError(path, error["msg"])

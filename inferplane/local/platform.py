@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
-from inferplane.api.selection import engine_settings, served_cache_isolation
+from inferplane.api.resolve import served_cache_isolation
 from inferplane.api.tokenizer import TextTokenizer
 from inferplane.control_plane import auth, registry, tenants
 from inferplane.control_plane.errors import Conflict, NotFound
@@ -131,7 +131,7 @@ class LocalPlatform:
             deployment = self.supervisor.add(manifest.name, manifest.spec, path)
             served = deployment.served_model_name
             serving = manifest.spec.serving
-            block_size = engine_settings(manifest.spec, deployment.selection).block_size
+            block_size = deployment.resolved.block_size
             groups.setdefault(served, []).append(Deployment(manifest.name, deployment.source, weight=serving.weight,
                                                             tier=serving.tier, block_size=block_size))
         for served, deployments in groups.items():

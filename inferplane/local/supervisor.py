@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferplane.api.deployment import InferenceDeploymentSpec
-from inferplane.api.selection import Selection, select_runtime
+from inferplane.api.resolve import ResolvedDeployment, resolve
 from inferplane.control_plane.routing import StaticEndpointSource
 from inferplane.operator.manifests import worker_invocation
 
@@ -58,7 +58,7 @@ class Replica:
 class LocalDeployment:
     name: str
     spec: InferenceDeploymentSpec
-    selection: Selection
+    resolved: ResolvedDeployment
     model_arg: str
     source: StaticEndpointSource = field(default_factory=StaticEndpointSource)
     replicas: list[Replica] = field(default_factory=list)
@@ -84,7 +84,7 @@ class Supervisor:
         self._stopping = False
 
     def add(self, name: str, spec: InferenceDeploymentSpec, model_arg: str) -> LocalDeployment:
-        deployment = LocalDeployment(name, spec, select_runtime(spec), model_arg)
+        deployment = LocalDeployment(name, spec, resolve(spec), model_arg)
         self.deployments[name] = deployment
         self.scale(name, spec.replicas)
         return deployment
@@ -102,7 +102,7 @@ class Supervisor:
             self._retire(deployment, replica)
 
     def command(self, deployment: LocalDeployment, replica: Replica) -> tuple[list[str], dict[str, str]]:
-        invocation = worker_invocation(deployment.name, deployment.spec, selection=deployment.selection,
+        invocation = worker_invocation(deployment.name, deployment.spec, resolved=deployment.resolved,
                                        host="127.0.0.1", port=replica.port, metrics_port=replica.metrics_port,
                                        model_root=str(self.home / "models"))
         args = list(invocation.args)

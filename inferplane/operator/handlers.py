@@ -20,7 +20,7 @@ from typing import Any
 import kopf
 
 from inferplane.api.deployment import GROUP, PLURAL, VERSION, InferenceDeploymentSpec, SpecError
-from inferplane.api.selection import select_runtime
+from inferplane.api.resolve import resolve
 from inferplane.operator import manifests, peering
 from inferplane.operator.config import OperatorConfig
 from inferplane.operator.kube import ApiError, KubeClient, path_for, path_of
@@ -158,9 +158,9 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: k
                     logger: logging.Logger, **_: Any) -> None:
     config, client = _config(memo), _client(memo)
     parsed = _parse(spec, patch, meta, status)
-    selection = select_runtime(parsed)
+    resolved = resolve(parsed)
     desired = manifests.children(body, parsed, image=config.worker_image, monitoring=config.monitoring,
-                                 selection=selection)
+                                 resolved=resolved)
     try:
         for child in desired:
             await _apply(client, child, logger)
@@ -172,7 +172,7 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: k
             _degraded("ApplyFailed", str(exc), meta, status)]})
         raise kopf.PermanentError(str(exc)) from exc
     patch.status.update(compute_status(
-        name=name, namespace=namespace, desired_replicas=parsed.replicas, selection=selection,
+        name=name, namespace=namespace, desired_replicas=parsed.replicas, resolved=resolved,
         deployment=deployment, generation=meta.get("generation"),
         previous_conditions=status.get("conditions") or []))
 
@@ -200,7 +200,7 @@ async def child_deployment_changed(type: str | None, body: kopf.Body, namespace:
         return  # reconcile reports invalid specs
     current = parent.get("status") or {}
     new = compute_status(
-        name=owner, namespace=namespace, desired_replicas=parsed.replicas, selection=select_runtime(parsed),
+        name=owner, namespace=namespace, desired_replicas=parsed.replicas, resolved=resolve(parsed),
         deployment=body, generation=parent.get("metadata", {}).get("generation"),
         previous_conditions=current.get("conditions") or [])
     if any(current.get(key) != value for key, value in new.items()):

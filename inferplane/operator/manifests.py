@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inferplane.api.deployment import API_VERSION, KIND, InferenceDeploymentSpec
-from inferplane.api.quantities import parse_quantity
-from inferplane.api.selection import Selection, engine_settings, select_runtime
+from inferplane.api.resolve import ResolvedDeployment, resolve
 
 GRPC_PORT = 50051
 METRICS_PORT = 9090
@@ -92,44 +91,31 @@ def worker_invocation(
     name: str,
     spec: InferenceDeploymentSpec,
     *,
-    selection: Selection | None = None,
+    resolved: ResolvedDeployment | None = None,
     host: str = "0.0.0.0",
     port: int = GRPC_PORT,
     metrics_port: int = METRICS_PORT,
     model_root: str = MODEL_ROOT,
 ) -> WorkerInvocation:
     """The worker's command line and environment for one replica of `name`."""
-    selection = selection or select_runtime(spec)
-    engine = engine_settings(spec, selection)
+    resolved = resolved or resolve(spec)
     args = [
         "--model", model_argument(name, spec, model_root),
-        "--runtime", selection.runtime,
         "--host", host,
         "--port", str(port),
         "--metrics-port", str(metrics_port),
-        "--device", selection.device,
-        "--dtype", engine.dtype,
-        "--block-size", str(engine.block_size),
-        "--max-num-seqs", str(engine.max_num_seqs),
-        "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
-        "--kv-cache-memory", engine.kv_cache_memory,
-    ]
-    if engine.max_model_len is not None:
-        args += ["--max-model-len", str(engine.max_model_len)]
-    if spec.engine.quantize_head and selection.runtime == "cpu-int8":  # auto may have picked a GPU runtime
-        args.append("--quantize-head")
-    args += [
+        *resolved.engine_args(),
         "--served-model-name", spec.served_model_name(name),
         "--drain-grace-seconds", str(spec.drain_grace_seconds),
     ]
     env: dict[str, str] = {}
-    if selection.device == "cpu":
+    if resolved.cpu_threads is not None:
         # torch otherwise sizes its pool to the node's cores, not the pod's CPU allowance.
-        env["OMP_NUM_THREADS"] = str(max(1, math.floor(parse_quantity(spec.resources.cpu))))
+        env["OMP_NUM_THREADS"] = str(resolved.cpu_threads)
     return WorkerInvocation(command=["inferplane", "worker"], args=args, env=env)
 
 
-def labels(name: str, spec: InferenceDeploymentSpec, selection: Selection) -> dict[str, str]:
+def labels(name: str, spec: InferenceDeploymentSpec, resolved: ResolvedDeployment) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": "inferplane-worker",
         "app.kubernetes.io/instance": name,
@@ -137,7 +123,7 @@ def labels(name: str, spec: InferenceDeploymentSpec, selection: Selection) -> di
         "app.kubernetes.io/part-of": "inferplane",
         LABEL_MANAGED_BY: MANAGED_BY,
         LABEL_DEPLOYMENT: name,
-        LABEL_RUNTIME: selection.runtime,
+        LABEL_RUNTIME: resolved.runtime,
         LABEL_TIER: spec.serving.tier,
     }
 
@@ -151,9 +137,10 @@ def _grpc_probe(period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
             "timeoutSeconds": timeout}
 
 
-def worker_container(name: str, spec: InferenceDeploymentSpec, *, selection: Selection, image: str) -> dict[str, Any]:
+def worker_container(name: str, spec: InferenceDeploymentSpec, *,
+                     resolved: ResolvedDeployment, image: str) -> dict[str, Any]:
     """The worker container: the invocation plus probes, ports, resources and a locked-down context."""
-    invocation = worker_invocation(name, spec, selection=selection)
+    invocation = worker_invocation(name, spec, resolved=resolved)
     quantities = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
     if spec.uses_gpu:
         quantities[spec.resources.gpu_resource_name] = str(spec.resources.gpus)
@@ -192,14 +179,15 @@ def worker_container(name: str, spec: InferenceDeploymentSpec, *, selection: Sel
     }
 
 
-def worker_pod_spec(name: str, spec: InferenceDeploymentSpec, *, selection: Selection, image: str) -> dict[str, Any]:
+def worker_pod_spec(name: str, spec: InferenceDeploymentSpec, *,
+                    resolved: ResolvedDeployment, image: str) -> dict[str, Any]:
     pvc = spec.model.pvc
     model_volume: dict[str, Any] = (
         {"name": "model", "persistentVolumeClaim": {"claimName": pvc[0], "readOnly": True}} if pvc
         else {"name": "model", "emptyDir": {}}  # registry downloads are cached per pod
     )
     volumes = [model_volume, {"name": "tmp", "emptyDir": {}}]
-    tolerations = list(spec.tolerations)
+    tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
     if spec.uses_gpu:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         gpu_key = spec.resources.gpu_resource_name
@@ -211,7 +199,7 @@ def worker_pod_spec(name: str, spec: InferenceDeploymentSpec, *, selection: Sele
         "terminationGracePeriodSeconds": PRE_STOP_SECONDS + spec.drain_grace_seconds + 10,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
                             "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [worker_container(name, spec, selection=selection, image=image)],
+        "containers": [worker_container(name, spec, resolved=resolved, image=image)],
         "volumes": volumes,
     }
     if spec.node_selector:
@@ -223,46 +211,47 @@ def worker_pod_spec(name: str, spec: InferenceDeploymentSpec, *, selection: Sele
     return pod
 
 
-def _metadata(owner: Owner, spec: InferenceDeploymentSpec, selection: Selection, *, runtime_label: bool = False,
+def _metadata(owner: Owner, spec: InferenceDeploymentSpec, resolved: ResolvedDeployment, *, runtime_label: bool = False,
               **extra: Any) -> dict[str, Any]:
     """Only the Deployment carries the runtime label: a runtime change then rewrites nothing else."""
-    object_labels = labels(owner.name, spec, selection)
+    object_labels = labels(owner.name, spec, resolved)
     if not runtime_label:
         object_labels.pop(LABEL_RUNTIME)
     return {"name": owner.name, "namespace": owner.namespace, "labels": object_labels,
             "ownerReferences": [owner.reference()], **extra}
 
 
-def deployment(owner: Owner, spec: InferenceDeploymentSpec, *, selection: Selection, image: str) -> dict[str, Any]:
+def deployment(owner: Owner, spec: InferenceDeploymentSpec, *,
+               resolved: ResolvedDeployment, image: str) -> dict[str, Any]:
     # Without a spare GPU a surge pod cannot schedule, so GPU rollouts replace one pod at a time.
     rolling = {"maxSurge": 0, "maxUnavailable": 1} if spec.uses_gpu else {"maxSurge": 1, "maxUnavailable": 0}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(owner, spec, selection, runtime_label=True),
+        "metadata": _metadata(owner, spec, resolved, runtime_label=True),
         "spec": {
             "replicas": spec.replicas,
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": selector(owner.name)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
             "template": {
-                "metadata": {"labels": labels(owner.name, spec, selection),
+                "metadata": {"labels": labels(owner.name, spec, resolved),
                              "annotations": {"prometheus.io/scrape": "true",
                                              "prometheus.io/port": str(METRICS_PORT)}},
-                "spec": worker_pod_spec(owner.name, spec, selection=selection, image=image),
+                "spec": worker_pod_spec(owner.name, spec, resolved=resolved, image=image),
             },
         },
     }
 
 
-def service(owner: Owner, spec: InferenceDeploymentSpec, *, selection: Selection) -> dict[str, Any]:
+def service(owner: Owner, spec: InferenceDeploymentSpec, *, resolved: ResolvedDeployment) -> dict[str, Any]:
     """Headless: the gateway resolves pod addresses itself, to route by prefix affinity and load."""
     annotations = {ANNOTATION_SERVED_MODEL: spec.served_model_name(owner.name),
                    ANNOTATION_WEIGHT: str(spec.serving.weight)}
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(owner, spec, selection, annotations=annotations),
+        "metadata": _metadata(owner, spec, resolved, annotations=annotations),
         "spec": {
             "clusterIP": "None",
             "selector": selector(owner.name),
@@ -273,21 +262,22 @@ def service(owner: Owner, spec: InferenceDeploymentSpec, *, selection: Selection
     }
 
 
-def pod_disruption_budget(owner: Owner, spec: InferenceDeploymentSpec, *, selection: Selection) -> dict[str, Any]:
+def pod_disruption_budget(owner: Owner, spec: InferenceDeploymentSpec, *,
+                          resolved: ResolvedDeployment) -> dict[str, Any]:
     """maxUnavailable 1, not minAvailable: a one-replica deployment must not block node drains forever."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(owner, spec, selection),
+        "metadata": _metadata(owner, spec, resolved),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(owner.name)}},
     }
 
 
-def service_monitor(owner: Owner, spec: InferenceDeploymentSpec, *, selection: Selection) -> dict[str, Any]:
+def service_monitor(owner: Owner, spec: InferenceDeploymentSpec, *, resolved: ResolvedDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _metadata(owner, spec, selection),
+        "metadata": _metadata(owner, spec, resolved),
         "spec": {
             "selector": {"matchLabels": selector(owner.name)},
             "namespaceSelector": {"matchNames": [owner.namespace]},
@@ -300,7 +290,7 @@ def _number(value: float) -> str:
     return f"{value:g}"
 
 
-def prometheus_rule(owner: Owner, spec: InferenceDeploymentSpec, *, selection: Selection) -> dict[str, Any]:
+def prometheus_rule(owner: Owner, spec: InferenceDeploymentSpec, *, resolved: ResolvedDeployment) -> dict[str, Any]:
     """Alerts for spec.slo; series are scoped by the namespace and service labels the ServiceMonitor adds."""
     scope = f'namespace="{owner.namespace}", service="{owner.name}"'
     slo = spec.slo
@@ -310,7 +300,7 @@ def prometheus_rule(owner: Owner, spec: InferenceDeploymentSpec, *, selection: S
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
-        "metadata": _metadata(owner, spec, selection),
+        "metadata": _metadata(owner, spec, resolved),
         "spec": {"groups": [{
             "name": f"inferplane.slo.{owner.namespace}.{owner.name}",
             "rules": [
@@ -363,7 +353,7 @@ def children(
     *,
     image: str = DEFAULT_IMAGE,
     monitoring: bool = True,
-    selection: Selection | None = None,
+    resolved: ResolvedDeployment | None = None,
 ) -> list[dict[str, Any]]:
     """Every object an InferenceDeployment owns, each stamped with the hash of its content.
 
@@ -371,13 +361,13 @@ def children(
     Prometheus operator's CRDs.
     """
     owner = Owner.from_body(body)
-    selection = selection or select_runtime(spec)
+    resolved = resolved or resolve(spec)
     objects = [
-        deployment(owner, spec, selection=selection, image=image),
-        service(owner, spec, selection=selection),
-        pod_disruption_budget(owner, spec, selection=selection),
+        deployment(owner, spec, resolved=resolved, image=image),
+        service(owner, spec, resolved=resolved),
+        pod_disruption_budget(owner, spec, resolved=resolved),
     ]
     if monitoring:
-        objects += [service_monitor(owner, spec, selection=selection),
-                    prometheus_rule(owner, spec, selection=selection)]
+        objects += [service_monitor(owner, spec, resolved=resolved),
+                    prometheus_rule(owner, spec, resolved=resolved)]
     return [with_hash(obj) for obj in objects]

@@ -12,7 +12,7 @@ import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from inferplane.api.selection import Selection
+from inferplane.api.resolve import ResolvedDeployment
 from inferplane.operator.manifests import GRPC_PORT, LABEL_DEPLOYMENT
 
 
@@ -44,7 +44,7 @@ def compute_status(
     name: str,
     namespace: str,
     desired_replicas: int,
-    selection: Selection,
+    resolved: ResolvedDeployment,
     deployment: Mapping[str, Any] | None,
     generation: int | None = None,
     previous_conditions: Sequence[Mapping[str, Any]] = (),
@@ -95,8 +95,8 @@ def compute_status(
         "conditions": conditions,
         "replicas": int(dstatus.get("replicas") or 0),
         "readyReplicas": ready,
-        "selectedRuntime": selection.runtime,
-        "runtimeReason": selection.reason,
+        "selectedRuntime": resolved.runtime,
+        "runtimeReason": resolved.reason,
         "selector": f"{LABEL_DEPLOYMENT}={name}",
         # The headless Service resolves to the ready pods' addresses; the gateway dials them.
         "endpoints": [f"{name}.{namespace}.svc:{GRPC_PORT}"] if ready > 0 else [],

@@ -1,7 +1,8 @@
 """`inferplane worker`: one process, one model replica, served over gRPC.
 
-The engine flags are `EngineOptions`' fields, with its defaults (one home for them); the operator's
-manifests and the local supervisor both start workers with these flags.
+The engine flags are made from `EngineOptions`' fields, with their defaults and help (one home for
+them); the operator's manifests and the local supervisor start workers with the flags that
+`api.resolve.ResolvedDeployment.engine_args` writes from a spec.
 """
 
 from __future__ import annotations
@@ -10,33 +11,33 @@ import argparse
 import dataclasses
 import sys
 
-from inferplane.worker.options import DTYPES, EngineOptions
+from inferplane.worker.options import EngineOptions
+
+
+def _flag_type(annotation: str) -> type | None:
+    """The argparse type for an EngineOptions field's annotation (None: a switch)."""
+    if "str" in annotation:
+        return str
+    if annotation == "bool":
+        return None
+    return float if "float" in annotation else int
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    engine = EngineOptions()  # the defaults
     parser.add_argument("--model", required=True, help="alias (e.g. smollm2-135m), .gguf file or HF folder")
-    parser.add_argument("--runtime", default=engine.runtime, choices=["paged", "radix", "cpu-int8"])
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
     parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0 disables)")
-    parser.add_argument("--device", default=engine.device, choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default=engine.dtype, choices=DTYPES)
-    parser.add_argument("--block-size", type=int, default=engine.block_size)
-    parser.add_argument("--max-num-seqs", type=int, default=engine.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=engine.max_num_batched_tokens)
-    parser.add_argument("--kv-cache-memory", default=engine.kv_cache_memory,
-                        help="KV pool size: bytes like 2GiB, or a fraction of free GPU memory like 0.9")
-    parser.add_argument("--num-kv-blocks", type=int, default=engine.num_kv_blocks, help=argparse.SUPPRESS)
-    parser.add_argument("--max-model-len", type=int, default=engine.max_model_len)
     parser.add_argument("--served-model-name", default=None, help="name reported to the gateway")
-    parser.add_argument("--kv-manager", default=engine.kv_manager, choices=["paged", "radix"], help="cpu-int8 only")
     parser.add_argument("--drain-grace-seconds", type=float, default=30.0)
-    parser.add_argument("--skip-quality-gate", action="store_true", help="cpu-int8: serve even if the gate fails")
-    parser.add_argument("--quantize-head", action="store_true", help="cpu-int8: int8 output head too")
-    # Test hook: scales multiplied by this make a deliberately wrong quantization the gate must catch.
-    parser.add_argument("--quant-scale-multiplier", type=float, default=engine.quant_scale_multiplier,
-                        help=argparse.SUPPRESS)
+    for option in dataclasses.fields(EngineOptions):
+        flag, meta = "--" + option.name.replace("_", "-"), option.metadata
+        shown = argparse.SUPPRESS if meta["hidden"] else meta["help"]
+        kind = _flag_type(str(option.type))
+        if kind is None:
+            parser.add_argument(flag, action="store_true", default=option.default, help=shown)
+        else:
+            parser.add_argument(flag, type=kind, default=option.default, choices=meta["choices"], help=shown)
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:

@@ -6,49 +6,69 @@ this module does not import torch (the CLI builds its --help from it); resolving
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from inferplane.api.quantities import kv_cache_fraction, parse_bytes
+from inferplane.api.resolve import PRESETS
 
 if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
 def parse_memory(value: int | float | str) -> int | float:
-    """'2GiB' / '512Mi' / 1e9 → bytes (int); a number in (0, 1] → a fraction of free device memory."""
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"kv_cache_memory: must be positive, got {value}")
+    """'2GiB' / '512Mi' / 1e9 → bytes (int); a number in (0, 1] → a fraction of free device memory.
+
+    The grammar is the spec's (`api.quantities`), so a value the CRD admits is one the worker reads.
+    """
+    if isinstance(value, bool) or (isinstance(value, int | float) and value <= 0):
+        raise ValueError(f"kv_cache_memory: must be positive, got {value!r}")
+    if isinstance(value, int | float):
         return float(value) if value <= 1 else int(value)
-    text = str(value).strip()
-    m = re.fullmatch(r"([0-9.]+)\s*([kKmMgGtT]i?)?[bB]?", text)
-    if not m:
-        raise ValueError(f"kv_cache_memory: cannot parse {value!r} (examples: 2GiB, 512Mi, 0.9)")
-    number = float(m.group(1))
-    unit = (m.group(2) or "").lower()
-    if not unit and number <= 1:
-        return number
-    return int(number * _UNITS[unit])
+    fraction = kv_cache_fraction(str(value).strip())
+    if fraction is not None:
+        return fraction
+    try:
+        amount = parse_bytes(value)
+    except ValueError:
+        raise ValueError(f"kv_cache_memory: cannot parse {value!r} (examples: 2GiB, 512Mi, 0.9)") from None
+    if amount <= 0:
+        raise ValueError(f"kv_cache_memory: must be positive, got {value!r}")
+    return amount
+
+
+def option(default: Any, help: str, *, choices: Sequence[str] | None = None, hidden: bool = False) -> Any:
+    """An engine option with what `inferplane worker` needs to offer it as a flag (see worker/cli.py)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "hidden": hidden})
 
 
 @dataclass
 class EngineOptions:
-    runtime: str = "paged"
-    device: str = "auto"
-    dtype: str | None = None
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    kv_cache_memory: int | float | str | None = None
-    num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_memory (tests)
-    max_model_len: int | None = None
-    kv_manager: str | None = None  # cpu-int8: "paged" or "radix" (default radix)
-    skip_quality_gate: bool = False  # cpu-int8: serve even if the int8 quality gate fails
-    quantize_head: bool = False  # cpu-int8: int8 output head too (embeddings stay float)
-    quant_scale_multiplier: float = 1.0  # cpu-int8 test hook: != 1 stores wrong scales, the gate must fail
+    """Every engine knob, each a `--kebab-case` flag of `inferplane worker` with the same default.
+
+    The fields an InferenceDeployment's `engine` section sets carry the same names there
+    (api.deployment.EngineConfig), so `api.resolve` turns a spec into these flags by name.
+    """
+
+    runtime: str = option("paged", "the runtime preset: KV manager and weight format", choices=tuple(PRESETS))
+    device: str = option("auto", "where the engine runs", choices=("auto", "cpu", "cuda"))
+    dtype: str | None = option(None, "compute dtype (default: bfloat16 on CUDA, float32 on CPU)", choices=DTYPES)
+    block_size: int = option(16, "tokens per KV block")
+    max_num_seqs: int = option(256, "sequences scheduled together")
+    max_num_batched_tokens: int = option(2048, "tokens per engine step (prefill chunks included)")
+    kv_cache_memory: int | float | str | None = option(
+        None, "KV pool size: bytes like 2GiB, or a fraction of free GPU memory like 0.9")
+    num_kv_blocks: int | None = option(None, "exact KV pool size; overrides kv_cache_memory (tests)", hidden=True)
+    max_model_len: int | None = option(None, "longest sequence (default: the model's context)")
+    kv_manager: str | None = option(None, "cpu-int8 only: the KV manager (default: the preset's, radix)",
+                                    choices=("paged", "radix"))
+    skip_quality_gate: bool = option(False, "cpu-int8: serve even if the int8 quality gate fails")
+    quantize_head: bool = option(False, "cpu-int8: the output head in int8 too (embeddings stay float)")
+    # Test hook: scales multiplied by this make a deliberately wrong quantization the gate must catch.
+    quant_scale_multiplier: float = option(1.0, "cpu-int8 test hook: != 1 stores wrong scales", hidden=True)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineOptions:

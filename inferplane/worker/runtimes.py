@@ -1,19 +1,20 @@
-"""Runtime presets: a runtime is a KV manager, a scheduler ordering and a weight format on the
-one engine.
+"""The engine's parts for a runtime: its KV manager, scheduler ordering and weight format.
 
-Everything a runtime differs in is chosen here, so `LLM(runtime=...)`, `inferplane worker
---runtime` and the operator agree on what each name means:
+What each runtime is made of is one entry of `inferplane.api.resolve.PRESETS`, so `LLM(runtime=...)`,
+`inferplane worker --runtime` and the operator agree on what each name means; this module builds
+the parts an entry names:
 
 - paged:    PagedKV, first-come-first-served, dense weights.
 - radix:    RadixKV (prefix tree over the block pool), cache-aware ordering, dense weights.
-- cpu-int8: int8 weight-only/dynamic linear layers on the CPU, with a KV manager chosen by the
-            `kv_manager` option (radix by default).
+- cpu-int8: int8 weight-only/dynamic linear layers on the CPU; its KV manager is the preset's
+            (radix) unless the `kv_manager` option names another.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
+from inferplane.api.resolve import PRESETS
 from inferplane.worker.kv.paged import PagedKV
 from inferplane.worker.options import EngineOptions
 from inferplane.worker.scheduler import Scheduler
@@ -30,12 +31,10 @@ def _module_exists(name: str) -> bool:
 
 
 def available_runtimes() -> tuple[str, ...]:
-    names = ["paged"]
-    if _module_exists(_RADIX_MODULE):
-        names.append("radix")
-    if _module_exists(_QUANT_MODULE):
-        names.append("cpu-int8")
-    return tuple(names)
+    """The presets whose parts are installed (radix and int8 live in modules of their own)."""
+    needs = {"radix": _RADIX_MODULE, "int8": _QUANT_MODULE}
+    return tuple(name for name, preset in PRESETS.items()
+                 if all(_module_exists(needs[part]) for part in (preset.kv_manager, preset.weights) if part in needs))
 
 
 def check_runtime(name: str) -> None:
@@ -46,10 +45,8 @@ def check_runtime(name: str) -> None:
 
 def kv_manager_kind(options: EngineOptions) -> str:
     """'paged' or 'radix': the KV manager a runtime uses."""
-    if options.runtime == "cpu-int8":
-        kind = options.kv_manager or ("radix" if _module_exists(_RADIX_MODULE) else "paged")
-    else:
-        kind = options.runtime
+    preset = PRESETS[options.runtime]
+    kind = (options.kv_manager or preset.kv_manager) if preset.weights == "int8" else preset.kv_manager
     if kind not in ("paged", "radix"):
         raise ValueError(f"kv_manager: must be 'paged' or 'radix', got {kind!r}")
     return kind
@@ -75,7 +72,7 @@ def build_scheduler(options: EngineOptions, kv) -> Scheduler:
 def prepare_weights(options: EngineOptions, loaded) -> dict[str, float]:
     """Converts the loaded model's weights to the runtime's format in place; returns figures to
     report (weight bytes, quality-gate results), empty for dense runtimes."""
-    if options.runtime != "cpu-int8":
+    if PRESETS[options.runtime].weights != "int8":
         return {}
     from inferplane.worker.quant.convert import quantize_loaded_model
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from inferplane.api.selection import served_cache_isolation
+from inferplane.api.resolve import served_cache_isolation
 from inferplane.control_plane.gateway.catalog import Catalog
 from inferplane.control_plane.gateway.kube_sync import (
     KubernetesCatalogSync,

@@ -12,11 +12,31 @@ from tests.operator import crd
 from tests.operator.conftest import EXAMPLES, ROOT, load_example
 
 
-def test_chart_carries_the_same_crd_as_deploy() -> None:
+def test_committed_crds_are_the_generated_one() -> None:
+    """deploy/crds and the chart's crds/ hold `inferplane crd`'s output: the models are the only source."""
+    from inferplane.api.crd import FILE_NAME, crd_yaml
+
+    generated = crd_yaml()
+    for directory in (crd.CRD_DIR, ROOT / "helm" / "inferplane" / "crds"):
+        assert (directory / FILE_NAME).read_text() == generated, \
+            f"{directory / FILE_NAME} is stale: run `make crds` and commit the result"
+
+
+def test_chart_carries_the_same_hand_written_crds_as_deploy() -> None:
     for source in sorted(crd.CRD_DIR.glob("*.yaml")):
         copy_in_chart = ROOT / "helm" / "inferplane" / "crds" / source.name
         assert copy_in_chart.read_bytes() == source.read_bytes(), \
             f"{copy_in_chart} differs from {source}: cp deploy/crds/*.yaml helm/inferplane/crds/"
+
+
+def test_every_python_rule_with_cel_is_in_the_crd_on_its_section() -> None:
+    from inferplane.api.deployment import RULES
+
+    spec = crd.version_schema()["properties"]["spec"]
+    for rule in RULES:
+        node = spec if not rule.scope else spec["properties"][rule.scope]
+        rules = [entry["rule"] for entry in node.get("x-kubernetes-validations", [])]
+        assert (rule.cel in rules) is (rule.cel is not None), rule.message
 
 
 def test_crd_declares_subresources_columns_and_short_name() -> None:
@@ -109,3 +129,22 @@ def test_unknown_fields_are_refused_naming_them(spec: dict, field: str) -> None:
 
     with pytest.raises(SpecError, match=f"^{field}: unknown field"):
         InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, **spec})
+
+
+@pytest.mark.parametrize("ready", [0, 2])
+def test_the_status_the_operator_writes_fits_the_generated_status_schema(ready: int) -> None:
+    from inferplane.api.deployment_status import InferenceDeploymentStatus
+    from inferplane.api.resolve import resolve
+    from inferplane.operator.status import compute_status, invalid_status
+
+    spec = InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, "replicas": 2})
+    child = {"metadata": {"generation": 1}, "status": {"readyReplicas": ready, "updatedReplicas": ready,
+                                                       "replicas": 2, "observedGeneration": 1}}
+    for status in (compute_status(name="x", namespace="ns", desired_replicas=2, resolved=resolve(spec),
+                                  deployment=child, generation=3),
+                   invalid_status("bad", generation=3)):
+        parsed = InferenceDeploymentStatus.model_validate(status)
+        assert parsed.model_dump(by_alias=True, exclude_unset=True).keys() == status.keys()
+        _, errors = crd.validate({"apiVersion": "inferplane.io/v1alpha1", "kind": "InferenceDeployment",
+                                  "metadata": {"name": "x"}, "spec": {"model": {"name": "m"}}, "status": status})
+        assert errors == []

@@ -1,4 +1,4 @@
-"""The pure side: spec parsing, runtime selection, and the objects built for every example."""
+"""The pure side: spec parsing, runtime resolved, and the objects built for every example."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import kubernetes_validate
 import pytest
 
 from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
-from inferplane.api.selection import select_runtime
+from inferplane.api.resolve import resolve
 from inferplane.operator import manifests
 from tests.operator.conftest import EXAMPLES, load_example
 
@@ -39,13 +39,13 @@ def test_children_of_every_example_validate_strictly(path: Path) -> None:
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_worker_container_carries_probes_resources_and_arguments(path: Path) -> None:
     body, spec, objects = build(path)
-    selection = select_runtime(spec)
+    resolved = resolve(spec)
     deployment = objects[0]
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     args = container["args"]
     assert container["command"] == ["inferplane", "worker"]
-    assert arg(args, "--runtime") == selection.runtime
+    assert arg(args, "--runtime") == resolved.runtime
     assert arg(args, "--port") == "50051" and arg(args, "--metrics-port") == "9090"
     assert arg(args, "--device") == ("cuda" if spec.uses_gpu else "cpu")
     assert arg(args, "--served-model-name") == spec.served_model_name(body["metadata"]["name"])
@@ -107,9 +107,9 @@ def test_worker_invocation_is_the_container_command_line() -> None:
 ])
 def test_auto_selection(spec: dict, hints: dict, runtime: str) -> None:
     parsed = InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, "runtime": "auto", "workload": hints, **spec})
-    selection = select_runtime(parsed)
-    assert selection.runtime == runtime
-    assert selection.reason.startswith("auto:")
+    resolved = resolve(parsed)
+    assert resolved.runtime == runtime
+    assert resolved.reason.startswith("auto:")
 
 
 @pytest.mark.parametrize(("spec", "field", "words"), [

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import grpc
 
 from inferplane.api.deployment import GROUP, PLURAL, VERSION, InferenceDeploymentSpec, SpecError
-from inferplane.api.selection import engine_settings, select_runtime, served_cache_isolation
+from inferplane.api.resolve import resolve, served_cache_isolation
 from inferplane.api.tokenizer import TextTokenizer
 from inferplane.control_plane.gateway.catalog import Catalog, ServedModel
 from inferplane.control_plane.gateway.worker_client import WorkerChannels
@@ -92,7 +92,7 @@ def resource_route(obj: Mapping[str, Any]) -> ResourceRoute:
     return ResourceRoute(
         namespace=meta.get("namespace") or "default", name=name,
         served_model_name=spec.served_model_name(name), weight=float(spec.serving.weight),
-        tier=Tier(spec.serving.tier), block_size=engine_settings(spec, select_runtime(spec)).block_size,
+        tier=Tier(spec.serving.tier), block_size=resolve(spec).block_size,
         cache_isolation=spec.cache_isolation, model_fingerprint=_fingerprint(raw_spec))
 
 

@@ -1,0 +1,135 @@
+"""From a spec to what runs: the runtime presets and `resolve(spec) -> ResolvedDeployment`.
+
+The three runtimes are presets of one engine (see ARCHITECTURE.md): a KV manager, a weight format,
+where it may run and the engine defaults below. `PRESETS` is the one registry of them: the worker
+builds its KV manager and weights from an entry, and `resolve` fills what a spec leaves open from
+one. `resolve` is the only place that turns `runtime: auto` into a runtime (and says why, for the
+status), picks device and dtype and merges presets with the spec's `engine` section; the operator
+(pod specs), the gateway's cluster sync, local mode and the worker's command line all take its
+answer, so they cannot disagree. It also holds the one rule for cache isolation across the
+deployments behind a served name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from inferplane.api.deployment import ConcreteRuntime, InferenceDeploymentSpec
+from inferplane.api.quantities import parse_quantity
+
+
+@dataclass(frozen=True)
+class RuntimePreset:
+    """One runtime: what the engine is built from, and the engine defaults a spec may override."""
+
+    name: str
+    kv_manager: Literal["paged", "radix"]
+    weights: Literal["dense", "int8"]
+    cpu_only: bool
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_memory_gpu: str
+    kv_cache_memory_cpu: str
+
+
+PRESETS: dict[str, RuntimePreset] = {preset.name: preset for preset in (
+    # Many short, independent requests: wide batches, most of the free GPU memory for KV blocks.
+    RuntimePreset("paged", kv_manager="paged", weights="dense", cpu_only=False, max_num_seqs=256,
+                  max_num_batched_tokens=8192, kv_cache_memory_gpu="0.9", kv_cache_memory_cpu="1GiB"),
+    # Prefix reuse keeps more blocks alive; fewer concurrent sequences leave room for cached prefixes.
+    RuntimePreset("radix", kv_manager="radix", weights="dense", cpu_only=False, max_num_seqs=128,
+                  max_num_batched_tokens=8192, kv_cache_memory_gpu="0.9", kv_cache_memory_cpu="1GiB"),
+    # CPU matmuls: small batches keep latency tolerable; the prefix tree saves recomputing prompts.
+    RuntimePreset("cpu-int8", kv_manager="radix", weights="int8", cpu_only=True, max_num_seqs=16,
+                  max_num_batched_tokens=2048, kv_cache_memory_gpu="1GiB", kv_cache_memory_cpu="1GiB"),
+)}
+assert tuple(PRESETS) == ConcreteRuntime.__args__, "every runtime the spec names has exactly one preset"
+
+
+@dataclass(frozen=True)
+class ResolvedDeployment:
+    """Everything a worker of a spec is started with, after `auto` and the presets are decided.
+
+    `engine` holds every field of the spec's `engine` section by its Python name, which is also
+    the worker's option and flag (`--max-num-seqs` for max_num_seqs), with the preset's value where
+    the spec left one open; a new engine field thus reaches the worker with no code here.
+    """
+
+    runtime: str
+    reason: str  # why this runtime, for status.runtimeReason
+    device: Literal["cpu", "cuda"]
+    engine: Mapping[str, str | int | bool | None]
+    cpu_threads: int | None  # CPU workers: the pod's CPU allowance, not the node's cores
+
+    @property
+    def preset(self) -> RuntimePreset:
+        return PRESETS[self.runtime]
+
+    @property
+    def dtype(self) -> str:
+        return str(self.engine["dtype"])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.engine["block_size"])  # type: ignore[arg-type]
+
+    def engine_args(self) -> list[str]:
+        """The `inferplane worker` flags for this resolution (the engine part of its command line)."""
+        args = ["--runtime", self.runtime, "--device", self.device]
+        for name, value in self.engine.items():
+            flag = "--" + name.replace("_", "-")
+            if value is True:
+                args.append(flag)
+            elif value is not None and value is not False:
+                args += [flag, str(value)]
+        return args
+
+
+def _choose_runtime(spec: InferenceDeploymentSpec) -> tuple[str, str]:
+    """`auto`: no GPU → cpu-int8; prefix-sharing traffic → radix; otherwise paged."""
+    hints = spec.workload
+    if spec.runtime != "auto":
+        return spec.runtime, f"runtime {spec.runtime} was requested in the spec"
+    if not spec.uses_gpu:
+        return "cpu-int8", "auto: no GPU requested (resources.gpus is 0), so int8 weights on CPU"
+    named = [n for n, on in (("multiTurn", hints.multi_turn), ("sharedPrefix", hints.shared_prefix),
+                             ("agent", hints.agent)) if on]
+    if named:
+        return "radix", f"auto: workload hints {', '.join(named)} reuse prefixes, so the radix cache"
+    return "paged", "auto: GPU without prefix-sharing hints, so paged KV for high concurrency"
+
+
+def resolve(spec: InferenceDeploymentSpec) -> ResolvedDeployment:
+    runtime, reason = _choose_runtime(spec)
+    preset = PRESETS[runtime]
+    device: Literal["cpu", "cuda"] = "cuda" if spec.uses_gpu and not preset.cpu_only else "cpu"
+    engine: dict[str, str | int | bool | None] = spec.engine.model_dump()
+    if engine["dtype"] == "auto":
+        engine["dtype"] = "bfloat16" if device == "cuda" else "float32"
+    max_seqs = engine["max_num_seqs"] = spec.engine.max_num_seqs or preset.max_num_seqs
+    # A preset's token budget never undercuts an explicit maxNumSeqs (one token per sequence per step).
+    engine["max_num_batched_tokens"] = (spec.engine.max_num_batched_tokens
+                                        or max(preset.max_num_batched_tokens, max_seqs))
+    engine["kv_cache_memory"] = spec.engine.kv_cache_memory or (
+        preset.kv_cache_memory_gpu if device == "cuda" else preset.kv_cache_memory_cpu)
+    # An int8 option; `auto` may have picked a GPU runtime, which has no int8 head.
+    engine["quantize_head"] = spec.engine.quantize_head and preset.weights == "int8"
+    return ResolvedDeployment(
+        runtime=runtime, reason=reason, device=device, engine=engine,
+        cpu_threads=max(1, math.floor(parse_quantity(spec.resources.cpu))) if device == "cpu" else None,
+    )
+
+
+def served_cache_isolation(isolations: Iterable[str]) -> str:
+    """The cache isolation of a served model name from its deployments' `cacheIsolation`s.
+
+    "shared" only if every deployment behind the name asks for it: one "tenant" deployment means
+    tenants' prompts must not share prefix caches there, so the stricter wins. The gateway applies
+    it (one salt for all, or one per tenant) and the workers obey the salt, in cluster and local
+    mode alike.
+    """
+    isolations = list(isolations)
+    return "shared" if isolations and all(i == "shared" for i in isolations) else "tenant"

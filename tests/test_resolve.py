@@ -1,0 +1,71 @@
+"""resolve(): one answer for what a spec runs, and the worker reads exactly that answer."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from inferplane.api.deployment import ConcreteRuntime, EngineConfig, InferenceDeploymentSpec
+from inferplane.api.resolve import PRESETS, resolve
+from inferplane.worker import cli as worker_cli
+from inferplane.worker.options import EngineOptions
+from inferplane.worker.runtimes import available_runtimes, kv_manager_kind
+
+SPECS = [
+    {},
+    {"runtime": "radix", "resources": {"gpus": 1}, "engine": {"maxNumSeqs": 512}},
+    {"resources": {"gpus": 2}, "workload": {"agent": True}, "engine": {"dtype": "float16", "kvCacheMemory": "0.5"}},
+    {"runtime": "cpu-int8", "engine": {"quantizeHead": True, "maxModelLen": 512, "blockSize": 32}},
+    {"resources": {"gpus": 1}, "engine": {"quantizeHead": True, "maxNumBatchedTokens": 100, "maxNumSeqs": 50}},
+]
+
+
+def worker_options(args: list[str]) -> EngineOptions:
+    parser = argparse.ArgumentParser()
+    worker_cli.configure(parser)
+    return worker_cli.engine_options(parser.parse_args(["--model", "m", *args]))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_the_worker_parses_the_resolved_engine_as_resolved(spec: dict) -> None:
+    resolved = resolve(InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, **spec}))
+    options = worker_options(resolved.engine_args())
+    assert (options.runtime, options.device) == (resolved.runtime, resolved.device)
+    for name, value in resolved.engine.items():
+        assert getattr(options, name) == (value if value is not None else getattr(EngineOptions(), name)), name
+
+
+def test_every_engine_field_of_the_spec_is_a_worker_option_of_the_same_name() -> None:
+    """What lets a new engine field reach the worker without touching resolve() or the operator."""
+    options = {f.name for f in dataclasses.fields(EngineOptions)}
+    assert set(EngineConfig.model_fields) <= options
+
+
+def test_each_runtime_is_one_preset_the_worker_can_build() -> None:
+    assert tuple(PRESETS) == ConcreteRuntime.__args__
+    assert available_runtimes() == tuple(PRESETS)
+    for name, preset in PRESETS.items():
+        assert kv_manager_kind(EngineOptions(runtime=name)) == preset.kv_manager
+
+
+@pytest.mark.parametrize(("spec", "runtime", "device", "dtype"), [
+    ({}, "cpu-int8", "cpu", "float32"),
+    ({"resources": {"gpus": 1}}, "paged", "cuda", "bfloat16"),
+    ({"resources": {"gpus": 1}, "workload": {"multiTurn": True}}, "radix", "cuda", "bfloat16"),
+    ({"runtime": "paged", "engine": {"dtype": "bfloat16"}}, "paged", "cpu", "bfloat16"),
+])
+def test_auto_device_and_dtype(spec: dict, runtime: str, device: str, dtype: str) -> None:
+    resolved = resolve(InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, **spec}))
+    assert (resolved.runtime, resolved.device, resolved.dtype) == (runtime, device, dtype)
+    assert (resolved.cpu_threads is None) is (device == "cuda")
+
+
+def test_presets_fill_only_what_the_spec_left_open() -> None:
+    spec = InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, "runtime": "radix",
+                                              "engine": {"maxNumSeqs": 9000 // 9}})
+    resolved = resolve(spec)
+    assert resolved.engine["max_num_seqs"] == 1000
+    assert resolved.engine["max_num_batched_tokens"] == PRESETS["radix"].max_num_batched_tokens
+    assert resolved.engine["kv_cache_memory"] == PRESETS["radix"].kv_cache_memory_cpu
