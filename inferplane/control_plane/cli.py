@@ -76,6 +76,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-grace-seconds", type=float, default=env("INFERPLANE_DRAIN_GRACE_SECONDS", "30"),
                         help="on SIGTERM, how long requests and streams in flight may take to finish "
                              "(default: %(default)s)")
+    limits = parser.add_argument_group("rate limits across gateway replicas (off: each replica limits alone)")
+    limits.add_argument("--rate-limit-redis-url", default=env("INFERPLANE_RATE_LIMIT_REDIS_URL"),
+                        help="redis://[:password@]host:6379/0 holding the keys' token buckets, shared by every "
+                             "replica (default: $INFERPLANE_RATE_LIMIT_REDIS_URL; unset: in-process buckets)")
+    limits.add_argument("--rate-limit-unreachable", choices=["open", "closed"],
+                        default=env("INFERPLANE_RATE_LIMIT_UNREACHABLE", "open"),
+                        help="when Redis cannot be reached: open = limit per replica meanwhile, closed = answer "
+                             "503 (default: %(default)s)")
     parser.add_argument("--verbose", "-v", action="store_true")
 
 
@@ -158,7 +166,8 @@ def gateway_settings(args: argparse.Namespace) -> Any:
         jwt_algorithm=args.jwt_algorithm, jwt_key=jwt_key, jwt_audience=args.jwt_audience,
         jwt_issuer=args.jwt_issuer or None,
         salt_secret=_salt(_read_secret(args.salt_secret_file, "INFERPLANE_SALT_SECRET", "salt secret")),
-        drain_grace_seconds=args.drain_grace_seconds)
+        drain_grace_seconds=args.drain_grace_seconds,
+        rate_limit_redis_url=args.rate_limit_redis_url or None, rate_limit_unreachable=args.rate_limit_unreachable)
 
 
 # ---- running ---------------------------------------------------------------------------------------

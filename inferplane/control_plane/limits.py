@@ -1,14 +1,17 @@
 """Rate limits per key (requests/min, tokens/min) and the monthly token quota per tenant.
 
-Both are enforced from memory. Rate limits are token buckets per gateway replica (N replicas admit
-up to N times a key's limit in the worst case; the router spreading load keeps it close to 1x).
-The quota is global: `QuotaTracker` reads every tenant's month-to-date tokens from the usage table
-in the background and adds what this replica has not flushed yet.
+Token limits meet a problem: a request's completion length is known only at the end. So the
+gateway reserves the most a request can cost at admission (prompt plus max_tokens) and refunds
+what it did not use when it ends (`adjust` with a negative amount): a burst of concurrent requests
+can never spend more than the limit, because each has paid for its worst case before it runs.
+Every refusal carries `retry_after` (seconds) for the 429's `Retry-After` header.
 
-Token limits meet a problem: a request's completion length is known only at the end. So `admit`
-takes the tokens known up front (the prompt) and `charge` adds the rest afterwards, which may drive
-the bucket negative; the key then waits until it has paid the debt. Every refusal carries
-`retry_after` (seconds) for the 429's `Retry-After` header.
+Rate limits are token buckets. `RateLimiter` keeps them in this process (the embedded default:
+N gateway replicas admit up to N times a key's limit); `shared_limits.RedisKeyLimiter` keeps them
+in Redis so that they hold across replicas. The gateway talks to either through `KeyLimiter`.
+The quota is global but soft: `QuotaTracker` reads every tenant's month-to-date tokens from the
+usage table in the background, adds what this replica has not flushed yet and what its requests in
+flight have reserved.
 """
 
 from __future__ import annotations
@@ -107,19 +110,42 @@ class RateLimiter:
             if tok and tokens > 0:
                 tok.take(tokens, now)
 
-    def charge(self, key_id: str, limits: KeyLimits, tokens: int) -> None:
-        """Charges tokens learned after admission (completion tokens); never raises."""
-        if limits.tokens_per_minute is None or tokens <= 0:
+    def adjust(self, key_id: str, limits: KeyLimits, tokens: int) -> None:
+        """Settles a request: takes `tokens` more, or refunds `-tokens` (up to a full bucket); never raises."""
+        if limits.tokens_per_minute is None or tokens == 0:
             return
         with self._lock:
             now = self._clock()
-            self._bucket(key_id, "tok", limits.tokens_per_minute, now).take(tokens, now)
+            bucket = self._bucket(key_id, "tok", limits.tokens_per_minute, now)
+            bucket.take(tokens, now)
+            bucket.level = min(bucket.level, bucket.capacity)
 
     def forget(self, key_id: str) -> None:
         """Drops a key's buckets (e.g. when it is revoked), so the map does not grow without bound."""
         with self._lock:
             for slot in [s for s in self._buckets if s[0] == key_id]:
                 del self._buckets[slot]
+
+
+class KeyLimiter(Protocol):
+    """What the gateway's request path needs from a rate limiter, wherever its buckets live."""
+
+    async def admit(self, key_id: str, limits: KeyLimits, *, tokens: int) -> None: ...
+
+    async def adjust(self, key_id: str, limits: KeyLimits, tokens: int) -> None: ...
+
+
+class InProcessKeyLimiter:
+    """`RateLimiter` behind `KeyLimiter`: the embedded default, limits per gateway replica."""
+
+    def __init__(self, limiter: RateLimiter | None = None):
+        self.limiter = limiter or RateLimiter()
+
+    async def admit(self, key_id: str, limits: KeyLimits, *, tokens: int) -> None:
+        self.limiter.admit(key_id, limits, tokens=tokens)
+
+    async def adjust(self, key_id: str, limits: KeyLimits, tokens: int) -> None:
+        self.limiter.adjust(key_id, limits, tokens)
 
 
 def month_start(at: datetime) -> datetime:
@@ -136,9 +162,11 @@ class QuotaTracker:
     """Month-to-date tokens per tenant against `tenants.monthly_token_quota`, checked from memory.
 
     `used(t)` = tokens in the usage table this month (read every `refresh_interval` s) + tokens this
-    replica recorded but has not flushed yet (from the `UsageRecorder`). Other replicas' unflushed
-    tokens are invisible until they flush, so a tenant can overrun its quota by a few seconds of
-    traffic; a soft quota is the price of not blocking on the database.
+    replica recorded but has not flushed yet (from the `UsageRecorder`) + tokens its requests in
+    flight have reserved (`reserve`, given back by `release` once their usage is recorded). Other
+    replicas' unflushed tokens are invisible until they flush, so concurrent traffic through several
+    replicas can overrun a quota by a few seconds of it; a soft quota across replicas is the price of
+    not blocking on the database. Through one replica it holds exactly.
     """
 
     def __init__(
@@ -155,6 +183,8 @@ class QuotaTracker:
         self._now = now
         self._quota: dict[str, int | None] = {}
         self._used: dict[str, int] = {}
+        self._reserved: dict[str, int] = {}
+        self._reserve_lock = threading.Lock()
         self._month: datetime | None = None
         self._loop = PeriodicThread("inferplane-quota", lambda: self.refresh_interval, self.refresh,
                                     "quota refresh failed; using the last known usage")
@@ -180,7 +210,7 @@ class QuotaTracker:
         month = month_start(self._now())
         pending = self._recorder.pending_tokens(tenant_id, since=month) if self._recorder is not None else 0
         stored = self._used.get(tenant_id, 0) if month == self._month else 0
-        return stored + pending
+        return stored + pending + self._reserved.get(tenant_id, 0)
 
     def remaining(self, tenant_id: str) -> int | None:
         """Tokens left this month; None if the tenant has no quota."""
@@ -191,12 +221,31 @@ class QuotaTracker:
         """Raises `QuotaExceeded` (429) with `retry_after` = seconds until the month rolls over."""
         remaining = self.remaining(tenant_id)
         if remaining is not None and remaining <= 0:
-            now = self._now()
-            wait = (next_month_start(now) - now).total_seconds()
-            raise QuotaExceeded(
-                f"tenant {tenant_id!r} has used its monthly quota of {self._quota[tenant_id]} tokens",
-                retry_after=wait,
-            )
+            raise self.exceeded(tenant_id, f"tenant {tenant_id!r} has used its monthly quota of "
+                                            f"{self._quota[tenant_id]} tokens")
+
+    def reserve(self, tenant_id: str, tokens: int) -> None:
+        """Holds `tokens` of the tenant's quota for a request in flight, or raises `QuotaExceeded`."""
+        with self._reserve_lock:
+            remaining = self.remaining(tenant_id)
+            if remaining is not None and tokens > remaining:
+                raise self.exceeded(tenant_id, f"the request may use {tokens} tokens and tenant {tenant_id!r} has "
+                                                f"{remaining} of its monthly quota of {self._quota[tenant_id]} left")
+            self._reserved[tenant_id] = self._reserved.get(tenant_id, 0) + tokens
+
+    def release(self, tenant_id: str, tokens: int) -> None:
+        """Gives a reservation back (after the request's real usage was recorded)."""
+        with self._reserve_lock:
+            left = self._reserved.get(tenant_id, 0) - tokens
+            if left > 0:
+                self._reserved[tenant_id] = left
+            else:
+                self._reserved.pop(tenant_id, None)
+
+    def exceeded(self, tenant_id: str, message: str) -> QuotaExceeded:
+        """The 429 for this tenant's quota: retry when the month rolls over."""
+        now = self._now()
+        return QuotaExceeded(message, retry_after=(next_month_start(now) - now).total_seconds())
 
 
 class UsageRecorderLike(Protocol):

@@ -40,12 +40,22 @@ def test_requests_per_minute() -> None:
     limiter.admit("k", limits)
 
 
-def test_tokens_per_minute_with_post_hoc_charge() -> None:
+def test_tokens_per_minute_with_refunds_and_post_hoc_charges() -> None:
     clock = Clock()
     limiter = RateLimiter(clock=clock)
     limits = KeyLimits(tokens_per_minute=600)  # 10 tokens/s
+    limiter.admit("k", limits, tokens=600)  # a reservation of the whole minute
+    with pytest.raises(RateLimited):
+        limiter.admit("k", limits, tokens=1)
+    limiter.adjust("k", limits, -500)  # it used 100: the rest comes back
+    limiter.admit("k", limits, tokens=500)
+    limiter.adjust("k", limits, -10_000)  # a refund never fills the bucket beyond its capacity
+    limiter.admit("k", limits, tokens=600)
+    with pytest.raises(RateLimited):
+        limiter.admit("k", limits, tokens=1)
+    clock.now += 60
     limiter.admit("k", limits, tokens=100)
-    limiter.charge("k", limits, 800)  # the completion was long: the bucket is now 300 in debt
+    limiter.adjust("k", limits, 800)  # more than reserved: the bucket is now 300 in debt
     with pytest.raises(RateLimited) as e:
         limiter.admit("k", limits, tokens=50)
     assert e.value.retry_after == pytest.approx(35.0)  # (300 + 50) / 10
@@ -138,6 +148,25 @@ def test_monthly_quota(sessions: sessionmaker[Session]) -> None:
         set_quota(s, "acme", 5000, actor="test")
     tracker.refresh()
     tracker.check("acme")
+
+
+def test_quota_reservations_count_until_released(sessions: sessionmaker[Session]) -> None:
+    now = datetime(2025, 3, 15, tzinfo=UTC)
+    with sessions.begin() as s:
+        create_tenant(s, "acme", actor="test", monthly_token_quota=100)
+    recorder = UsageRecorder(sessions, now=lambda: now)
+    tracker = QuotaTracker(sessions, recorder=recorder, now=lambda: now)
+    tracker.refresh()
+    tracker.reserve("acme", 60)
+    with pytest.raises(QuotaExceeded) as refused:
+        tracker.reserve("acme", 41)
+    assert "40" in str(refused.value)  # what is left is named
+    tracker.reserve("acme", 40)
+    recorder.record("acme", "m", prompt_tokens=5, completion_tokens=10)  # the 60 used 15 ...
+    tracker.release("acme", 60)  # ... and gave its reservation back after the usage was recorded
+    assert tracker.used("acme") == 55 and tracker.remaining("acme") == 45
+    tracker.release("acme", 40)
+    assert tracker.remaining("acme") == 85
 
 
 def test_next_month_start() -> None:

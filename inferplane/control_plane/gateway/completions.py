@@ -156,20 +156,22 @@ class Completions:
         self.ctx = ctx
 
     async def text(self, body: CompletionRequest, principal: Principal) -> Response:
-        prepared = self.ctx.inference.prepare(principal, body.model, prompt=body.prompt,
-                                              max_tokens=body.default_max_tokens())
-        params = body.sampling_params(prepared.max_tokens, want_logprobs=body.logprobs is not None)
-        return await self._respond(_TextShape(body, prepared), params)
+        prepared = await self.ctx.inference.prepare(principal, body.model, prompt=body.prompt,
+                                                    max_tokens=body.default_max_tokens())
+        with self.ctx.inference.settled_on_error(prepared):
+            params = body.sampling_params(prepared.max_tokens, want_logprobs=body.logprobs is not None)
+            return await self._respond(_TextShape(body, prepared), params)
 
     async def chat(self, body: ChatCompletionRequest, principal: Principal) -> Response:
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         except ValueError as exc:
             return error_response(400, str(exc), "invalid_value", "messages")
-        prepared = self.ctx.inference.prepare(principal, body.model, messages=messages,
-                                              max_tokens=body.default_max_tokens())
-        params = body.sampling_params(prepared.max_tokens, want_logprobs=body.logprobs)
-        return await self._respond(_ChatShape(body, prepared), params)
+        prepared = await self.ctx.inference.prepare(principal, body.model, messages=messages,
+                                                    max_tokens=body.default_max_tokens())
+        with self.ctx.inference.settled_on_error(prepared):
+            params = body.sampling_params(prepared.max_tokens, want_logprobs=body.logprobs)
+            return await self._respond(_ChatShape(body, prepared), params)
 
     async def _respond(self, shape: _Shape, params: worker_pb2.SamplingParams) -> Response:
         first, stream = await self._open(shape.prepared, params)

@@ -61,17 +61,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 body = rest_body(model, params, **prompt)
             except ValidationError as exc:
                 raise ValueError(validation_message(exc.errors())[0]) from None
-            prepared = self.ctx.inference.prepare(principal, body.model, max_tokens=body.default_max_tokens(),
-                                                  **prompt)
-            worker_params = body.sampling_params(prepared.max_tokens, want_logprobs=params.logprobs)
-            worker_params.stop_token_ids.extend(params.stop_token_ids)
-            worker_params.ignore_eos = params.ignore_eos
-            async for msg in self.ctx.inference.stream(prepared, worker_params):
-                out = inference_pb2.CompleteResponse(id=prepared.request_id, text=msg.text, finished=msg.finished,
-                                                     finish_reason=msg.finish_reason)
-                if msg.finished:
-                    out.usage.CopyFrom(msg.usage)
-                yield out
+            prepared = await self.ctx.inference.prepare(principal, body.model, max_tokens=body.default_max_tokens(),
+                                                        **prompt)
+            with self.ctx.inference.settled_on_error(prepared):
+                worker_params = body.sampling_params(prepared.max_tokens, want_logprobs=params.logprobs)
+                worker_params.stop_token_ids.extend(params.stop_token_ids)
+                worker_params.ignore_eos = params.ignore_eos
+                async for msg in self.ctx.inference.stream(prepared, worker_params):
+                    out = inference_pb2.CompleteResponse(id=prepared.request_id, text=msg.text,
+                                                         finished=msg.finished, finish_reason=msg.finish_reason)
+                    if msg.finished:
+                        out.usage.CopyFrom(msg.usage)
+                    yield out
         except ValueError as exc:
             known = isinstance(exc, (ControlPlaneError, GatewayError))
             status, message = as_error(exc)[:2] if known else (400, str(exc))

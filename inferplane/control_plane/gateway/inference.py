@@ -1,23 +1,31 @@
 """The request path shared by the REST and gRPC tenant APIs.
 
 authenticate (done by the caller) → authorize the model → tokenize and check the context length →
-quota and rate limits → route to a replica (prefix affinity, load, retry before the first token) →
-stream → record usage off the request path.
+reserve the request's worst case (prompt + max_tokens) against the tenant's quota and the key's
+token limit → route to a replica (prefix affinity, load, retry before the first token) → stream →
+record usage off the request path and refund what the reservation did not use.
+
+Without an explicit max_tokens, the generation is capped so that its reservation fits what the
+key may spend in a minute and what the tenant has left this month: such a request is served
+(shorter) rather than refused.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import grpc
 
 from inferplane.control_plane.auth import SCOPE_INFER, Principal
+from inferplane.control_plane.errors import RequestTooLarge
 from inferplane.control_plane.gateway.catalog import Catalog, ServedModel
 from inferplane.control_plane.gateway.errors import GatewayError
 from inferplane.control_plane.gateway.worker_client import WorkerChannels
-from inferplane.control_plane.limits import KeyLimits, QuotaTracker, RateLimiter
+from inferplane.control_plane.limits import KeyLimiter, KeyLimits, QuotaTracker
 from inferplane.control_plane.routing import Router, RouteRequest, route_and_stream, tenant_cache_salt
 from inferplane.control_plane.usage import UsageRecorder
 from inferplane.v1 import worker_pb2
@@ -30,6 +38,8 @@ class PreparedRequest:
     model: ServedModel
     token_ids: list[int]
     max_tokens: int
+    reserved: int = 0  # tokens held against the key's limit and the tenant's quota until settled
+    settled: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -41,7 +51,7 @@ def _limits(principal: Principal) -> KeyLimits:
 
 
 class InferenceService:
-    def __init__(self, catalog: Catalog, router: Router, channels: WorkerChannels, *, limiter: RateLimiter,
+    def __init__(self, catalog: Catalog, router: Router, channels: WorkerChannels, *, limiter: KeyLimiter,
                  quota: QuotaTracker | None, usage: UsageRecorder | None, salt_secret: bytes,
                  request_timeout: float = 600.0):
         self.catalog = catalog
@@ -52,8 +62,9 @@ class InferenceService:
         self.usage = usage
         self.salt_secret = salt_secret
         self.request_timeout = request_timeout
+        self._settling: set[asyncio.Task] = set()
 
-    def prepare(self, principal: Principal, model_name: str, *, prompt: str | None = None,
+    async def prepare(self, principal: Principal, model_name: str, *, prompt: str | None = None,
                 messages: list[dict[str, str]] | None = None, max_tokens: int | None = None) -> PreparedRequest:
         principal.require(SCOPE_INFER)
         model = self.catalog.get(model_name, principal.tenant_id)
@@ -74,11 +85,48 @@ class InferenceService:
             raise GatewayError(400, f"This model's maximum context length is {model.max_model_len} tokens; "
                                f"the {param} has {len(token_ids)} tokens and max_tokens is {max_tokens}.",
                                "context_length_exceeded", "max_tokens")
-        if self.quota is not None and principal.tenant_id is not None:
-            self.quota.check(principal.tenant_id)
+        limits = _limits(principal)
+        max_tokens = max_tokens if max_tokens is not None else self._implicit_max_tokens(
+            principal, limits, len(token_ids), room)
+        prepared = PreparedRequest(uuid.uuid4().hex, principal, model, token_ids, max_tokens,
+                                   reserved=len(token_ids) + max_tokens)
+        tenant = principal.tenant_id
+        if self.quota is not None and tenant is not None:
+            self.quota.reserve(tenant, prepared.reserved)
         if principal.key_id is not None:
-            self.limiter.admit(principal.key_id, _limits(principal), tokens=len(token_ids))
-        return PreparedRequest(uuid.uuid4().hex, principal, model, token_ids, max_tokens or room)
+            try:
+                await self.limiter.admit(principal.key_id, limits, tokens=prepared.reserved)
+            except BaseException:
+                if self.quota is not None and tenant is not None:
+                    self.quota.release(tenant, prepared.reserved)
+                raise
+        return prepared
+
+    def _implicit_max_tokens(self, principal: Principal, limits: KeyLimits, prompt_tokens: int, room: int) -> int:
+        """The context room, capped by what the key may spend per minute and the tenant has left."""
+        cap = room
+        if limits.tokens_per_minute is not None:
+            cap = min(cap, limits.tokens_per_minute - prompt_tokens)
+            if cap < 1:
+                raise RequestTooLarge(f"the prompt has {prompt_tokens} tokens; this key allows "
+                                      f"{limits.tokens_per_minute} tokens per minute, prompt and completion together")
+        if self.quota is not None and principal.tenant_id is not None:
+            remaining = self.quota.remaining(principal.tenant_id)
+            if remaining is not None:
+                cap = min(cap, remaining - prompt_tokens)
+                if cap < 1:
+                    raise self.quota.exceeded(principal.tenant_id, f"the prompt has {prompt_tokens} tokens and "
+                                              f"{remaining} tokens of this month's quota are left")
+        return cap
+
+    @contextlib.contextmanager
+    def settled_on_error(self, prepared: PreparedRequest) -> Iterator[None]:
+        """Gives a prepared request's reservation back if it fails before its stream ever ran."""
+        try:
+            yield
+        except BaseException:
+            self.settle(prepared, 0, served=False)
+            raise
 
     async def stream(self, prepared: PreparedRequest,
                      params: worker_pb2.SamplingParams) -> AsyncIterator[worker_pb2.GenerateResponse]:
@@ -108,14 +156,28 @@ class InferenceService:
             self._account(prepared, completion_tokens, served)
 
     def _account(self, prepared: PreparedRequest, completion_tokens: int, served: bool) -> None:
-        """Charge the key's token bucket for what was generated; bill the tenant only for a request
-        a worker served (no replica, or a failure before the first token, is a metric, not usage)."""
+        self.settle(prepared, completion_tokens, served=served)
+
+    def settle(self, prepared: PreparedRequest, completion_tokens: int, *, served: bool) -> None:
+        """Once per request: bill the tenant only if a worker served it (no replica, or a failure
+        before the first token, is a metric, not usage), give the quota reservation back once the
+        usage is recorded, and refund the key's bucket what the reservation did not use."""
+        if prepared.settled:
+            return
+        prepared.settled = True
         principal = prepared.principal
-        if principal.key_id is not None:
-            self.limiter.charge(principal.key_id, _limits(principal), completion_tokens)
+        used = prepared.prompt_tokens + completion_tokens if served else 0
         if served and self.usage is not None and principal.tenant_id is not None:
             self.usage.record(principal.tenant_id, prepared.model.name, prompt_tokens=prepared.prompt_tokens,
                               completion_tokens=completion_tokens)
+        if self.quota is not None and principal.tenant_id is not None:
+            self.quota.release(principal.tenant_id, prepared.reserved)
+        if principal.key_id is not None and used != prepared.reserved:
+            # Not awaited here: this runs in a stream's `finally`, possibly while it is being cancelled.
+            task = asyncio.get_running_loop().create_task(
+                self.limiter.adjust(principal.key_id, _limits(principal), used - prepared.reserved))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
 
 
 def _worker_error(exc: grpc.aio.AioRpcError) -> GatewayError:

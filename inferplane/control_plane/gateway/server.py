@@ -19,7 +19,7 @@ from inferplane.control_plane.gateway.inference import InferenceService
 from inferplane.control_plane.gateway.metrics import GatewayMetrics
 from inferplane.control_plane.gateway.rest import create_asgi_app
 from inferplane.control_plane.gateway.worker_client import WorkerChannels
-from inferplane.control_plane.limits import QuotaTracker, RateLimiter
+from inferplane.control_plane.limits import InProcessKeyLimiter, KeyLimiter, QuotaTracker
 from inferplane.control_plane.routing import HealthPoller, HealthTracker, Router
 from inferplane.control_plane.tokens import AdminTokenVerifier, JWTSettings
 from inferplane.control_plane.usage import UsageRecorder
@@ -46,6 +46,18 @@ class GatewaySettings:
     # On stop (SIGTERM): new connections are refused at once, requests and streams in flight get
     # this long to finish (the workers' drainGraceSeconds by default), then the rest is cancelled.
     drain_grace_seconds: float = 30.0
+    # Keys' token buckets in Redis, shared by every replica (None: in this process only), and what
+    # to do while Redis is unreachable: "open" limits per replica meanwhile, "closed" answers 503.
+    rate_limit_redis_url: str | None = None
+    rate_limit_unreachable: str = "open"
+
+
+def _key_limiter(settings: GatewaySettings) -> KeyLimiter:
+    if settings.rate_limit_redis_url is None:
+        return InProcessKeyLimiter()
+    from inferplane.control_plane.shared_limits import RedisKeyLimiter
+
+    return RedisKeyLimiter(settings.rate_limit_redis_url, failure=settings.rate_limit_unreachable)  # type: ignore[arg-type]
 
 
 class Gateway:
@@ -63,7 +75,8 @@ class Gateway:
         if settings.jwt_algorithm and settings.jwt_key:
             jwt_verifier = AdminTokenVerifier(JWTSettings(algorithm=settings.jwt_algorithm, key=settings.jwt_key,
                                                           audience=settings.jwt_audience, issuer=settings.jwt_issuer))
-        inference = InferenceService(self.catalog, self.router, self.channels, limiter=RateLimiter(),
+        self.limiter = _key_limiter(settings)
+        inference = InferenceService(self.catalog, self.router, self.channels, limiter=self.limiter,
                                      quota=self.quota, usage=self.usage,
                                      salt_secret=settings.salt_secret or secrets.token_bytes(32))
         self.context = GatewayContext(sessions=self.sessions, keys=self.keys, catalog=self.catalog,
@@ -123,6 +136,9 @@ class Gateway:
                 task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.channels.close()
+        close = getattr(self.limiter, "close", None)
+        if close is not None:
+            await close()
         self.quota.stop()
         self.usage.stop()
         self.keys.stop()
