@@ -91,6 +91,9 @@ def test_cluster_mode_and_ha_postgres(helm: Path) -> None:
     assert control["spec"]["replicas"] == 3
     env = {e["name"]: e for e in control["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["INFERPLANE_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "inferplane-db", "key": "url"}
+    assert env["INFERPLANE_RATE_LIMIT_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "inferplane-redis",
+                                                                                   "key": "url"}
+    assert "--rate-limit-unreachable=closed" in control["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "Secret" not in found and "PersistentVolumeClaim" not in found  # the URL comes from the user's Secret
     assert found["PodDisruptionBudget"]
     args = control["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -114,6 +117,9 @@ def test_gateway_gets_a_bootstrap_key_and_one_salt_for_all_replicas(helm: Path) 
     control = next(d for d in found["Deployment"] if d["metadata"]["name"].endswith("-control-plane"))
     files = _gateway_auth_files(control)
     assert set(files) == {"bootstrap-key-file", "salt-secret-file"}  # no JWTs unless asked for
+    container = control["spec"]["template"]["spec"]["containers"][0]
+    assert "INFERPLANE_RATE_LIMIT_REDIS_URL" not in {e["name"] for e in container["env"]}  # one replica: in-process
+    assert "--rate-limit-unreachable=open" in container["args"]
     (secret,) = [s for s in found["Secret"] if s["metadata"]["name"].endswith("-gateway-auth")]
     volume = next(v for v in control["spec"]["template"]["spec"]["volumes"] if v["name"] == "auth")
     assert volume["secret"]["secretName"] == secret["metadata"]["name"]
