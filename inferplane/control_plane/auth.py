@@ -166,6 +166,21 @@ def _positive_or_none(name: str, value: int | None) -> int | None:
     return value
 
 
+def _within_ceiling(name: str, value: int | None, ceiling: int | None, tenant_id: str) -> int | None:
+    """A key's limit under its tenant's ceiling: unset takes the ceiling, above it is refused."""
+    if ceiling is None:
+        return value
+    if value is None:
+        return ceiling
+    if value > ceiling:
+        raise InvalidInput(f"{name}: at most {ceiling} for tenant {tenant_id!r} (its key ceiling), got {value}")
+    return value
+
+
+def _capped(value: int | None, ceiling: int | None) -> int | None:
+    return ceiling if value is None else value if ceiling is None else min(value, ceiling)
+
+
 def create_key(
     session: Session,
     tenant_id: str,
@@ -183,8 +198,13 @@ def create_key(
     _positive_or_none("tokens_per_minute", tokens_per_minute)
     if expires_in is not None and expires_in <= timedelta(0):
         raise InvalidInput("a key's lifetime must be positive")
-    if session.get(Tenant, tenant_id) is None:
+    tenant = session.get(Tenant, tenant_id)
+    if tenant is None:
         raise NotFound(f"tenant {tenant_id!r} not found")
+    requests_per_minute = _within_ceiling("requests_per_minute", requests_per_minute,
+                                          tenant.key_requests_per_minute_max, tenant_id)
+    tokens_per_minute = _within_ceiling("tokens_per_minute", tokens_per_minute, tenant.key_tokens_per_minute_max,
+                                        tenant_id)
     key_id = secrets.token_hex(8)
     secret = "".join(secrets.choice(_SECRET_ALPHABET) for _ in range(43))
     now = utcnow()
@@ -310,6 +330,8 @@ class KeyCache:
         self._overlap = overlap
         self._clock = clock
         self._keys: dict[str, _CachedKey] = {}
+        # Each tenant's key ceilings (requests/min, tokens/min): keys made before a ceiling obey it too.
+        self._ceilings: dict[str, tuple[int | None, int | None]] = {}
         self._watermark: datetime | None = None
         self._last_full = float("-inf")
         self._used: dict[str, float] = {}
@@ -345,7 +367,9 @@ class KeyCache:
             if not full:
                 query = query.where(ApiKey.updated_at >= self._watermark - self._overlap)
             rows = list(session.scalars(query))
-            tenants = set(session.scalars(select(Tenant.id)))
+            tenants = {t.id: (t.key_requests_per_minute_max, t.key_tokens_per_minute_max)
+                       for t in session.execute(select(Tenant.id, Tenant.key_requests_per_minute_max,
+                                                       Tenant.key_tokens_per_minute_max))}
         fresh = {r.id: self._cached(r) for r in rows if r.revoked_at is None}
         gone = {r.id for r in rows if r.revoked_at is not None}
         newest = max((r.updated_at for r in rows), default=None)
@@ -358,6 +382,7 @@ class KeyCache:
                     keys.pop(key_id, None)
                 keys.update(fresh)
             self._keys = {k: v for k, v in keys.items() if v.tenant_id in tenants}
+            self._ceilings = tenants
             if newest is not None and (self._watermark is None or newest > self._watermark):
                 self._watermark = newest
             if self._watermark is None:
@@ -393,13 +418,14 @@ class KeyCache:
         if scope is not None and scope not in cached.scopes:
             raise Forbidden(f"this API key lacks the {scope!r} scope")
         self._used[key_id] = now
+        rpm_max, tpm_max = self._ceilings.get(cached.tenant_id, (None, None))
         return Principal(
             subject=f"key:{key_id}",
             tenant_id=cached.tenant_id,
             scopes=cached.scopes,
             via="key",
-            requests_per_minute=cached.requests_per_minute,
-            tokens_per_minute=cached.tokens_per_minute,
+            requests_per_minute=_capped(cached.requests_per_minute, rpm_max),
+            tokens_per_minute=_capped(cached.tokens_per_minute, tpm_max),
         )
 
     def _flush_last_used(self) -> None:

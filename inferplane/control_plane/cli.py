@@ -76,6 +76,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-grace-seconds", type=float, default=env("INFERPLANE_DRAIN_GRACE_SECONDS", "30"),
                         help="on SIGTERM, how long requests and streams in flight may take to finish "
                              "(default: %(default)s)")
+    parser.add_argument("--model-root", action="append", metavar="DIR",
+                        default=[r for r in (env("INFERPLANE_MODEL_ROOTS") or "").split(os.pathsep) if r],
+                        help="a folder a platform admin may register weights from over the admin API (repeatable; "
+                             "default: $INFERPLANE_MODEL_ROOTS, separated by ':'; none: aliases only)")
     limits = parser.add_argument_group("rate limits across gateway replicas (off: each replica limits alone)")
     limits.add_argument("--rate-limit-redis-url", default=env("INFERPLANE_RATE_LIMIT_REDIS_URL"),
                         help="redis://[:password@]host:6379/0 holding the keys' token buckets, shared by every "
@@ -167,6 +171,7 @@ def gateway_settings(args: argparse.Namespace) -> Any:
         jwt_issuer=args.jwt_issuer or None,
         salt_secret=_salt(_read_secret(args.salt_secret_file, "INFERPLANE_SALT_SECRET", "salt secret")),
         drain_grace_seconds=args.drain_grace_seconds,
+        model_roots=tuple(args.model_root),
         rate_limit_redis_url=args.rate_limit_redis_url or None, rate_limit_unreachable=args.rate_limit_unreachable)
 
 

@@ -62,6 +62,9 @@ class Tenant(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     display_name: Mapped[str | None] = mapped_column(String(255))
     monthly_token_quota: Mapped[int | None] = mapped_column(BigInteger)
+    # Ceilings for every key of the tenant (NULL: none); a tenant admin cannot mint keys above them.
+    key_requests_per_minute_max: Mapped[int | None] = mapped_column(BigInteger)
+    key_tokens_per_minute_max: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
 
 
@@ -93,11 +96,15 @@ class ApiKey(Base):
 
 
 class Model(Base):
-    """A registered model version. `owner_tenant_id` NULL means a platform model (always public)."""
+    """A registered model version. `owner_tenant_id` NULL means a platform model (always public).
+
+    Names are unique per `namespace`: "" for platform models, the owner's tenant id for a tenant's
+    (always private), so a tenant's registration can never take or shadow a platform name.
+    """
 
     __tablename__ = "models"
     __table_args__ = (
-        UniqueConstraint("name", "version", name="uq_models_name_version"),
+        UniqueConstraint("namespace", "name", "version", name="uq_models_namespace_name_version"),
         CheckConstraint("status IN ('registered', 'verified', 'failed')", name="ck_models_status"),
         CheckConstraint("visibility IN ('public', 'private')", name="ck_models_visibility"),
         CheckConstraint(
@@ -107,6 +114,7 @@ class Model(Base):
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    namespace: Mapped[str] = mapped_column(String(64), nullable=False, default="", server_default="")
     name: Mapped[str] = mapped_column(String(128), nullable=False)
     version: Mapped[str] = mapped_column(String(64), nullable=False)
     uri: Mapped[str] = mapped_column(Text, nullable=False)

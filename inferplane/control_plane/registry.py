@@ -6,11 +6,17 @@ Hugging Face folder) or the GGUF header (via `gguf.GGUFReader`, no torch). The r
 came of it: `verified` (servable), `failed` (`status_detail` says why), or `registered` (recorded,
 not yet checked).
 
-Visibility: a model with no owner is a platform model and public. A tenant's model is `private`
-(only that tenant sees it) unless registered `public`. Every tenant-facing function takes the
-caller's tenant id (or `ALL_TENANTS` for a platform admin) and filters in SQL; another tenant's
-private model is reported as not found, never as forbidden, so its existence does not leak.
-All versions of one name share one owner, so a tenant cannot slip a version under someone else's name.
+Visibility: a model with no owner is a platform model and public. A tenant's model is private (only
+that tenant sees it); public names are the platform's. Names live in namespaces: "" (`PLATFORM`)
+for platform models, the tenant id for a tenant's, so a tenant can neither take a platform name
+nor slip a version under someone else's. A tenant looking a name up finds its own model first,
+then the platform's; deployments look names up in the platform's namespace only. Every
+tenant-facing function takes the caller's tenant id (or `ALL_TENANTS` for a platform admin) and
+filters in SQL; another tenant's private model is reported as not found, never as forbidden, so its
+existence does not leak.
+
+Registering from a server path reads the gateway's file system, so over the API it is a platform
+admin's power, confined to configured roots (`confine_source`); tenants register aliases.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -38,6 +45,7 @@ from inferplane.control_plane.orm import Model, Tenant, utcnow
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+PLATFORM = ""  # the platform's namespace (no tenant id is empty)
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
@@ -80,6 +88,26 @@ def resolve_source(source: str | Path) -> tuple[Path, str | None]:
     if not path.exists():
         raise InvalidInput(f"no such model file or folder: {path} (aliases: {', '.join(sorted(ALIASES))})")
     return path.resolve(), None
+
+
+def confine_source(source: str, roots: Sequence[str | Path], *, platform_admin: bool) -> str:
+    """What a caller of the admin API may register: aliases for anyone; server paths for a platform
+    admin, and only inside `roots` (symlinks resolved first, so none leads out). A refused path gets
+    the same answer whether or not it exists: the API is no oracle for the gateway's file system."""
+    if source in ALIASES:
+        return source
+    if not platform_admin:
+        raise Forbidden("registering weights from a server path is a platform admin's operation; a tenant "
+                        f"admin may register these aliases: {', '.join(sorted(ALIASES))}")
+    text = unquote(urlparse(source).path) if source.startswith("file://") else source
+    if not os.path.isabs(text):
+        raise InvalidInput(f"source must be an alias or an absolute path, got {source!r}")
+    path = Path(os.path.realpath(text))
+    allowed = [Path(os.path.realpath(root)) for root in roots]
+    if not any(path.is_relative_to(root) for root in allowed):
+        where = ", ".join(map(str, allowed)) if allowed else "none are configured (--model-root)"
+        raise Forbidden(f"source {source!r} is outside the model roots this gateway registers from: {where}")
+    return str(path)
 
 
 # --- reading weights ---
@@ -265,8 +293,8 @@ def _latest(rows: list[Model]) -> Model:
     return max(rows, key=lambda r: r.id)
 
 
-def _next_version(session: Session, name: str) -> str:
-    versions = session.scalars(select(Model.version).where(Model.name == name)).all()
+def _next_version(session: Session, namespace: str, name: str) -> str:
+    versions = session.scalars(select(Model.version).where(Model.namespace == namespace, Model.name == name)).all()
     numbers = [int(v) for v in versions if v.isdigit()]
     return str(max(numbers, default=0) + 1)
 
@@ -305,12 +333,17 @@ def register_model(
         raise InvalidInput(f"visibility must be public or private, got {visibility!r}")
     if owner_tenant_id is None and visibility == "private":
         raise InvalidInput("a platform model (no owner tenant) must be public")
+    if owner_tenant_id is not None and visibility == "public":
+        raise Forbidden("public models are the platform's; a tenant's models are private")
     if owner_tenant_id is not None and session.get(Tenant, owner_tenant_id) is None:
         raise NotFound(f"tenant {owner_tenant_id!r} not found")
-    existing = session.scalars(select(Model).where(Model.name == name)).all()
-    if any(r.owner_tenant_id != owner_tenant_id for r in existing):
-        raise Conflict(f"model name {name!r} is taken")
-    version = version or _next_version(session, name)
+    namespace = owner_tenant_id or PLATFORM
+    existing = session.scalars(select(Model).where(Model.namespace == namespace, Model.name == name)).all()
+    # A new tenant name may not be a platform name (a tenant's older name stays its own).
+    if namespace != PLATFORM and not existing and session.scalars(
+            select(Model.id).where(Model.namespace == PLATFORM, Model.name == name)).first() is not None:
+        raise Conflict(f"model name {name!r} is a platform model's; choose another name")
+    version = version or _next_version(session, namespace, name)
     if any(r.version == version for r in existing):
         raise Conflict(f"model {name}:{version} already exists")
 
@@ -324,6 +357,7 @@ def register_model(
         status, detail = "failed", f"sha256 mismatch: expected {expected_sha256}, file has {meta.sha256}"
     now = utcnow()
     row = Model(
+        namespace=namespace,
         name=name,
         version=version,
         uri=path.as_uri(),
@@ -353,14 +387,24 @@ def register_model(
 
 
 def _find(session: Session, tenant: TenantScope, name: str, version: str | None) -> list[Model]:
-    query = select(Model).where(Model.name == name, _visible(tenant))
+    """The rows of one namespace for `name`: the tenant's own, else the platform's (`PLATFORM`: only
+    the platform's). A platform admin gets the platform's, else the one tenant's that has it."""
+    visible = Model.namespace == PLATFORM if tenant == PLATFORM else _visible(tenant)
+    query = select(Model).where(Model.name == name, visible)
     if version is not None:
         query = query.where(Model.version == version)
-    rows = list(session.scalars(query))
-    if not rows:
-        ref = f"{name}:{version}" if version else name
+    by_namespace: dict[str, list[Model]] = {}
+    for row in session.scalars(query):
+        by_namespace.setdefault(row.namespace, []).append(row)
+    ref = f"{name}:{version}" if version else name
+    if not by_namespace:
         raise NotFound(f"model {ref!r} not found")
-    return rows
+    for namespace in ([] if tenant is ALL_TENANTS else [str(tenant)]) + [PLATFORM]:
+        if namespace in by_namespace:
+            return by_namespace[namespace]
+    if len(by_namespace) > 1:
+        raise Conflict(f"model {ref!r} is registered by several tenants ({', '.join(sorted(by_namespace))})")
+    return next(iter(by_namespace.values()))
 
 
 def list_models(session: Session, tenant: TenantScope, *, status: str | None = None) -> list[ModelInfo]:

@@ -1,4 +1,7 @@
-"""Tenants: create, list, look up, set quota, delete (platform-admin operations).
+"""Tenants: create, list, look up, set quota and key ceilings, delete (platform-admin operations).
+
+A tenant's key ceilings cap the rate limits any of its keys may have, so a tenant admin minting
+keys cannot exceed what the platform sold the tenant (see auth.create_key and KeyCache).
 
 A tenant's id is a short slug chosen by the admin; it is the handle in CLIs, metrics and usage rows,
 so it is validated strictly (lower-case, DNS-label-like) and never changes.
@@ -26,10 +29,19 @@ class TenantInfo:
     display_name: str | None
     monthly_token_quota: int | None
     created_at: datetime
+    key_requests_per_minute_max: int | None = None
+    key_tokens_per_minute_max: int | None = None
 
 
 def _info(row: Tenant) -> TenantInfo:
-    return TenantInfo(row.id, row.display_name, row.monthly_token_quota, row.created_at)
+    return TenantInfo(row.id, row.display_name, row.monthly_token_quota, row.created_at,
+                      row.key_requests_per_minute_max, row.key_tokens_per_minute_max)
+
+
+def _validate_ceiling(name: str, value: int | None) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise InvalidInput(f"{name} must be a positive integer or unset, got {value!r}")
+    return value
 
 
 def validate_tenant_id(tenant_id: str) -> str:
@@ -54,14 +66,19 @@ def create_tenant(
     actor: str,
     display_name: str | None = None,
     monthly_token_quota: int | None = None,
+    key_requests_per_minute_max: int | None = None,
+    key_tokens_per_minute_max: int | None = None,
 ) -> TenantInfo:
     """Raises `Conflict` if the id is taken. `monthly_token_quota=None` means unlimited."""
     validate_tenant_id(tenant_id)
     _validate_quota(monthly_token_quota)
+    _validate_ceiling("key_requests_per_minute_max", key_requests_per_minute_max)
+    _validate_ceiling("key_tokens_per_minute_max", key_tokens_per_minute_max)
     if session.get(Tenant, tenant_id) is not None:
         raise Conflict(f"tenant {tenant_id!r} already exists")
     row = Tenant(
-        id=tenant_id, display_name=display_name, monthly_token_quota=monthly_token_quota, created_at=utcnow()
+        id=tenant_id, display_name=display_name, monthly_token_quota=monthly_token_quota, created_at=utcnow(),
+        key_requests_per_minute_max=key_requests_per_minute_max, key_tokens_per_minute_max=key_tokens_per_minute_max,
     )
     session.add(row)
     session.flush()
@@ -71,8 +88,28 @@ def create_tenant(
         action="tenant.create",
         target=tenant_id,
         tenant_id=tenant_id,
-        detail={"monthly_token_quota": monthly_token_quota},
+        detail={"monthly_token_quota": monthly_token_quota,
+                "key_requests_per_minute_max": key_requests_per_minute_max,
+                "key_tokens_per_minute_max": key_tokens_per_minute_max},
     )
+    return _info(row)
+
+
+def set_key_ceilings(session: Session, tenant_id: str, *, actor: str, requests_per_minute_max: int | None,
+                     tokens_per_minute_max: int | None) -> TenantInfo:
+    """Sets (None: removes) the ceilings; existing keys above them are held to them from the next
+    key-cache refresh."""
+    _validate_ceiling("key_requests_per_minute_max", requests_per_minute_max)
+    _validate_ceiling("key_tokens_per_minute_max", tokens_per_minute_max)
+    row = session.get(Tenant, tenant_id)
+    if row is None:
+        raise NotFound(f"tenant {tenant_id!r} not found")
+    row.key_requests_per_minute_max = requests_per_minute_max
+    row.key_tokens_per_minute_max = tokens_per_minute_max
+    session.flush()
+    audit.record(session, actor=actor, action="tenant.set_key_ceilings", target=tenant_id, tenant_id=tenant_id,
+                 detail={"key_requests_per_minute_max": requests_per_minute_max,
+                         "key_tokens_per_minute_max": tokens_per_minute_max})
     return _info(row)
 
 

@@ -84,7 +84,8 @@ class LocalPlatform:
         self.admin_key = admin_file.read_text().strip()
         settings = GatewaySettings(db_url=f"sqlite:///{home / 'inferplane.db'}", host=host, port=port,
                                    grpc_port=grpc_port, bootstrap_key=self.admin_key,
-                                   salt_secret=bytes.fromhex(salt_file.read_text().strip()))
+                                   salt_secret=bytes.fromhex(salt_file.read_text().strip()),
+                                   model_roots=(str(home / "models"),))
         self.gateway = Gateway(settings)
         self.supervisor = Supervisor(home, on_ready=self._replica_ready)
         self.tenant_key: str | None = None
@@ -108,7 +109,8 @@ class LocalPlatform:
         with self.gateway.sessions.begin() as session:
             if model.name is not None:
                 try:
-                    info = registry.resolve_model(session, auth.ALL_TENANTS, model.name if model.version is None
+                    # The platform's namespace only: a tenant's private registration never backs a deployment.
+                    info = registry.resolve_model(session, registry.PLATFORM, model.name if model.version is None
                                                   else f"{model.name}:{model.version}")
                     return str(info.path)
                 except NotFound:

@@ -13,6 +13,7 @@ from inferplane.control_plane import audit
 from inferplane.control_plane.auth import ALL_TENANTS
 from inferplane.control_plane.errors import Conflict, Forbidden, InvalidInput, NotFound
 from inferplane.control_plane.registry import (
+    PLATFORM,
     ModelNotReady,
     delete_model,
     get_model,
@@ -140,37 +141,44 @@ def test_tenant_isolation(
         register_model(
             s, make_gguf(tmp_path / "a.gguf", seed=1), actor="test", name="a-secret", owner_tenant_id=a
         )
-        register_model(
-            s, make_gguf(tmp_path / "s.gguf", seed=2), actor="test", name="a-shared", owner_tenant_id=a,
-            visibility="public",
-        )  # fmt: skip
+        with pytest.raises(Forbidden):  # public names are the platform's (issue 13, item 5)
+            register_model(s, make_gguf(tmp_path / "s.gguf", seed=2), actor="test", name="a-shared",
+                           owner_tenant_id=a, visibility="public")
     with sessions() as s:
-        assert {m.name for m in list_models(s, a)} == {"platform", "a-secret", "a-shared"}
-        assert {m.name for m in list_models(s, b)} == {"platform", "a-shared"}
+        assert {m.name for m in list_models(s, a)} == {"platform", "a-secret"}
+        assert {m.name for m in list_models(s, b)} == {"platform"}
         everything = list_models(s, ALL_TENANTS)
-        assert {m.name for m in everything} == {"platform", "a-secret", "a-shared"}
+        assert {m.name for m in everything} == {"platform", "a-secret"}
         for tenant in (a, b, ALL_TENANTS):  # the in-memory rule agrees with the SQL one
             assert [m for m in everything if is_visible(m, tenant)] == list_models(s, tenant)
         assert resolve_model(s, a, "a-secret").owner_tenant_id == a
         for fn in (get_model, resolve_model, list_versions):
             with pytest.raises(NotFound):  # 404, not 403: B must not learn that it exists
                 fn(s, b, "a-secret")
+        with pytest.raises(NotFound):  # deployments resolve in the platform's namespace only
+            resolve_model(s, PLATFORM, "a-secret")
     with sessions.begin() as s:
         with pytest.raises(NotFound):
             delete_model(s, b, "a-secret", actor="key:b")
-        with pytest.raises(Forbidden):  # visible but not B's
-            delete_model(s, b, "a-shared", actor="key:b")
-        with pytest.raises(Forbidden):
+        with pytest.raises(Forbidden):  # visible but not A's
             delete_model(s, a, "platform", actor="key:a")
-        # B cannot slip a version under A's name, nor take over a platform name
-        with pytest.raises(Conflict):
-            register_model(s, tmp_path / "p.gguf", actor="key:b", name="a-secret", owner_tenant_id=b)
+        # A tenant cannot take a platform name ...
         with pytest.raises(Conflict):
             register_model(s, tmp_path / "p.gguf", actor="key:b", name="platform", owner_tenant_id=b)
+        # ... and names are per namespace: B's "a-secret" is B's own, beside A's.
+        register_model(s, make_gguf(tmp_path / "b.gguf", seed=3), actor="key:b", name="a-secret", owner_tenant_id=b)
+        # A tenant's name never blocks the platform (the squatting of issue 13, item 5).
+        register_model(s, make_gguf(tmp_path / "p2.gguf", seed=4), actor="test", name="a-secret")
+    with sessions() as s:
+        assert resolve_model(s, a, "a-secret").owner_tenant_id == a  # each tenant finds its own first
+        assert resolve_model(s, b, "a-secret").owner_tenant_id == b
+        assert resolve_model(s, PLATFORM, "a-secret").owner_tenant_id is None
+        assert resolve_model(s, ALL_TENANTS, "a-secret").owner_tenant_id is None  # the platform's first
     with sessions.begin() as s:
         delete_model(s, a, "a-secret", actor="key:a")
     with sessions() as s:
-        assert {m.name for m in list_models(s, a)} == {"platform", "a-shared"}
+        assert {m.name for m in list_models(s, a)} == {"platform", "a-secret"}  # now the platform's
+        assert resolve_model(s, a, "a-secret").owner_tenant_id is None
 
 
 def test_private_platform_model_is_refused(sessions: Sessions, gguf_file: Path) -> None:

@@ -24,6 +24,8 @@ class GatewayContext:
     bootstrap_key: str | None = None
     jwt_verifier: AdminTokenVerifier | None = None
     max_body_bytes: int = 1 << 20
+    # Folders a platform admin may register weights from over the API (nothing outside them).
+    model_roots: tuple[str, ...] = ()
 
     def tenant_principal(self, credential: str | None) -> Principal:
         if not credential:

@@ -33,6 +33,15 @@ class TenantIn(BaseModel):
     id: str = Field(min_length=1)
     display_name: str | None = None
     monthly_token_quota: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    key_requests_per_minute_max: int | None = Field(default=None, gt=0, le=INT64_MAX)
+    key_tokens_per_minute_max: int | None = Field(default=None, gt=0, le=INT64_MAX)
+
+class TenantPatch(BaseModel):
+    """Only the fields sent change; null removes a quota or a ceiling."""
+
+    monthly_token_quota: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    key_requests_per_minute_max: int | None = Field(default=None, gt=0, le=INT64_MAX)
+    key_tokens_per_minute_max: int | None = Field(default=None, gt=0, le=INT64_MAX)
 
 class KeyIn(BaseModel):
     tenant_id: str | None = None
@@ -157,8 +166,28 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         _platform_admin(principal)
         with ctx.sessions.begin() as session:
             info = tenants.create_tenant(session, body.id, actor=principal.actor, display_name=body.display_name,
-                                         monthly_token_quota=body.monthly_token_quota)
+                                         monthly_token_quota=body.monthly_token_quota,
+                                         key_requests_per_minute_max=body.key_requests_per_minute_max,
+                                         key_tokens_per_minute_max=body.key_tokens_per_minute_max)
             return info.__dict__
+
+    @app.patch("/admin/v1/tenants/{tenant_id}")
+    def admin_update_tenant(tenant_id: str, body: TenantPatch, principal: Principal = Depends(admin)):
+        _platform_admin(principal)
+        sent = body.model_fields_set
+        with ctx.sessions.begin() as session:
+            info = tenants.get_tenant(session, tenant_id)
+            if "monthly_token_quota" in sent:
+                info = tenants.set_quota(session, tenant_id, body.monthly_token_quota, actor=principal.actor)
+            if sent & {"key_requests_per_minute_max", "key_tokens_per_minute_max"}:
+                info = tenants.set_key_ceilings(
+                    session, tenant_id, actor=principal.actor,
+                    requests_per_minute_max=body.key_requests_per_minute_max if "key_requests_per_minute_max" in sent
+                    else info.key_requests_per_minute_max,
+                    tokens_per_minute_max=body.key_tokens_per_minute_max if "key_tokens_per_minute_max" in sent
+                    else info.key_tokens_per_minute_max)
+        ctx.keys.refresh(full=True)
+        return info.__dict__
 
     @app.get("/admin/v1/keys")
     def admin_list_keys(tenant_id: str | None = None, principal: Principal = Depends(admin)):
@@ -198,8 +227,9 @@ def create_app(ctx: GatewayContext) -> FastAPI:
 
     @app.post("/admin/v1/models", status_code=201)
     def admin_register_model(body: ModelIn, principal: Principal = Depends(admin)):
+        source = registry.confine_source(body.source, ctx.model_roots, platform_admin=principal.tenant_id is None)
         with ctx.sessions.begin() as session:
-            info = registry.register_model(session, body.source, actor=principal.actor, name=body.name,
+            info = registry.register_model(session, source, actor=principal.actor, name=body.name,
                                            version=body.version, owner_tenant_id=principal.tenant_id,
                                            visibility=body.visibility, expected_sha256=body.sha256)
         return info.__dict__

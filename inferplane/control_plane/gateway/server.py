@@ -50,6 +50,8 @@ class GatewaySettings:
     # to do while Redis is unreachable: "open" limits per replica meanwhile, "closed" answers 503.
     rate_limit_redis_url: str | None = None
     rate_limit_unreachable: str = "open"
+    # Folders a platform admin may register weights from through the admin API (none: aliases only).
+    model_roots: tuple[str, ...] = ()
 
 
 def _key_limiter(settings: GatewaySettings) -> KeyLimiter:
@@ -81,7 +83,8 @@ class Gateway:
                                      salt_secret=settings.salt_secret or secrets.token_bytes(32))
         self.context = GatewayContext(sessions=self.sessions, keys=self.keys, catalog=self.catalog,
                                       inference=inference, metrics=GatewayMetrics(),
-                                      bootstrap_key=settings.bootstrap_key, jwt_verifier=jwt_verifier)
+                                      bootstrap_key=settings.bootstrap_key, jwt_verifier=jwt_verifier,
+                                      model_roots=tuple(settings.model_roots))
         self.app = create_asgi_app(self.context)
         self._http: uvicorn.Server | None = None
         self._grpc: grpc.aio.Server | None = None
