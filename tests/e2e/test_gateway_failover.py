@@ -37,7 +37,7 @@ AFTER_KILL = 6
 class Stream:
     index: int
     status: int | None = None
-    started: bool = False   # response headers arrived: the gateway had the first token
+    started: bool = False   # the first token arrived (headers alone may come earlier: keep-alives while queued)
     finished: bool = False  # the client has read the whole response
     done: bool = False      # saw "data: [DONE]"
     error: dict | None = None
@@ -52,13 +52,15 @@ async def _stream(client: httpx.AsyncClient, s: Stream, key: str) -> None:
     try:
         async with client.stream("POST", "/v1/completions", json=body,
                                  headers={"Authorization": f"Bearer {key}"}) as response:
-            s.status, s.started = response.status_code, True
+            s.status = response.status_code
             if response.status_code != 200:
+                s.started = True
                 s.error = json.loads(await response.aread())
                 return
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
+                s.started = True
                 data = line.removeprefix("data: ")
                 if data == "[DONE]":
                     s.done = True

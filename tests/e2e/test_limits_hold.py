@@ -4,7 +4,7 @@ Before, admission checked the prompt only: a key with tokens_per_minute 60 admit
 requests (1-token prompt, max_tokens 30) that used 620 tokens, and a tenant with a 100-token
 quota used 620. Now each request reserves prompt + max_tokens before it runs and is refunded
 what it did not use, so the burst is bounded by the limit. One real tiny-model worker serves; the
-gateway runs in this process so the test can create keys with limits directly.
+gateway runs in this process (tests/e2e/conftest.py) so the test can create keys with limits directly.
 """
 
 from __future__ import annotations
@@ -15,42 +15,12 @@ import time
 import httpx
 import pytest
 
-from inferplane.bench.gateway_harness import free_port, start_worker, wait_serving
-from inferplane.bench.tiny_model import make_tiny_model
 from inferplane.control_plane import auth, tenants
-from inferplane.control_plane.gateway.catalog import ServedModel
 from inferplane.control_plane.gateway.rest import create_asgi_app
-from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
-from inferplane.control_plane.routing import Deployment, StaticEndpointSource
-from inferplane.worker.model.tokenizer import load_hf_tokenizer
+from inferplane.control_plane.gateway.server import Gateway
 
 pytestmark = pytest.mark.slow
 BURST, MAX_TOKENS = 20, 30
-
-
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny"))
-    address = f"127.0.0.1:{free_port()}"
-    log = tmp_path_factory.mktemp("logs") / "worker.log"
-    proc = start_worker(model, int(address.rsplit(":", 1)[1]), "--max-model-len", "256", "--max-num-seqs", "32",
-                        log_path=str(log))
-    try:
-        wait_serving(address, proc)
-        yield model, address
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-@pytest.fixture
-def gateway(worker, tmp_path):
-    model, address = worker
-    gw = Gateway(GatewaySettings(db_url=f"sqlite:///{tmp_path / 'gw.db'}"))
-    gw.catalog.put(ServedModel(name="m", tokenizer=load_hf_tokenizer(model), max_model_len=256))
-    gw.router.set_route("m", [Deployment("d", StaticEndpointSource([address]))])
-    yield gw
-    gw.engine.dispose()
 
 
 async def burst(gw: Gateway, key: str) -> tuple[list[int], int]:
@@ -65,13 +35,14 @@ async def burst(gw: Gateway, key: str) -> tuple[list[int], int]:
     return [a.status_code for a in answers], used
 
 
-async def test_a_burst_spends_no_more_than_the_keys_tokens_per_minute(gateway):
-    with gateway.sessions.begin() as session:
+async def test_a_burst_spends_no_more_than_the_keys_tokens_per_minute(in_process_gateway):
+    gw = in_process_gateway
+    with gw.sessions.begin() as session:
         tenants.create_tenant(session, "t", actor="test")
         key = auth.create_key(session, "t", actor="test", tokens_per_minute=60).secret
-    gateway.keys.refresh()
+    gw.keys.refresh()
     started = time.monotonic()
-    statuses, used = await burst(gateway, key)
+    statuses, used = await burst(gw, key)
     refilled = (time.monotonic() - started) * 60 / 60  # the bucket refills a token a second meanwhile
     assert 200 in statuses and 429 in statuses, statuses
     assert set(statuses) <= {200, 429}
@@ -79,28 +50,30 @@ async def test_a_burst_spends_no_more_than_the_keys_tokens_per_minute(gateway):
     assert used <= 60 + refilled + (1 + MAX_TOKENS), (used, refilled, statuses)
 
 
-async def test_a_burst_spends_no_more_than_the_tenants_monthly_quota(gateway):
-    with gateway.sessions.begin() as session:
+async def test_a_burst_spends_no_more_than_the_tenants_monthly_quota(in_process_gateway):
+    gw = in_process_gateway
+    with gw.sessions.begin() as session:
         tenants.create_tenant(session, "q", actor="test", monthly_token_quota=100)
         key = auth.create_key(session, "q", actor="test").secret
-    gateway.keys.refresh()
-    gateway.quota.refresh()
-    statuses, used = await burst(gateway, key)
+    gw.keys.refresh()
+    gw.quota.refresh()
+    statuses, used = await burst(gw, key)
     assert 200 in statuses and 429 in statuses, statuses
     assert used <= 100, (used, statuses)
-    gateway.usage.flush()
-    gateway.quota.refresh()
-    assert gateway.quota.used("q") == used  # the reservations were all given back, the usage recorded
+    gw.usage.flush()
+    gw.quota.refresh()
+    assert gw.quota.used("q") == used  # the reservations were all given back, the usage recorded
 
 
-async def test_without_max_tokens_the_generation_is_capped_to_fit_the_limit(gateway):
+async def test_without_max_tokens_the_generation_is_capped_to_fit_the_limit(in_process_gateway):
+    gw = in_process_gateway
     """No max_tokens reserves the context room (255 here), more than the key's 60 a minute: the
     request is served, shorter, instead of refused."""
-    with gateway.sessions.begin() as session:
+    with gw.sessions.begin() as session:
         tenants.create_tenant(session, "c", actor="test")
         key = auth.create_key(session, "c", actor="test", tokens_per_minute=60).secret
-    gateway.keys.refresh()
-    transport = httpx.ASGITransport(create_asgi_app(gateway.context))
+    gw.keys.refresh()
+    transport = httpx.ASGITransport(create_asgi_app(gw.context))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=300) as client:
         answer = await client.post("/v1/completions", headers={"authorization": f"Bearer {key}"},
                                    json={"model": "m", "prompt": "a"})

@@ -8,6 +8,7 @@ them, see `fast_path.py`) both call `Completions`, so there is one implementatio
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +21,11 @@ from inferplane.control_plane.gateway.errors import error_response, sse_error
 from inferplane.control_plane.gateway.inference import PreparedRequest
 from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from inferplane.v1 import worker_pb2
+
+# A stream whose first token has not come this soon gets its headers anyway, then a comment every
+# KEEPALIVE_INTERVAL: proxies and clients with read timeouts otherwise drop a request still queued.
+HEADER_WAIT = 0.5
+KEEPALIVE_INTERVAL = 5.0
 
 Message = worker_pb2.GenerateResponse
 
@@ -151,6 +157,33 @@ class _ChatShape(_Shape):
         return {"index": 0, "delta": {}, "finish_reason": _reason(msg)}
 
 
+async def _opened(first: Message, stream: AsyncIterator[Message]) -> AsyncIterator[Message | str]:
+    try:
+        yield first
+        async for msg in stream:
+            yield msg
+    finally:
+        await stream.aclose()
+
+
+async def _opened_with_keepalives(opening: asyncio.Future) -> AsyncIterator[Message | str]:
+    """SSE comments until the worker stream opens, then its messages; its failure surfaces here."""
+    stream = None
+    try:
+        yield ": queued\n\n"
+        while not (await asyncio.wait({opening}, timeout=KEEPALIVE_INTERVAL))[0]:
+            yield ": keep-alive\n\n"
+        first, stream = opening.result()
+        yield first
+        async for msg in stream:
+            yield msg
+    finally:
+        if not opening.done():  # the client left while queued: cancelling closes the worker stream
+            opening.cancel()
+        if stream is not None:
+            await stream.aclose()
+
+
 class Completions:
     def __init__(self, ctx: GatewayContext) -> None:
         self.ctx = ctx
@@ -174,15 +207,30 @@ class Completions:
             return await self._respond(_ChatShape(body, prepared), params)
 
     async def _respond(self, shape: _Shape, params: worker_pb2.SamplingParams) -> Response:
-        first, stream = await self._open(shape.prepared, params)
         if shape.body.stream:
-            return self._sse(shape, first, stream)
+            return await self._respond_streaming(shape, params)
+        first, stream = await self._open(shape.prepared, params)
         result = _Collected()
         result.add(first)
         async for msg in stream:
             result.add(msg)
         self._count_tokens(shape.prepared, result.final)
         return JSONResponse(shape.whole(result))
+
+    async def _respond_streaming(self, shape: _Shape, params: worker_pb2.SamplingParams) -> Response:
+        """A failure in the first moments (no replica, bad input) is still a proper HTTP status; a
+        request still queued after HEADER_WAIT gets its headers and then SSE comments as
+        keep-alives, so a client with a read timeout does not give up while it waits."""
+        opening = asyncio.ensure_future(self._open(shape.prepared, params))
+        try:
+            done, _ = await asyncio.wait({opening}, timeout=HEADER_WAIT)
+        except BaseException:
+            opening.cancel()
+            raise
+        if done:
+            first, stream = opening.result()
+            return self._sse(shape, _opened(first, stream))
+        return self._sse(shape, _opened_with_keepalives(opening))
 
     async def _open(self, prepared: PreparedRequest, params: worker_pb2.SamplingParams):
         """Starts the worker stream and waits for its first message, so that failures before
@@ -198,24 +246,25 @@ class Completions:
             self.ctx.metrics.tokens.labels(prepared.model.name, "prompt").inc(final.usage.prompt_tokens)
             self.ctx.metrics.tokens.labels(prepared.model.name, "completion").inc(final.usage.completion_tokens)
 
-    def _sse(self, shape: _Shape, first: Message, stream: AsyncIterator[Message]) -> StreamingResponse:
+    def _sse(self, shape: _Shape, messages: AsyncIterator[Message | str]) -> StreamingResponse:
         async def events() -> AsyncIterator[str]:
             final = None
             try:
-                msg = first
-                while True:
+                async for msg in messages:
+                    if isinstance(msg, str):  # a keep-alive comment while queued
+                        yield msg
+                        continue
                     if msg.text or msg.token_ids:
                         yield f"data: {json.dumps(shape.chunk(msg))}\n\n"
                     if msg.finished:
                         final = msg
                         yield f"data: {json.dumps(shape.final_chunk(msg))}\n\n"
                         break
-                    msg = await anext(stream)
-            except Exception as exc:  # broken after the stream started: a clean error event
+            except Exception as exc:  # broken after the headers went out: a clean error event
                 yield sse_error(exc)
                 return
             finally:
-                await stream.aclose()
+                await messages.aclose()
             self._count_tokens(shape.prepared, final)
             if shape.body.include_usage:
                 yield f"data: {json.dumps(shape.usage_chunk(final))}\n\n"
