@@ -33,8 +33,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     create.add_argument("--name", default=None, help="a label to recognise the key by")
     create.add_argument("--expires-in", type=parse_duration, default=None, help="e.g. 90d (default: never)")
-    create.add_argument("--rpm", type=int, default=None, help="requests per minute (default: unlimited)")
-    create.add_argument("--tpm", type=int, default=None, help="tokens per minute (default: unlimited)")
+    create.add_argument("--rpm", type=int, default=None,
+                        help="requests per minute (default: the tenant's ceiling, else unlimited)")
+    create.add_argument("--tpm", type=int, default=None,
+                        help="tokens per minute (default: the tenant's ceiling, else unlimited)")
     create.add_argument("--json", action="store_true")
     add_db_arguments(create)
     listing = sub.add_parser("list", help="list keys (never their secrets)")

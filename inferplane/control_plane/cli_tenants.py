@@ -14,6 +14,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     create.add_argument("tenant_id", help="slug: lower-case letters, digits and '-'")
     create.add_argument("--display-name", default=None)
     create.add_argument("--quota", type=int, default=None, help="monthly token quota (default: unlimited)")
+    create.add_argument("--key-rpm-max", type=int, default=None,
+                        help="ceiling for every key's requests per minute (default: none)")
+    create.add_argument("--key-tpm-max", type=int, default=None,
+                        help="ceiling for every key's tokens per minute (default: none)")
     create.add_argument("--json", action="store_true")
     add_db_arguments(create)
     listing = sub.add_parser("list", help="list tenants")
@@ -31,6 +35,8 @@ def _create(args: argparse.Namespace, sessions: Any) -> int:
             actor=cli_actor(),
             display_name=args.display_name,
             monthly_token_quota=args.quota,
+            key_requests_per_minute_max=args.key_rpm_max,
+            key_tokens_per_minute_max=args.key_tpm_max,
         )
     if args.json:
         print_json(tenant)

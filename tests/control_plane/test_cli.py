@@ -28,6 +28,9 @@ def test_tenants_keys_lifecycle(db_url: str, capsys: pytest.CaptureFixture[str])
     assert code == 1 and "invalid tenant id" in err
     code, out, _ = _run(capsys, "tenants", "list", "--json", *db)
     assert [(t["id"], t["monthly_token_quota"]) for t in json.loads(out)] == [("acme", 1000)]
+    assert _run(capsys, "tenants", "create", "capped", "--key-tpm-max", "500", *db)[0] == 0
+    code, _, err = _run(capsys, "keys", "create", "--tenant", "capped", "--tpm", "501", *db)
+    assert code == 1 and "at most 500" in err
 
     code, out, _ = _run(
         capsys, "keys", "create", "--tenant", "acme", "--scopes", "infer", "--expires-in", "30d", *db
