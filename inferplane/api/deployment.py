@@ -152,10 +152,30 @@ class Serving(Section):
 
 
 class Autoscaling(Section):
+    """Knative-style: replicas follow the saturation averaged over a stable window, with a short
+    panic window for bursts (see inferplane.control_plane.autoscale)."""
+
     enabled: bool = False
-    target_queue_depth: float = Field(4.0, ge=0.1, le=10_000)
-    target_kv_cache_utilization: float = Field(0.8, ge=0.05, le=1.0)
-    scale_down_delay_seconds: int = Field(300, ge=0, le=86_400)
+    target_queue_depth: float = Field(4.0, ge=0.1, le=10_000, description=(
+        "Requests waiting per replica that count as one replica's worth of load."))
+    target_kv_cache_utilization: float = Field(0.8, ge=0.05, le=1.0, description=(
+        "KV-cache use (reclaimable cached blocks count as free) that counts as one replica's worth of load."))
+    scale_down_delay_seconds: int = Field(300, ge=0, le=86_400, description=(
+        "Replicas go down only to the highest count wanted over this many seconds."))
+    stable_window_seconds: float = Field(60.0, ge=6, le=3600)
+    panic_window_seconds: float = Field(6.0, ge=1, le=600, description=(
+        "Bursts: when this window asks for panicThreshold times the replicas, scale up at once and not down."))
+    panic_threshold: float = Field(2.0, ge=1.1, le=100)
+    tolerance: float = Field(0.1, ge=0, le=0.9, description=(
+        "No change while within this fraction of the current count."))
+    max_scale_up_rate: float = Field(10.0, ge=1.1, le=1000, description=(
+        "At most this many times the current replicas in one step."))
+    idle_seconds: int = Field(300, ge=0, le=86_400, description=(
+        "With minReplicas 0: no request for this long scales the deployment to zero."))
+    queue_size: int = Field(100, ge=0, le=100_000, description=(
+        "Requests the gateway holds while a deployment at zero replicas starts one."))
+    queue_timeout_seconds: float = Field(60.0, ge=1, le=3600, description=(
+        "How long a held request waits for a replica before a 503 with Retry-After."))
 
 
 class SLO(Section):
@@ -297,6 +317,10 @@ RULES: tuple[Rule, ...] = (
          lambda s: (s.engine.max_num_batched_tokens is None or s.engine.max_num_seqs is None
                     or s.engine.max_num_batched_tokens >= s.engine.max_num_seqs),
          cel="!(has(self.maxNumBatchedTokens) && has(self.maxNumSeqs)) || self.maxNumBatchedTokens >= self.maxNumSeqs"),
+    Rule("autoscaling", "autoscaling.panicWindowSeconds",
+         "autoscaling.panicWindowSeconds must be shorter than autoscaling.stableWindowSeconds",
+         lambda s: s.autoscaling.panic_window_seconds < s.autoscaling.stable_window_seconds,
+         cel="self.panicWindowSeconds < self.stableWindowSeconds"),
     Rule("", "resources.cpu", "must be a positive quantity", lambda s: parse_quantity(s.resources.cpu) > 0),
     Rule("", "resources.memory", "must be a positive quantity", lambda s: parse_quantity(s.resources.memory) > 0),
     Rule("", "engine.kvCacheMemory",

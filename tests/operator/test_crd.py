@@ -89,6 +89,8 @@ BROKEN = [
     ({"model": {"name": "m", "uri": "/w", "format": "gguf"}}, "exactly one of model.name"),
     ({"model": {"uri": "/w"}}, "model.format is required"),
     ({"unknownField": 1}, "unknownField"),
+    ({"autoscaling": {"panicWindowSeconds": 60, "stableWindowSeconds": 30}}, "panicWindowSeconds must be shorter"),
+    ({"autoscaling": {"idleSeconds": -1}}, "spec.autoscaling.idleSeconds"),
 ]
 
 

@@ -124,6 +124,10 @@ def test_auto_selection(spec: dict, hints: dict, runtime: str) -> None:
     ({"model": {"name": "m"}, "replicas": True}, "replicas", "boolean"),
     ({"model": {"name": "m"}, "runtime": "radix", "engine": {"quantizeHead": True}}, "engine.quantizeHead", "cpu-int8"),
     ({"model": {"name": "m"}, "engine": {"quantizeHead": "yes"}}, "engine.quantizeHead", "expected bool"),
+    ({"model": {"name": "m"}, "autoscaling": {"panicWindowSeconds": 90}}, "autoscaling.panicWindowSeconds",
+     "shorter than"),
+    ({"model": {"name": "m"}, "autoscaling": {"idleSeconds": -5}}, "autoscaling.idleSeconds", "at least 0"),
+    ({"model": {"name": "m"}, "minReplicas": 2, "maxReplicas": 1, "replicas": 1}, "minReplicas", "must not exceed"),
 ])
 def test_invalid_specs_name_the_field(spec: dict, field: str, words: str) -> None:
     with pytest.raises(SpecError) as caught:
