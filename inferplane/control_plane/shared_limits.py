@@ -9,25 +9,25 @@ hash tag, so both of a request's buckets live in one Redis Cluster slot.
 When Redis cannot be reached, `failure` decides: "open" (the default) falls back to this replica's
 in-process buckets, so limits still hold per replica, as without Redis; "closed" refuses the
 request with 503 `rate_limiter_unavailable`. Either way the error is logged (at most every 10 s)
-and counted (`inferplane_gateway_limiter_store_errors_total`).
+and counted (the gateway's `inferplane_gateway_limiter_store_errors_total`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import redis.asyncio as redis
-from prometheus_client import Counter
 from redis.exceptions import RedisError
 
 from inferplane.control_plane.errors import ControlPlaneError, RateLimited, RequestTooLarge
 from inferplane.control_plane.limits import KeyLimits, RateLimiter
 
+if TYPE_CHECKING:
+    from prometheus_client import Counter
+
 log = logging.getLogger(__name__)
-STORE_ERRORS = Counter("inferplane_gateway_limiter_store_errors_total",
-                       "Rate-limit store (Redis) calls that failed", ["failure_mode"])
 
 _REFILL = """
 local now_parts = redis.call('TIME')
@@ -82,7 +82,7 @@ class RedisKeyLimiter:
 
     def __init__(self, url: str, *, failure: Literal["open", "closed"] = "open", period: float = 60.0,
                  prefix: str = "inferplane:ratelimit", timeout: float = 0.5,
-                 fallback: RateLimiter | None = None):
+                 fallback: RateLimiter | None = None, errors: Counter | None = None):
         if failure not in ("open", "closed"):
             raise ValueError(f"failure: must be 'open' or 'closed', got {failure!r}")
         self.failure = failure
@@ -93,6 +93,7 @@ class RedisKeyLimiter:
         self._prefix = prefix
         self.fallback = fallback or RateLimiter(period=period)
         self._last_warning = 0.0
+        self._errors = errors
 
     def _key(self, key_id: str, kind: str, capacity: int | None) -> str:
         # The capacity is part of the key, so changing a key's limit starts a fresh bucket.
@@ -128,7 +129,8 @@ class RedisKeyLimiter:
             self.fallback.adjust(key_id, limits, tokens)
 
     def _store_failed(self, exc: Exception, *, refuse: bool = True) -> None:
-        STORE_ERRORS.labels(self.failure).inc()
+        if self._errors is not None:
+            self._errors.labels(self.failure).inc()
         now = time.monotonic()
         if now - self._last_warning > 10:
             self._last_warning = now

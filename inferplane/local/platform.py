@@ -21,11 +21,15 @@ from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
 from inferplane.api.resolve import served_cache_isolation
 from inferplane.api.tokenizer import TextTokenizer
 from inferplane.control_plane import auth, registry, tenants
+from inferplane.control_plane.autoscale.activator import HoldPolicy
+from inferplane.control_plane.autoscale.autoscaler import Autoscaler, AutoscalerMetrics, ScaleTarget
+from inferplane.control_plane.autoscale.decision import Policy
+from inferplane.control_plane.autoscale.signals import Targets
 from inferplane.control_plane.errors import Conflict, NotFound
 from inferplane.control_plane.gateway.catalog import ServedModel
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
 from inferplane.control_plane.routing import Deployment
-from inferplane.local.supervisor import LocalDeployment, Replica, Supervisor
+from inferplane.local.supervisor import LocalDeployment, Replica, Supervisor, SupervisorScaler
 from inferplane.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -71,7 +75,8 @@ def _secret_file(path: Path, value: str) -> None:
 
 
 class LocalPlatform:
-    def __init__(self, home: Path, manifests: list[Manifest], host: str, port: int, grpc_port: int | None):
+    def __init__(self, home: Path, manifests: list[Manifest], host: str, port: int, grpc_port: int | None, *,
+                 autoscale_interval: float = 1.0):
         self.home = home
         self.manifests = manifests
         home.mkdir(parents=True, exist_ok=True)
@@ -88,6 +93,11 @@ class LocalPlatform:
                                    model_roots=(str(home / "models"),))
         self.gateway = Gateway(settings)
         self.supervisor = Supervisor(home, on_ready=self._replica_ready)
+        self.autoscaler = Autoscaler(
+            self.gateway.router, self.gateway.channels, self.gateway.activator,
+            SupervisorScaler(self.supervisor, load=self.gateway.router.load.outstanding),
+            metrics=AutoscalerMetrics(self.gateway.context.metrics.registry), interval=autoscale_interval)
+        self._autoscaling: asyncio.Task | None = None
         self.tenant_key: str | None = None
 
     def bootstrap(self) -> None:
@@ -138,6 +148,25 @@ class LocalPlatform:
                                                             tier=serving.tier, block_size=block_size))
         for served, deployments in groups.items():
             self.gateway.router.set_route(served, deployments)
+        for manifest in self.manifests:
+            self._autoscale(manifest)
+        if self.autoscaler.targets:
+            self._autoscaling = asyncio.get_running_loop().create_task(self.autoscaler.run())
+
+    def _autoscale(self, manifest: Manifest) -> None:
+        """Watches a deployment whose spec enables autoscaling; holds its requests at zero replicas."""
+        spec = manifest.spec
+        if not spec.autoscaling.enabled:
+            return
+        served = spec.served_model_name(manifest.name)
+        self.autoscaler.watch(ScaleTarget(
+            name=manifest.name, served_model=served, deployment=manifest.name, policy=Policy.from_spec(spec),
+            targets=Targets(queue_depth=spec.autoscaling.target_queue_depth,
+                            kv_cache_utilization=spec.autoscaling.target_kv_cache_utilization,
+                            ttft_p95_seconds=spec.slo.ttft_p95_seconds)))
+        if spec.min_replicas == 0:
+            self.gateway.activator.configure(served, HoldPolicy(spec.autoscaling.queue_size,
+                                                                spec.autoscaling.queue_timeout_seconds))
 
     def _replica_ready(self, deployment: LocalDeployment, replica: Replica) -> None:
         served = deployment.served_model_name
@@ -167,5 +196,7 @@ class LocalPlatform:
 
     async def stop(self) -> None:
         """The gateway drains first (what is in flight finishes on the workers), then the workers stop."""
+        if self._autoscaling is not None:
+            self._autoscaling.cancel()
         await self.gateway.stop()
         await self.supervisor.stop()

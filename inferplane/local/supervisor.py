@@ -62,6 +62,7 @@ class LocalDeployment:
     model_arg: str
     source: StaticEndpointSource = field(default_factory=StaticEndpointSource)
     replicas: list[Replica] = field(default_factory=list)
+    next_index: int = 0  # replicas keep their number (and log file) for life; a new one takes the next
 
     @property
     def served_model_name(self) -> str:
@@ -89,17 +90,27 @@ class Supervisor:
         self.scale(name, spec.replicas)
         return deployment
 
-    def scale(self, name: str, replicas: int) -> None:
-        """The local Scaler: start or stop processes until `replicas` run."""
+    def scale(self, name: str, replicas: int, *, load: Callable[[str], int] | None = None) -> None:
+        """The local Scaler: start or stop processes until `replicas` run.
+
+        Going down, the replicas retired first are those not serving yet, then the least loaded
+        (`load(address)`: requests in flight there); each leaves the router before it is told to
+        drain, so no new request reaches it and the ones it has finish.
+        """
         deployment = self.deployments[name]
         while len(deployment.replicas) < replicas:
-            index = len(deployment.replicas)
+            index = deployment.next_index
+            deployment.next_index += 1
             replica = Replica(index, free_port(), free_port(), self.logs / f"{name}-{index}.log")
             deployment.replicas.append(replica)
             self._spawn(deployment, replica)
-        while len(deployment.replicas) > replicas:
-            replica = deployment.replicas.pop()
-            self._retire(deployment, replica)
+        if len(deployment.replicas) > replicas:
+            def cost(r: Replica) -> tuple[int, int, int]:
+                return (1 if r.ready else 0, load(r.address) if load is not None and r.ready else 0, r.index)
+
+            for replica in sorted(deployment.replicas, key=cost)[:len(deployment.replicas) - replicas]:
+                deployment.replicas.remove(replica)
+                self._retire(deployment, replica)
 
     def command(self, deployment: LocalDeployment, replica: Replica) -> tuple[list[str], dict[str, str]]:
         invocation = worker_invocation(deployment.name, deployment.spec, resolved=deployment.resolved,
@@ -209,3 +220,19 @@ def _tail(path: Path) -> str:
         return ""
     errors = [line for line in lines if line.startswith("error: ")]
     return (errors or lines or [""])[-1]
+
+
+class SupervisorScaler:
+    """The autoscaler's `Scaler` for `inferplane up`: replica counts are worker processes."""
+
+    def __init__(self, supervisor: Supervisor, load: Callable[[str], int]):
+        self.supervisor = supervisor
+        self.load = load
+        self.decisions: dict[str, object] = {}  # the last decision per deployment, for status
+
+    def current(self, name: str) -> int:
+        return len(self.supervisor.deployments[name].replicas)
+
+    async def scale(self, name: str, replicas: int, decision) -> None:
+        self.decisions[name] = decision
+        self.supervisor.scale(name, replicas, load=self.load)

@@ -262,6 +262,7 @@ class Engine:
             generation_tokens_total=self.counters.generation_tokens,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
+            max_num_seqs=self.options.max_num_seqs,  # the slots an autoscaler measures concurrency against
         )
         if self.device.type == "cpu":  # whether decode runs on the C kernels or the slower PyTorch ops
             stats["native_kernels"] = 1.0 if native.kernels() is not None else 0.0

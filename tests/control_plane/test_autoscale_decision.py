@@ -99,7 +99,7 @@ def test_signals_each_runtime_by_its_dominant_pressure():
     assert replica_load(busy, targets) == 1.0  # slots full and the target queue: exactly one replica's worth
     long_context = ReplicaSignals(running=3, waiting=0, max_num_seqs=16, blocks_used=96, blocks_total=100)
     assert replica_load(long_context, targets) == 1.2  # KV dominates: 96 % against 80 %
-    radix = ReplicaSignals(running=3, max_num_seqs=16, blocks_used=96, blocks_cached=80, blocks_total=100)
+    radix = ReplicaSignals(running=3, max_num_seqs=16, blocks_used=16, blocks_cached=80, blocks_total=100)
     assert replica_load(radix, targets) < 0.25  # cached prefixes are reclaimable
     silent = ReplicaSignals(max_num_seqs=16, gateway_in_flight=40)  # no stats: the gateway's count stands in
     assert replica_load(silent, targets) == 2.0

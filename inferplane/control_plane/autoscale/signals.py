@@ -4,8 +4,9 @@ Per replica, two pressures, each against its target from the spec's `autoscaling
   concurrency = (running + waiting) / (maxNumSeqs + targetQueueDepth): 1.0 when every slot is busy
                 and targetQueueDepth requests wait (waiting also counts what this gateway has in
                 flight beyond the slots, for a worker that stopped reporting)
-  kv          = KV blocks in use / total / targetKvCacheUtilization, where blocks the radix cache
-                holds only for reuse count as free (they are reclaimed on demand)
+  kv          = KV blocks in use / total / targetKvCacheUtilization; blocks the radix cache holds
+                only for reuse count as free (they are reclaimed on demand; the worker reports them
+                apart, as blocks_cached, and leaves them out of blocks_used)
 and a replica's load is the larger of the two. Concurrency dominates with many short requests: the
 slots fill, KV stays low, and only the queue shows the backlog. KV dominates with long contexts: few
 sequences run, the queue is empty, and the pool nears full, where preemption would thrash. Scaling
@@ -28,8 +29,8 @@ class ReplicaSignals:
     running: int = 0
     waiting: int = 0
     max_num_seqs: int = 1
-    blocks_used: int = 0
-    blocks_cached: int = 0  # held by the prefix cache alone: reclaimable
+    blocks_used: int = 0  # held by running sequences (radix: cache-only blocks excluded)
+    blocks_cached: int = 0  # held by the prefix cache alone: reclaimable, so not load
     blocks_total: int = 0
     gateway_in_flight: int = 0  # this gateway's requests on the replica (covers a worker that stopped reporting)
     ttft_p95_seconds: float | None = None
@@ -50,8 +51,7 @@ def replica_load(s: ReplicaSignals, targets: Targets) -> float:
     concurrency = (running + waiting) / (slots + targets.queue_depth)
     kv = 0.0
     if s.blocks_total > 0:
-        in_use = max(0, s.blocks_used - s.blocks_cached)
-        kv = in_use / s.blocks_total / targets.kv_cache_utilization
+        kv = s.blocks_used / s.blocks_total / targets.kv_cache_utilization
     ttft = 0.0
     if waiting > 0 and targets.ttft_p95_seconds and s.ttft_p95_seconds is not None:
         ttft = s.ttft_p95_seconds / targets.ttft_p95_seconds

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,11 +53,13 @@ ERROR_RESPONSES: dict[int | str, dict] = {
 class GatewayError(Exception):
     """An error the gateway itself raises, with its HTTP status and OpenAI code."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None, *,
+                 retry_after: float | None = None):
         super().__init__(message)
         self.status = status
         self.code = code
         self.param = param
+        self.retry_after = retry_after  # seconds, sent as Retry-After (whole, at least 1)
 
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
@@ -76,7 +79,8 @@ def as_error(exc: BaseException) -> tuple[int, str, str | None, dict[str, str] |
     if isinstance(exc, ControlPlaneError):
         return exc.status, str(exc), exc.code, None
     if isinstance(exc, GatewayError):
-        return exc.status, str(exc), exc.code, None
+        retry = None if exc.retry_after is None else {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
+        return exc.status, str(exc), exc.code, retry
     if isinstance(exc, UnknownModel):
         return 404, str(exc), "model_not_found", None
     if isinstance(exc, NoReplicaAvailable):

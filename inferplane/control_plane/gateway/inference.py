@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from inferplane.control_plane.auth import SCOPE_INFER, Principal
+from inferplane.control_plane.autoscale.activator import Activator
 from inferplane.control_plane.errors import RequestTooLarge
 from inferplane.control_plane.gateway.catalog import Catalog, ServedModel
 from inferplane.control_plane.gateway.errors import GatewayError
@@ -53,7 +54,7 @@ def _limits(principal: Principal) -> KeyLimits:
 class InferenceService:
     def __init__(self, catalog: Catalog, router: Router, channels: WorkerChannels, *, limiter: KeyLimiter,
                  quota: QuotaTracker | None, usage: UsageRecorder | None, salt_secret: bytes,
-                 request_timeout: float = 600.0):
+                 request_timeout: float = 600.0, activator: Activator | None = None):
         self.catalog = catalog
         self.router = router
         self.channels = channels
@@ -63,6 +64,7 @@ class InferenceService:
         self.salt_secret = salt_secret
         self.request_timeout = request_timeout
         self._settling: set[asyncio.Task] = set()
+        self.activator = activator or Activator()
 
     async def prepare(self, principal: Principal, model_name: str, *, prompt: str | None = None,
                 messages: list[dict[str, str]] | None = None, max_tokens: int | None = None) -> PreparedRequest:
@@ -146,6 +148,8 @@ class InferenceService:
             return self.channels.stub(endpoint.address).Generate(request, timeout=self.request_timeout)
 
         try:
+            # A model scaled to zero: wait (bounded) for the replica the autoscaler starts.
+            await self.activator.wait_for_replica(model.name, lambda: self.router.has_replicas(model.name))
             async for message in route_and_stream(self.router, route, call):
                 served = True
                 completion_tokens += len(message.token_ids)

@@ -18,3 +18,6 @@ class GatewayMetrics:
                               ["model"], buckets=_BUCKETS, registry=self.registry)
         self.tokens = Counter("inferplane_gateway_tokens", "tokens served by kind", ["model", "kind"],
                               registry=self.registry)
+        self.limiter_store_errors = Counter("inferplane_gateway_limiter_store_errors",
+                                            "rate-limit store (Redis) calls that failed", ["failure_mode"],
+                                            registry=self.registry)

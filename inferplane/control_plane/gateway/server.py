@@ -11,6 +11,7 @@ import grpc
 import uvicorn
 
 from inferplane.control_plane.auth import KeyCache
+from inferplane.control_plane.autoscale.activator import Activator
 from inferplane.control_plane.db import init_db, session_factory
 from inferplane.control_plane.gateway.catalog import Catalog
 from inferplane.control_plane.gateway.context import GatewayContext
@@ -54,12 +55,13 @@ class GatewaySettings:
     model_roots: tuple[str, ...] = ()
 
 
-def _key_limiter(settings: GatewaySettings) -> KeyLimiter:
+def _key_limiter(settings: GatewaySettings, metrics: GatewayMetrics) -> KeyLimiter:
     if settings.rate_limit_redis_url is None:
         return InProcessKeyLimiter()
     from inferplane.control_plane.shared_limits import RedisKeyLimiter
 
-    return RedisKeyLimiter(settings.rate_limit_redis_url, failure=settings.rate_limit_unreachable)  # type: ignore[arg-type]
+    return RedisKeyLimiter(settings.rate_limit_redis_url, failure=settings.rate_limit_unreachable,  # type: ignore[arg-type]
+                           errors=metrics.limiter_store_errors)
 
 
 class Gateway:
@@ -77,12 +79,15 @@ class Gateway:
         if settings.jwt_algorithm and settings.jwt_key:
             jwt_verifier = AdminTokenVerifier(JWTSettings(algorithm=settings.jwt_algorithm, key=settings.jwt_key,
                                                           audience=settings.jwt_audience, issuer=settings.jwt_issuer))
-        self.limiter = _key_limiter(settings)
+        metrics = GatewayMetrics()
+        self.limiter = _key_limiter(settings, metrics)
+        self.activator = Activator()
         inference = InferenceService(self.catalog, self.router, self.channels, limiter=self.limiter,
+                                     activator=self.activator,
                                      quota=self.quota, usage=self.usage,
                                      salt_secret=settings.salt_secret or secrets.token_bytes(32))
         self.context = GatewayContext(sessions=self.sessions, keys=self.keys, catalog=self.catalog,
-                                      inference=inference, metrics=GatewayMetrics(),
+                                      inference=inference, metrics=metrics,
                                       bootstrap_key=settings.bootstrap_key, jwt_verifier=jwt_verifier,
                                       model_roots=tuple(settings.model_roots))
         self.app = create_asgi_app(self.context)

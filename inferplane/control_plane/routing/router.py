@@ -140,6 +140,10 @@ class Router:
         """Every listed replica of every route: what the health poller should check."""
         return {ep.address for deps in self._routes.values() for d in deps for ep in d.source.endpoints()}
 
+    def has_replicas(self, model: str) -> bool:
+        """Whether a request for `model` could be picked now (any healthy replica in any tier)."""
+        return any(self._candidates(d, ()).endpoints for d in self._routes.get(model, ()))
+
     # -- picking ---------------------------------------------------------------------------------
     def pick(self, request: RouteRequest, *, exclude: Collection[str] = (),
              prefer: str | None = None) -> Lease:
