@@ -320,7 +320,9 @@ RULES: tuple[Rule, ...] = (
     Rule("autoscaling", "autoscaling.panicWindowSeconds",
          "autoscaling.panicWindowSeconds must be shorter than autoscaling.stableWindowSeconds",
          lambda s: s.autoscaling.panic_window_seconds < s.autoscaling.stable_window_seconds,
-         cel="self.panicWindowSeconds < self.stableWindowSeconds"),
+         # has(): the API server also checks the section's default ({}) before defaulting its fields.
+         cel="!has(self.panicWindowSeconds) || !has(self.stableWindowSeconds) || "
+             "self.panicWindowSeconds < self.stableWindowSeconds"),
     Rule("", "resources.cpu", "must be a positive quantity", lambda s: parse_quantity(s.resources.cpu) > 0),
     Rule("", "resources.memory", "must be a positive quantity", lambda s: parse_quantity(s.resources.memory) > 0),
     Rule("", "engine.kvCacheMemory",

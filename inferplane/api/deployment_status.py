@@ -32,6 +32,17 @@ class Condition(_StatusPart):
     observed_generation: int | None = None
 
 
+class AutoscalerStatus(_StatusPart):
+    """The control plane's last scaling decision (see inferplane.control_plane.autoscale)."""
+
+    desired_replicas: int | None = None
+    current_replicas: int | None = None
+    saturation: float | None = Field(None, description="Load in replicas' worth over the stable window.")
+    panic: bool | None = None
+    last_scale_time: datetime.datetime | None = None
+    reason: str | None = None
+
+
 class InferenceDeploymentStatus(_StatusPart):
     phase: Phase | None = None
     observed_generation: int | None = None
@@ -41,5 +52,6 @@ class InferenceDeploymentStatus(_StatusPart):
     selected_runtime: ConcreteRuntime | None = None
     runtime_reason: str | None = None
     endpoints: list[str] = Field(default_factory=list)
+    autoscaler: AutoscalerStatus | None = None
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})

@@ -88,6 +88,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         default=env("INFERPLANE_RATE_LIMIT_UNREACHABLE", "open"),
                         help="when Redis cannot be reached: open = limit per replica meanwhile, closed = answer "
                              "503 (default: %(default)s)")
+    autoscale = parser.add_argument_group("autoscaling (InferenceDeployments with autoscaling.enabled)")
+    autoscale.add_argument("--no-autoscale", dest="autoscale", action="store_false",
+                           help="leave replicas alone even where a spec enables autoscaling")
+    autoscale.add_argument("--lease-namespace", default=env("INFERPLANE_LEASE_NAMESPACE"),
+                           help="where the Lease that picks the one deciding replica lives (default: "
+                                "$INFERPLANE_LEASE_NAMESPACE, else the pod's namespace, else 'default')")
     parser.add_argument("--verbose", "-v", action="store_true")
 
 
@@ -140,6 +146,13 @@ def namespaces(args: argparse.Namespace, service_account_file: str = SERVICE_ACC
     except OSError:
         own = ""
     return [own or "default"]
+
+
+def _own_namespace(service_account_file: str = SERVICE_ACCOUNT_NAMESPACE) -> str:
+    try:
+        return Path(service_account_file).read_text().strip() or "default"
+    except OSError:
+        return "default"
 
 
 def gateway_settings(args: argparse.Namespace) -> Any:
@@ -225,12 +238,23 @@ async def _serve(args: argparse.Namespace, plan: _Plan) -> int:
               f"{' '.join(str(exc).split())[:300]}", file=sys.stderr)
         plan.api_client.close()
         return 1
+    autoscaler, elector, background = None, None, []
+    if args.autoscale:
+        from inferplane.control_plane.autoscale.autoscaler import Autoscaler, AutoscalerMetrics
+        from inferplane.control_plane.autoscale.kube import KubernetesScaler, LeaseElector
+
+        elector = LeaseElector(plan.api_client, args.lease_namespace or _own_namespace())
+        autoscaler = Autoscaler(gateway.router, gateway.channels, gateway.activator,
+                                KubernetesScaler(plan.api_client), is_leader=elector.is_leader,
+                                metrics=AutoscalerMetrics(gateway.context.metrics.registry))
     sync = KubernetesCatalogSync.from_api_client(
         plan.api_client, gateway.router, gateway.catalog, gateway.channels, namespaces=plan.namespaces,
-        resync_interval=args.resync_interval, endpoint_interval=args.endpoint_interval)
+        resync_interval=args.resync_interval, endpoint_interval=args.endpoint_interval, autoscaler=autoscaler)
     try:
         await gateway.start()
         sync.start()
+        if autoscaler is not None and elector is not None:
+            background = [asyncio.create_task(elector.run()), asyncio.create_task(autoscaler.run())]
         scope = "all namespaces" if plan.namespaces is None else "namespace(s) " + ", ".join(plan.namespaces)
         grpc_note = f" and gRPC :{plan.settings.grpc_port}" if plan.settings.grpc_port else ""
         print(f"gateway listening on http://{args.host}:{args.port}{grpc_note}; routing InferenceDeployments "
@@ -239,6 +263,8 @@ async def _serve(args: argparse.Namespace, plan: _Plan) -> int:
         print("stopping ...", flush=True)
         return 0
     finally:
+        for task in background:
+            task.cancel()
         await sync.stop()
         await gateway.stop()
         plan.api_client.close()

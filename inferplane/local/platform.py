@@ -21,10 +21,8 @@ from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
 from inferplane.api.resolve import served_cache_isolation
 from inferplane.api.tokenizer import TextTokenizer
 from inferplane.control_plane import auth, registry, tenants
-from inferplane.control_plane.autoscale.activator import HoldPolicy
-from inferplane.control_plane.autoscale.autoscaler import Autoscaler, AutoscalerMetrics, ScaleTarget
-from inferplane.control_plane.autoscale.decision import Policy
-from inferplane.control_plane.autoscale.signals import Targets
+from inferplane.control_plane.autoscale.autoscaler import Autoscaler, AutoscalerMetrics
+from inferplane.control_plane.autoscale.settings import autoscale_settings, watch
 from inferplane.control_plane.errors import Conflict, NotFound
 from inferplane.control_plane.gateway.catalog import ServedModel
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
@@ -155,18 +153,10 @@ class LocalPlatform:
 
     def _autoscale(self, manifest: Manifest) -> None:
         """Watches a deployment whose spec enables autoscaling; holds its requests at zero replicas."""
-        spec = manifest.spec
-        if not spec.autoscaling.enabled:
-            return
-        served = spec.served_model_name(manifest.name)
-        self.autoscaler.watch(ScaleTarget(
-            name=manifest.name, served_model=served, deployment=manifest.name, policy=Policy.from_spec(spec),
-            targets=Targets(queue_depth=spec.autoscaling.target_queue_depth,
-                            kv_cache_utilization=spec.autoscaling.target_kv_cache_utilization,
-                            ttft_p95_seconds=spec.slo.ttft_p95_seconds)))
-        if spec.min_replicas == 0:
-            self.gateway.activator.configure(served, HoldPolicy(spec.autoscaling.queue_size,
-                                                                spec.autoscaling.queue_timeout_seconds))
+        settings = autoscale_settings(manifest.spec)
+        if settings is not None:
+            watch(self.autoscaler, manifest.name, manifest.spec.served_model_name(manifest.name), manifest.name,
+                  settings)
 
     def _replica_ready(self, deployment: LocalDeployment, replica: Replica) -> None:
         served = deployment.served_model_name

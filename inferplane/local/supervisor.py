@@ -230,7 +230,7 @@ class SupervisorScaler:
         self.load = load
         self.decisions: dict[str, object] = {}  # the last decision per deployment, for status
 
-    def current(self, name: str) -> int:
+    async def current(self, name: str) -> int:
         return len(self.supervisor.deployments[name].replicas)
 
     async def scale(self, name: str, replicas: int, decision) -> None:

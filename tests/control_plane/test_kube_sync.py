@@ -173,3 +173,29 @@ async def test_a_failing_list_keeps_the_last_state() -> None:
 @pytest.mark.parametrize("weight", [0, 100])
 def test_weight_is_kept_as_given(weight: int) -> None:
     assert resource_route(idep("a", serving={"weight": weight})).weight == float(weight)
+
+
+async def test_autoscaled_resources_are_watched_and_held_at_zero() -> None:
+    """Issue 14: the cluster sync hands every resource whose spec enables autoscaling to the
+    autoscaler (as namespace/name), and has the activator hold requests for a model that may sit at zero."""
+    from inferplane.control_plane.autoscale.activator import Activator
+    from inferplane.control_plane.autoscale.autoscaler import Autoscaler
+
+    router = Router()
+    activator = Activator()
+    autoscaler = Autoscaler(router, WorkerChannels(), activator, scaler=None)  # type: ignore[arg-type]
+    elastic = idep("chat-a", replicas=1, minReplicas=0, maxReplicas=4, serving={"servedModelName": "chat"},
+                   autoscaling={"enabled": True, "queueSize": 7, "queueTimeoutSeconds": 9})
+    fixed = idep("qwen-a", serving={"servedModelName": "qwen"})
+    sync = KubernetesCatalogSync(router, Catalog(), WorkerChannels(), lister=lambda: [],
+                                 source_factory=lambda s, n: StaticPollingSource(), autoscaler=autoscaler)
+    try:
+        sync.apply(resource_routes([elastic, fixed]))
+        assert set(autoscaler.targets) == {"team-a/chat-a"}
+        target = autoscaler.targets["team-a/chat-a"]
+        assert (target.served_model, target.policy.min_replicas, target.policy.max_replicas) == ("chat", 0, 4)
+        assert activator._policies["chat"].queue_size == 7 and "qwen" not in activator._policies
+        sync.apply(resource_routes([fixed]))
+        assert autoscaler.targets == {} and "chat" not in activator._policies
+    finally:
+        await sync.stop()

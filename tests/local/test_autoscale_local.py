@@ -83,7 +83,7 @@ async def test_a_burst_panics_up_and_the_quiet_after_scales_down_without_a_failu
     original = scaler.scale
 
     async def recording(name, replicas, decision):
-        if replicas > scaler.current(name):
+        if replicas > await scaler.current(name):
             scale_ups.append((replicas, decision.panic))
         await original(name, replicas, decision)
 

@@ -51,7 +51,7 @@ class ScaleTarget:
 class Scaler(Protocol):
     """Where replica counts are read and written (the local supervisor, or Kubernetes)."""
 
-    def current(self, name: str) -> int: ...
+    async def current(self, name: str) -> int: ...
 
     async def scale(self, name: str, replicas: int, decision: Decision) -> None: ...
 
@@ -129,7 +129,11 @@ class Autoscaler:
                 target.samples.popleft()
             if not self.is_leader():
                 continue
-            current = self.scaler.current(target.name)
+            try:
+                current = await self.scaler.current(target.name)
+            except Exception as exc:  # e.g. the resource is gone; the next tick tries again
+                log.warning("autoscaler: reading %s's replicas failed: %s", target.name, exc)
+                continue
             decision = decide(list(target.samples), self.clock(), current, target.policy, target.state)
             if serving < current and decision.desired < current:
                 # Replicas are still starting: their idleness proves nothing yet, and going down

@@ -33,6 +33,8 @@ import grpc
 from inferplane.api.deployment import GROUP, PLURAL, VERSION, InferenceDeploymentSpec, SpecError
 from inferplane.api.resolve import resolve, served_cache_isolation
 from inferplane.api.tokenizer import TextTokenizer
+from inferplane.control_plane.autoscale.autoscaler import Autoscaler
+from inferplane.control_plane.autoscale.settings import AutoscaleSettings, autoscale_settings, watch
 from inferplane.control_plane.gateway.catalog import Catalog, ServedModel
 from inferplane.control_plane.gateway.worker_client import WorkerChannels
 from inferplane.control_plane.routing import Deployment, Endpoint, Router, Tier
@@ -62,6 +64,7 @@ class ResourceRoute:
     block_size: int
     cache_isolation: str
     model_fingerprint: str  # changes whenever what the workers load (and so Info) may change
+    autoscaling: AutoscaleSettings | None = None  # None: the spec's replicas are the user's
 
     @property
     def key(self) -> tuple[str, str]:
@@ -93,7 +96,8 @@ def resource_route(obj: Mapping[str, Any]) -> ResourceRoute:
         namespace=meta.get("namespace") or "default", name=name,
         served_model_name=spec.served_model_name(name), weight=float(spec.serving.weight),
         tier=Tier(spec.serving.tier), block_size=resolve(spec).block_size,
-        cache_isolation=spec.cache_isolation, model_fingerprint=_fingerprint(raw_spec))
+        cache_isolation=spec.cache_isolation, model_fingerprint=_fingerprint(raw_spec),
+        autoscaling=autoscale_settings(spec))
 
 
 def resource_routes(objs: Iterable[Mapping[str, Any]]) -> list[ResourceRoute]:
@@ -165,9 +169,11 @@ class KubernetesCatalogSync:
     resync_interval: float = 5.0
     endpoint_interval: float = 2.0
     info_timeout: float = 10.0
+    autoscaler: Autoscaler | None = None  # scales the resources whose spec enables autoscaling
     _tracked: dict[tuple[str, str], _Tracked] = field(default_factory=dict, init=False)
     _table: dict[str, tuple[ResourceRoute, ...]] = field(default_factory=dict, init=False)
     _published: dict[str, _Published] = field(default_factory=dict, init=False)
+    _held_models: set[str] = field(default_factory=set, init=False)
     _task: asyncio.Task[None] | None = field(default=None, init=False)
 
     @classmethod
@@ -230,6 +236,28 @@ class KubernetesCatalogSync:
                 log.info("served model %s -> %s", model, ", ".join(
                     f"{r.deployment_name} ({r.tier}, weight {r.weight:g})" for r in members))
         self._table = table
+        if self.autoscaler is not None:
+            self._autoscale(wanted.values())
+
+    def _autoscale(self, routes: Iterable[ResourceRoute]) -> None:
+        """Autoscaled resources are watched ("namespace/name", the Scaler's and the router's name)."""
+        autoscaler = self.autoscaler
+        assert autoscaler is not None
+        watched = set()
+        held_models = set()
+        for route in routes:
+            if route.autoscaling is None:
+                continue
+            watch(autoscaler, route.deployment_name, route.served_model_name, route.deployment_name,
+                  route.autoscaling)
+            watched.add(route.deployment_name)
+            if route.autoscaling.hold is not None:
+                held_models.add(route.served_model_name)
+        for name in [n for n in autoscaler.targets if n not in watched]:
+            autoscaler.unwatch(name)
+        for model in self._held_models - held_models:
+            autoscaler.activator.configure(model, None)
+        self._held_models = held_models
 
     def _deployment(self, route: ResourceRoute) -> Deployment:
         return Deployment(route.deployment_name, self._tracked[route.key].source, weight=route.weight,
