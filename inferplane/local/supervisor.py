@@ -233,6 +233,7 @@ class SupervisorScaler:
     async def current(self, name: str) -> int:
         return len(self.supervisor.deployments[name].replicas)
 
-    async def scale(self, name: str, replicas: int, decision) -> None:
+    async def scale(self, name: str, replicas: int, decision, victims=()) -> None:
+        """Going down the supervisor ranks by load itself (it also knows replicas still starting)."""
         self.decisions[name] = decision
         self.supervisor.scale(name, replicas, load=self.load)

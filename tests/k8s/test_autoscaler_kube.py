@@ -17,7 +17,7 @@ from inferplane.control_plane.autoscale.kube import KubernetesScaler, LeaseElect
 from inferplane.control_plane.autoscale.signals import Targets
 from inferplane.control_plane.gateway.kube_sync import load_api_client
 from inferplane.control_plane.gateway.worker_client import WorkerChannels
-from inferplane.control_plane.routing import Deployment, Router, StaticEndpointSource
+from inferplane.control_plane.routing import Deployment, Endpoint, Router, StaticEndpointSource
 from tests.k8s.cluster import Cluster, wait_for
 from tests.k8s.conftest import idep, idep_path, namespace
 
@@ -65,6 +65,18 @@ def test_the_lease_holder_scales_through_the_subresource_and_says_why(cluster: C
         assert scaled and "0 -> 3" in scaled[0]["message"], events
         lease = k8s.CoordinationV1Api(api_client).read_namespaced_lease("inferplane-autoscaler", ns)
         assert lease.spec.holder_identity == "gateway-a"
+
+        # Down: the replica chosen (least loaded) is the pod the ReplicaSet removes first.
+        cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "chat-idle", "namespace": ns},
+                       "spec": {"containers": [{"name": "worker", "image": "inferplane:test"}]}})
+        decision = leader.targets[f"{ns}/chat"].last
+        asyncio.run(KubernetesScaler(api_client).scale(f"{ns}/chat", 1, decision,
+                                                       [Endpoint("10.0.0.9:50051", name="chat-idle")]))
+        assert cluster.get(idep_path(ns, "chat"))["spec"]["replicas"] == 1
+        pod = cluster.get(f"/api/v1/namespaces/{ns}/pods/chat-idle")
+        assert pod["metadata"]["annotations"]["controller.kubernetes.io/pod-deletion-cost"] == "-1000"
+        events = cluster.get(f"/api/v1/namespaces/{ns}/events")["items"]
+        assert any(e["reason"] == "ScaledDown" and "3 -> 1" in e["message"] for e in events), events
 
         # The holder stops renewing: after the lease duration the other replica takes over.
         wait_for(second.try_acquire, 30, "the second replica taking the lease", interval=0.5)

@@ -82,10 +82,10 @@ async def test_a_burst_panics_up_and_the_quiet_after_scales_down_without_a_failu
     scaler = running.platform.autoscaler.scaler
     original = scaler.scale
 
-    async def recording(name, replicas, decision):
+    async def recording(name, replicas, decision, victims=()):
         if replicas > await scaler.current(name):
             scale_ups.append((replicas, decision.panic))
-        await original(name, replicas, decision)
+        await original(name, replicas, decision, victims)
 
     scaler.scale = recording
     async with httpx.AsyncClient(timeout=300) as client:

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -27,7 +27,7 @@ from inferplane.control_plane.autoscale.activator import Activator
 from inferplane.control_plane.autoscale.decision import Decision, Policy, Sample, State, decide
 from inferplane.control_plane.autoscale.signals import ReplicaSignals, Targets, saturation
 from inferplane.control_plane.gateway.worker_client import WorkerChannels
-from inferplane.control_plane.routing import Router
+from inferplane.control_plane.routing import Endpoint, Router
 from inferplane.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,8 @@ class Scaler(Protocol):
 
     async def current(self, name: str) -> int: ...
 
-    async def scale(self, name: str, replicas: int, decision: Decision) -> None: ...
+    async def scale(self, name: str, replicas: int, decision: Decision, victims: Sequence[Endpoint] = ()) -> None:
+        """Set `replicas`; going down, `victims` are the replicas to remove first (least loaded)."""
 
 
 class AutoscalerMetrics:
@@ -105,12 +106,23 @@ class Autoscaler:
                               blocks_used=int(v.get("blocks_used", 0)), blocks_cached=int(v.get("blocks_cached", 0)),
                               blocks_total=int(v.get("blocks_total", 0)), gateway_in_flight=in_flight)
 
-    def _addresses(self, target: ScaleTarget) -> list[str]:
+    def _endpoints(self, target: ScaleTarget) -> list[Endpoint]:
         try:
             deployments = self.router.deployments(target.served_model)
         except Exception:
             return []
-        return [ep.address for d in deployments if d.name == target.deployment for ep in d.source.endpoints()]
+        return [ep for d in deployments if d.name == target.deployment for ep in d.source.endpoints()]
+
+    def _addresses(self, target: ScaleTarget) -> list[str]:
+        return [ep.address for ep in self._endpoints(target)]
+
+    def _victims(self, target: ScaleTarget, count: int) -> list[Endpoint]:
+        """The `count` least loaded replicas; the router stops sending them new requests now (their
+        health checks restore them if the scale-down does not happen)."""
+        ranked = sorted(self._endpoints(target), key=lambda ep: self.router.load.outstanding(ep.address))[:count]
+        for ep in ranked:
+            self.router.health.mark_unhealthy(ep.address)
+        return ranked
 
     async def sample(self, target: ScaleTarget) -> tuple[Sample, int]:
         """The saturation now, and how many replicas serve (are in the router)."""
@@ -144,8 +156,9 @@ class Autoscaler:
             self._observe(target.name, current, decision)
             if decision.desired != current:
                 log.info("autoscaler: %s %d -> %d (%s)", target.name, current, decision.desired, decision.reason)
+                victims = self._victims(target, current - decision.desired) if decision.desired < current else []
                 try:
-                    await self.scaler.scale(target.name, decision.desired, decision)
+                    await self.scaler.scale(target.name, decision.desired, decision, victims)
                     target.last_scaled_at = self.clock()
                 except Exception:
                     log.exception("autoscaler: scaling %s to %d failed", target.name, decision.desired)

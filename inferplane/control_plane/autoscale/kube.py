@@ -20,13 +20,16 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from inferplane.api.deployment import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from inferplane.control_plane.autoscale.decision import Decision
+from inferplane.control_plane.routing import Endpoint
 
 log = logging.getLogger(__name__)
 COMPONENT = "inferplane-autoscaler"
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 
 
 def _now() -> datetime.datetime:
@@ -51,9 +54,16 @@ class KubernetesScaler:
                                         PLURAL, resource)
         return int((scale.get("spec") or {}).get("replicas") or 0)
 
-    async def scale(self, name: str, replicas: int, decision: Decision) -> None:
+    async def scale(self, name: str, replicas: int, decision: Decision, victims: Sequence[Endpoint] = ()) -> None:
         namespace, resource = _split(name)
         previous = await self.current(name)
+        for pod in [ep.name for ep in victims if ep.name]:
+            # The ReplicaSet removes the pods of lowest deletion cost first: the least loaded ones.
+            try:
+                await asyncio.to_thread(self.core.patch_namespaced_pod, pod, namespace, {"metadata": {"annotations": {
+                    DELETION_COST: str(-1000)}}})
+            except Exception as exc:  # gone already, or no permission: the scale-down still happens
+                log.warning("autoscaler: marking pod %s/%s for removal failed: %s", namespace, pod, exc)
         await asyncio.to_thread(self.custom.patch_namespaced_custom_object_scale, GROUP, VERSION, namespace, PLURAL,
                                 resource, {"spec": {"replicas": replicas}})
         now = _now()
