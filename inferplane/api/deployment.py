@@ -162,8 +162,8 @@ class Autoscaling(Section):
         "KV-cache use (reclaimable cached blocks count as free) that counts as one replica's worth of load."))
     scale_down_delay_seconds: int = Field(300, ge=0, le=86_400, description=(
         "Replicas go down only to the highest count wanted over this many seconds."))
-    stable_window_seconds: float = Field(60.0, ge=6, le=3600)
-    panic_window_seconds: float = Field(6.0, ge=1, le=600, description=(
+    stable_window_seconds: int = Field(60, ge=6, le=3600)
+    panic_window_seconds: int = Field(6, ge=1, le=600, description=(
         "Bursts: when this window asks for panicThreshold times the replicas, scale up at once and not down."))
     panic_threshold: float = Field(2.0, ge=1.1, le=100)
     tolerance: float = Field(0.1, ge=0, le=0.9, description=(

@@ -45,6 +45,9 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "maxNumBatchedTokens must be at least maxNumSeqs: every running sequence needs one token per step": (
         {"engine": {"maxNumSeqs": 16, "maxNumBatchedTokens": 16}},
         {"engine": {"maxNumSeqs": 32, "maxNumBatchedTokens": 16}}),
+    "autoscaling.panicWindowSeconds must be shorter than autoscaling.stableWindowSeconds": (
+        {"autoscaling": {"panicWindowSeconds": 10, "stableWindowSeconds": 30}},
+        {"autoscaling": {"panicWindowSeconds": 61}}),  # against the default stable window, 60
 }
 
 
@@ -74,7 +77,7 @@ def dry_run_create(cluster: Cluster, spec: dict[str, Any], name: str) -> tuple[i
 
 
 def test_every_rule_in_the_crd_has_a_case() -> None:
-    assert len(RULES) >= 9
+    assert len(RULES) >= 10
     assert set(RULES) == set(CASES), "add a case for each new rule (and drop the cases of removed ones)"
 
 
