@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,12 +90,14 @@ class Supervisor:
         self.scale(name, spec.replicas)
         return deployment
 
-    def scale(self, name: str, replicas: int, *, load: Callable[[str], int] | None = None) -> None:
+    def scale(self, name: str, replicas: int, *, load: Callable[[str], int] | None = None,
+              first: Collection[str] = ()) -> None:
         """The local Scaler: start or stop processes until `replicas` run.
 
-        Going down, the replicas retired first are those not serving yet, then the least loaded
-        (`load(address)`: requests in flight there); each leaves the router before it is told to
-        drain, so no new request reaches it and the ones it has finish.
+        Going down, the replicas retired first are those at the addresses in `first` (the ones the
+        autoscaler already steered traffic away from), then those not serving yet, then the least
+        loaded (`load(address)`: requests in flight there); each leaves the router before it is told
+        to drain, so no new request reaches it and the ones it has finish.
         """
         deployment = self.deployments[name]
         while len(deployment.replicas) < replicas:
@@ -105,8 +107,9 @@ class Supervisor:
             deployment.replicas.append(replica)
             self._spawn(deployment, replica)
         if len(deployment.replicas) > replicas:
-            def cost(r: Replica) -> tuple[int, int, int]:
-                return (1 if r.ready else 0, load(r.address) if load is not None and r.ready else 0, r.index)
+            def cost(r: Replica) -> tuple[int, int, int, int]:
+                return (0 if r.address in first else 1, 1 if r.ready else 0,
+                        load(r.address) if load is not None and r.ready else 0, r.index)
 
             for replica in sorted(deployment.replicas, key=cost)[:len(deployment.replicas) - replicas]:
                 deployment.replicas.remove(replica)
@@ -234,6 +237,6 @@ class SupervisorScaler:
         return len(self.supervisor.deployments[name].replicas)
 
     async def scale(self, name: str, replicas: int, decision, victims=()) -> None:
-        """Going down the supervisor ranks by load itself (it also knows replicas still starting)."""
+        """Going down, the `victims` the autoscaler chose (and the router no longer sends to) go first."""
         self.decisions[name] = decision
-        self.supervisor.scale(name, replicas, load=self.load)
+        self.supervisor.scale(name, replicas, load=self.load, first={ep.address for ep in victims})
