@@ -42,6 +42,7 @@ class ScaleTarget:
     deployment: str  # the router's Deployment name within the served model
     policy: Policy
     targets: Targets
+    slots: int = 16  # the workers' maxNumSeqs, for a replica whose Stats do not answer
     samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=4096))
     state: State = field(default_factory=State)
     last: Decision | None = None
@@ -127,7 +128,7 @@ class Autoscaler:
     async def sample(self, target: ScaleTarget) -> tuple[Sample, int]:
         """The saturation now, and how many replicas serve (are in the router)."""
         addresses = self._addresses(target)
-        replicas = await asyncio.gather(*(self._replica(a, 16) for a in addresses))
+        replicas = await asyncio.gather(*(self._replica(a, target.slots) for a in addresses))
         held = self.activator.held(target.served_model)
         return Sample(self.clock(), saturation(replicas, target.targets, held=held)), len(addresses)
 

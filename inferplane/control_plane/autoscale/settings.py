@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from inferplane.api.deployment import InferenceDeploymentSpec
+from inferplane.api.resolve import resolve
 from inferplane.control_plane.autoscale.activator import HoldPolicy
 from inferplane.control_plane.autoscale.autoscaler import Autoscaler, ScaleTarget
 from inferplane.control_plane.autoscale.decision import Policy
@@ -17,6 +18,7 @@ class AutoscaleSettings:
     policy: Policy
     targets: Targets
     hold: HoldPolicy | None  # set when the deployment may sit at zero replicas
+    slots: int = 16  # the workers' maxNumSeqs after presets
 
 
 def autoscale_settings(spec: InferenceDeploymentSpec) -> AutoscaleSettings | None:
@@ -28,13 +30,14 @@ def autoscale_settings(spec: InferenceDeploymentSpec) -> AutoscaleSettings | Non
         policy=Policy.from_spec(spec),
         targets=Targets(queue_depth=a.target_queue_depth, kv_cache_utilization=a.target_kv_cache_utilization,
                         ttft_p95_seconds=spec.slo.ttft_p95_seconds),
-        hold=HoldPolicy(a.queue_size, a.queue_timeout_seconds) if spec.min_replicas == 0 else None)
+        hold=HoldPolicy(a.queue_size, a.queue_timeout_seconds) if spec.min_replicas == 0 else None,
+        slots=int(resolve(spec).engine["max_num_seqs"]))  # type: ignore[arg-type]
 
 
 def watch(autoscaler: Autoscaler, name: str, served_model: str, deployment: str, settings: AutoscaleSettings) -> None:
     """Has `autoscaler` scale `name` (a Scaler's name), and its activator hold `served_model`'s requests
     at zero replicas when the settings allow zero."""
     autoscaler.watch(ScaleTarget(name=name, served_model=served_model, deployment=deployment,
-                                 policy=settings.policy, targets=settings.targets))
+                                 policy=settings.policy, targets=settings.targets, slots=settings.slots))
     if settings.hold is not None:
         autoscaler.activator.configure(served_model, settings.hold)
