@@ -67,7 +67,8 @@ class InferenceService:
         self.activator = activator or Activator()
 
     async def prepare(self, principal: Principal, model_name: str, *, prompt: str | None = None,
-                messages: list[dict[str, str]] | None = None, max_tokens: int | None = None) -> PreparedRequest:
+                      messages: list[dict[str, str]] | None = None, max_tokens: int | None = None
+                      ) -> PreparedRequest:
         principal.require(SCOPE_INFER)
         model = self.catalog.get(model_name, principal.tenant_id)
         if messages is not None:
