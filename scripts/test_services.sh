@@ -3,6 +3,7 @@
 #   PostgreSQL 127.0.0.1:5432, user postgres, trust auth, database `test`  (INFERPLANE_TEST_PG_URL)
 #   Redis      127.0.0.1:6379                                               (INFERPLANE_TEST_REDIS_URL)
 #   etcd       the binary only: the Kubernetes tests start their own etcd per run
+#   promtool   (Debian's prometheus package) the metrics lint the tests run
 # Nothing starts these for us on the project's machines. Safe to run again: what already runs is kept.
 # Needs root (apt-get, pg_ctlcluster); CI runs as root.
 set -euo pipefail
@@ -11,6 +12,7 @@ packages=()
 command -v pg_ctlcluster >/dev/null 2>&1 || packages+=(postgresql)
 command -v redis-server >/dev/null 2>&1 || packages+=(redis-server)
 command -v etcd >/dev/null 2>&1 || packages+=(etcd-server)
+command -v promtool >/dev/null 2>&1 || packages+=(prometheus)
 if [ ${#packages[@]} -gt 0 ]; then
   echo "test services: installing ${packages[*]}"
   apt-get update -q >/dev/null

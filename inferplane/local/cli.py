@@ -23,31 +23,46 @@ def _python() -> str:
     return os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
 
 
-def _banner(platform, host: str, port: int, grpc_port: int | None) -> str:
+def _inferplane() -> str:
+    """How to run `inferplane` from the shell that ran this one: the same script (under `make up`
+    it is .venv/bin/inferplane, not on PATH), else this interpreter with `-m inferplane.cli`."""
+    script = Path(sys.argv[0])
+    if script.name == "inferplane" and script.exists():
+        return os.path.relpath(script) if str(script.resolve()).startswith(os.getcwd()) else str(script.resolve())
+    return f"{_python()} -m inferplane.cli"
+
+
+def banner(platform, host: str, port: int, grpc_port: int | None) -> str:
+    """What `inferplane up` prints once the workers serve. Every command in it works when pasted
+    into a POSIX shell, in order: the first exports the tenant key the others use."""
     base = f"http://{host}:{port}"
-    model = next(iter(d.served_model_name for d in platform.supervisor.deployments.values()))
+    deployments = list(platform.supervisor.deployments.values())
+    model = deployments[0].served_model_name
     key = platform.tenant_key
-    lines = ["", f"inferplane is up: {base}/v1  (models: "
-             f"{', '.join(sorted(d.served_model_name for d in platform.supervisor.deployments.values()))})"]
+    models = ", ".join(sorted(d.served_model_name for d in deployments))
+    lines = ["", f"inferplane is up: {base}/v1  (models: {models})"]
     if key:
-        lines += [f"tenant '{'default'}' API key (shown once, keep it): {key}"]
+        lines += [f"tenant 'default' API key (shown once, keep it): {key}"]
+        export = f"export INFERPLANE_API_KEY={key}"
     else:
-        key = "$INFERPLANE_API_KEY"
-        lines += ["the bootstrap tenant key was shown on first start; make another with:",
-                  f"  inferplane keys create --tenant default --home {platform.home}"]
-    lines += [f"admin key: in {platform.home / 'admin-key'}",
-              "", "try it:",
-              f"  curl -s {base}/v1/chat/completions -H 'Authorization: Bearer {key}' "
+        lines += ["the tenant key was shown on the first start; the first command below makes a new one"]
+        export = (f"export INFERPLANE_API_KEY=$({_inferplane()} keys create --tenant default "
+                  f"--home {platform.home} | head -n 1)")
+    lines += [f"admin key: in {platform.home / 'admin-key'}", "", "try it:", f"  {export}",
+              f"  curl -s {base}/v1/chat/completions -H \"Authorization: Bearer $INFERPLANE_API_KEY\" "
               "-H 'Content-Type: application/json' \\",
               f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
               f"\"max_tokens\": 32}}'",
-              "",
-              f"  {_python()} -c \"from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='{key}'); "
-              f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello!'}}], "
-              f"max_tokens=32).choices[0].message.content)\""]
+              f"  {_python()} -c \"import os; from openai import OpenAI; c = OpenAI(base_url='{base}/v1', "
+              f"api_key=os.environ['INFERPLANE_API_KEY']); print(c.chat.completions.create(model='{model}', "
+              f"messages=[{{'role': 'user', 'content': 'Hello!'}}], max_tokens=32).choices[0].message.content)\"",
+              ""]
     if grpc_port:
-        lines += ["", f"gRPC tenant API (inferplane.v1.Inference) on {host}:{grpc_port}"]
-    lines += ["", "Ctrl-C stops everything.", ""]
+        lines += [f"gRPC tenant API (inferplane.v1.Inference) on {host}:{grpc_port}"]
+    lines += [f"metrics: {base}/metrics (gateway)" + "".join(
+        f", http://127.0.0.1:{r.metrics_port}/metrics ({d.name}[{r.index}])" for d in deployments for r in d.replicas),
+        f"logs: {platform.home / 'logs'}    status: {_inferplane()} status --home {platform.home}",
+        "", "Ctrl-C stops everything.", ""]
     return "\n".join(lines)
 
 
@@ -67,7 +82,8 @@ async def _main(args: argparse.Namespace) -> int:
     platform = LocalPlatform(Path(args.home).expanduser(), manifests, args.host, args.port, grpc_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # SIGHUP too: closing the terminal must stop the workers as Ctrl-C does, not orphan them.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
     try:
         await platform.start()
@@ -79,7 +95,7 @@ async def _main(args: argparse.Namespace) -> int:
             print("error: " + "; ".join(problems), file=sys.stderr, flush=True)
             return 1
         if not stop.is_set():
-            print(_banner(platform, args.host, args.port, grpc_port), flush=True)
+            print(banner(platform, args.host, args.port, grpc_port), flush=True)
             await stop.wait()
         print("stopping ...", flush=True)
         return 0

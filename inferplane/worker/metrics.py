@@ -32,7 +32,7 @@ _GAUGE_STATS = {
     "num_running": "inferplane_worker_num_requests_running",
     "num_waiting": "inferplane_worker_num_requests_waiting",
     "blocks_used": "inferplane_worker_kv_blocks_used",
-    "blocks_total": "inferplane_worker_kv_blocks_total",
+    "blocks_total": "inferplane_worker_kv_blocks_capacity",  # not _total: a gauge (promtool lint)
     "blocks_cached": "inferplane_worker_kv_blocks_cached",
     "peak_blocks_used": "inferplane_worker_kv_blocks_peak_used",
     "tree_nodes": "inferplane_worker_prefix_cache_tree_nodes",

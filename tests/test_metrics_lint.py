@@ -1,0 +1,50 @@
+"""Every metric we expose passes `promtool check metrics` (Prometheus' own naming and type lint).
+
+Issue 20: `inferplane_worker_kv_blocks_total` was a gauge with a counter's `_total` suffix. The
+gateway's registry (requests, tokens, limiter store errors, autoscaler gauges) and a worker's (with
+every engine stat the exporter knows, int8 gate figures included) are rendered and linted.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+from prometheus_client import generate_latest
+
+from tests.services import missing_service
+
+
+def promtool_lint(exposition: bytes) -> str:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        missing_service("promtool is not installed (Debian package prometheus)")
+    result = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True, timeout=60)
+    return (result.stdout + result.stderr).decode().strip() if result.returncode else ""
+
+
+def test_the_gateways_metrics_pass_promtool() -> None:
+    from inferplane.control_plane.autoscale.autoscaler import AutoscalerMetrics
+    from inferplane.control_plane.gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    scaling = AutoscalerMetrics(metrics.registry)
+    metrics.requests.labels("/v1/completions", "200").inc()
+    metrics.latency.labels("/v1/completions").observe(0.1)
+    metrics.ttft.labels("m").observe(0.01)
+    metrics.tokens.labels("m", "prompt").inc(3)
+    metrics.limiter_store_errors.labels("open").inc()
+    for gauge in (scaling.desired, scaling.current, scaling.saturation, scaling.panic):
+        gauge.labels("ns/chat").set(1)
+    assert promtool_lint(generate_latest(metrics.registry)) == ""
+
+
+@pytest.mark.parametrize("runtime", ["paged", "radix", "cpu-int8"])
+def test_a_workers_metrics_pass_promtool(runtime: str) -> None:
+    from inferplane.worker import metrics as worker_metrics
+
+    stats = {key: 1.0 for key in (*worker_metrics._COUNTER_STATS, *worker_metrics._GAUGE_STATS)}
+    stats |= {"gate_perplexity_ratio": 1.01, "weight_bytes": 1e6}
+    exporter = worker_metrics.WorkerMetrics("m", runtime, lambda: stats)
+    assert promtool_lint(generate_latest(exporter.registry)) == ""
