@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("inferplane.bench_cli", "run a benchmark against its peers"),
     "operator": ("inferplane.operator.cli", "run the Kubernetes operator (kopf)"),
     "up": ("inferplane.local.cli", "run the whole platform on this machine"),
+    "status": ("inferplane.local.status_cli", "what `inferplane up` runs: ports, health, models, logs"),
     "gateway": ("inferplane.control_plane.cli", "run the control plane gateway"),
     "models": ("inferplane.control_plane.cli_models", "model registry: register|list|show|delete"),
     "tenants": ("inferplane.control_plane.cli_tenants", "tenants: create|list"),

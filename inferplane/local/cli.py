@@ -46,8 +46,12 @@ def banner(platform, host: str, port: int, grpc_port: int | None) -> str:
         export = f"export INFERPLANE_API_KEY={key}"
     else:
         lines += ["the tenant key was shown on the first start; the first command below makes a new one"]
-        export = (f"export INFERPLANE_API_KEY=$({_inferplane()} keys create --tenant default "
-                  f"--home {platform.home} | head -n 1)")
+        # Through the admin API: the gateway knows the key at once (a key written straight to the
+        # database becomes valid at its next key-cache refresh, a second later).
+        export = (f"export INFERPLANE_API_KEY=$(curl -s -X POST {base}/admin/v1/keys "
+                  f"-H \"Authorization: Bearer $(cat {platform.home / 'admin-key'})\" "
+                  "-H 'Content-Type: application/json' -d '{\"tenant_id\": \"default\"}' | "
+                  f"{_python()} -c 'import json, sys; print(json.load(sys.stdin)[\"key\"])')")
     lines += [f"admin key: in {platform.home / 'admin-key'}", "", "try it:", f"  {export}",
               f"  curl -s {base}/v1/chat/completions -H \"Authorization: Bearer $INFERPLANE_API_KEY\" "
               "-H 'Content-Type: application/json' \\",

@@ -27,6 +27,7 @@ from inferplane.control_plane.errors import Conflict, NotFound
 from inferplane.control_plane.gateway.catalog import ServedModel
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
 from inferplane.control_plane.routing import Deployment
+from inferplane.local import runstate
 from inferplane.local.supervisor import LocalDeployment, Replica, Supervisor, SupervisorScaler
 from inferplane.v1 import worker_pb2
 
@@ -77,6 +78,7 @@ class LocalPlatform:
                  autoscale_interval: float = 1.0):
         self.home = home
         self.manifests = manifests
+        self.host, self.port, self.grpc_port = host, port, grpc_port
         home.mkdir(parents=True, exist_ok=True)
         admin_file = home / "admin-key"
         if not admin_file.exists():
@@ -96,6 +98,7 @@ class LocalPlatform:
             SupervisorScaler(self.supervisor, load=self.gateway.router.load.outstanding),
             metrics=AutoscalerMetrics(self.gateway.context.metrics.registry), interval=autoscale_interval)
         self._autoscaling: asyncio.Task | None = None
+        self._run_state: asyncio.Task | None = None
         self.tenant_key: str | None = None
 
     def bootstrap(self) -> None:
@@ -131,7 +134,31 @@ class LocalPlatform:
                 pass
             return uri.removeprefix("file://")
 
+    def run_state(self) -> dict:
+        """What runs, for run.json (`inferplane status`, and the next start's leftover cleanup)."""
+        return {
+            "supervisor_pid": os.getpid(), "home": str(self.home), "logs": str(self.home / "logs"),
+            "gateway": {"url": f"http://{self.host}:{self.port}", "grpc_port": self.grpc_port,
+                        "metrics": f"http://{self.host}:{self.port}/metrics"},
+            "deployments": [{
+                "name": d.name, "served_model": d.served_model_name, "runtime": d.resolved.runtime,
+                "model": d.model_arg, "replicas": [{
+                    "index": r.index, "pid": r.process.pid if r.process is not None else None,
+                    "address": r.address, "metrics": f"http://127.0.0.1:{r.metrics_port}/metrics",
+                    "ready": r.ready, "restarts": r.restarts, "log": str(r.log_path)} for r in d.replicas],
+            } for d in self.supervisor.deployments.values()],
+        }
+
+    async def _keep_run_state(self) -> None:
+        while True:
+            runstate.write(self.home, self.run_state())
+            await asyncio.sleep(1.0)
+
     async def start(self) -> None:
+        stopped = await asyncio.get_running_loop().run_in_executor(None, runstate.end_leftovers, self.home)
+        if stopped:
+            log.warning("stopped %d worker(s) a previous run left behind: pids %s", len(stopped),
+                        ", ".join(map(str, stopped)))
         self.bootstrap()
         await self.gateway.start()
         loop = asyncio.get_running_loop()
@@ -148,6 +175,7 @@ class LocalPlatform:
             self.gateway.router.set_route(served, deployments)
         for manifest in self.manifests:
             self._autoscale(manifest)
+        self._run_state = asyncio.get_running_loop().create_task(self._keep_run_state())
         if self.autoscaler.targets:
             self._autoscaling = asyncio.get_running_loop().create_task(self.autoscaler.run())
 
@@ -188,5 +216,8 @@ class LocalPlatform:
         """The gateway drains first (what is in flight finishes on the workers), then the workers stop."""
         if self._autoscaling is not None:
             self._autoscaling.cancel()
+        if self._run_state is not None:
+            self._run_state.cancel()
         await self.gateway.stop()
         await self.supervisor.stop()
+        runstate.remove(self.home)

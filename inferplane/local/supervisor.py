@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from inferplane.api.deployment import InferenceDeploymentSpec
 from inferplane.api.resolve import ResolvedDeployment, resolve
 from inferplane.control_plane.routing import StaticEndpointSource
+from inferplane.local import runstate
 from inferplane.operator.manifests import worker_invocation
 
 log = logging.getLogger(__name__)
@@ -123,14 +124,17 @@ class Supervisor:
         args[args.index("--model") + 1] = deployment.model_arg
         # `inferplane worker` as this interpreter runs it, so the process uses the same environment.
         command = [sys.executable, "-m", "inferplane.cli", *invocation.command[1:], *args]
-        env = {**os.environ, **invocation.env, "PYTHONUNBUFFERED": "1"}
+        # The home marks the process as this supervisor's (runstate.end_leftovers checks it).
+        env = {**os.environ, **invocation.env, "PYTHONUNBUFFERED": "1", runstate.HOME_ENV: str(self.home)}
         return command, env
 
     def _spawn(self, deployment: LocalDeployment, replica: Replica) -> None:
         command, env = self.command(deployment, replica)
         log_file = open(replica.log_path, "ab")  # noqa: SIM115 (owned by the child for its lifetime)
+        # Own session (a Ctrl-C reaches the supervisor, which drains them in order), but tied to the
+        # supervisor's life: SIGTERM when it dies, however it dies.
         replica.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                           start_new_session=True)
+                                           start_new_session=True, preexec_fn=runstate.die_with_parent)
         log_file.close()
         replica.ready = False
         self._track(asyncio.get_running_loop().create_task(self._watch(deployment, replica)))

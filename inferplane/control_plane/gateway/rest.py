@@ -211,6 +211,7 @@ def create_app(ctx: GatewayContext) -> FastAPI:
             created = auth.create_key(session, tenant_id, actor=principal.actor, scopes=body.scopes, name=body.name,
                                       expires_in=expires, requests_per_minute=body.requests_per_minute,
                                       tokens_per_minute=body.tokens_per_minute)
+        ctx.keys.refresh()  # usable through this gateway at once; other replicas within a refresh interval
         return {"key": created.secret, **created.info.__dict__}
 
     @app.delete("/admin/v1/keys/{key_id}")

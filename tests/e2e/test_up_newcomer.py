@@ -1,0 +1,114 @@
+"""Issue 20: `inferplane up` as a newcomer meets it.
+
+The banner's commands are pasted into a shell as printed (first start: the key it shows; restart:
+a new key from the `keys create` it prints) and answer; `inferplane status` shows what runs; a
+hang-up (SIGHUP) and a SIGKILL of `inferplane up` leave no worker running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from inferplane.bench.tiny_model import make_tiny_model
+from inferplane.local import runstate
+from tests.worker.test_worker_process import free_port
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Up:
+    def __init__(self, manifest: Path, home: Path):
+        self.home, self.port = home, free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "inferplane.cli", "up", str(manifest), "--home", str(home),
+                                      "--port", str(self.port), "--grpc-port", "0"], cwd=ROOT,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise AssertionError("inferplane up exited:\n" + "".join(self.lines))
+            self.lines.append(line)
+            if "Ctrl-C stops everything" in line:
+                break
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+
+    def try_it(self) -> str:
+        """The banner's commands under "try it:", as a shell script."""
+        start = self.lines.index("try it:\n") + 1
+        block = []
+        for line in self.lines[start:]:
+            if not line.strip():
+                break
+            block.append(line.removeprefix("  "))
+        return "set -e\n" + "".join(block)
+
+    def worker_pids(self) -> list[int]:
+        state = runstate.read(self.home)
+        assert state is not None, "no run.json"
+        return [r["pid"] for d in state["deployments"] for r in d["replicas"]]
+
+
+def gone(pids: list[int], timeout: float = 60) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(runstate.alive(p) for p in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.fixture
+def manifest(tmp_path: Path) -> Path:
+    model = make_tiny_model(tmp_path / "tiny")
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "inferplane.io/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": "tiny"},
+        "spec": {"model": {"uri": model, "format": "safetensors"}, "runtime": "paged",
+                 "resources": {"cpu": "1", "memory": "2Gi"}, "engine": {"kvCacheMemory": "64Mi", "maxModelLen": 256}}}))
+    return path
+
+
+def shell(script: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "INFERPLANE_API_KEY"}
+    return subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_the_banner_works_when_pasted_and_nothing_outlives_inferplane_up(manifest: Path, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    up = Up(manifest, home)
+    try:
+        pasted = shell(up.try_it())
+        assert pasted.returncode == 0 and '"choices"' in pasted.stdout, (up.try_it(), pasted.stdout, pasted.stderr)
+        status = subprocess.run([sys.executable, "-m", "inferplane.cli", "status", "--home", str(home)],
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0 and "serving" in status.stdout and "metrics" in status.stdout, status.stdout
+        workers = up.worker_pids()
+        up.proc.send_signal(signal.SIGHUP)  # the terminal was closed
+        assert up.proc.wait(timeout=120) == 0
+        assert gone(workers), f"workers {workers} outlived a hang-up"
+    finally:
+        up.proc.kill()
+
+    again = Up(manifest, home)  # the key is not shown twice: the banner makes a new one
+    try:
+        assert "export INFERPLANE_API_KEY=$(curl" in again.try_it()
+        pasted = shell(again.try_it())
+        assert pasted.returncode == 0 and '"choices"' in pasted.stdout, (again.try_it(), pasted.stderr)
+        workers = again.worker_pids()
+        again.proc.kill()  # SIGKILL: no handler runs; the workers get SIGTERM from the kernel
+        again.proc.wait()
+        assert gone(workers), f"workers {workers} outlived a SIGKILL of their supervisor"
+    finally:
+        again.proc.kill()
