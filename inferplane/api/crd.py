@@ -21,7 +21,6 @@ from inferplane.api.deployment import (
     RULES,
     VERSION,
     InferenceDeploymentSpec,
-    Section,
     section_models,
 )
 from inferplane.api.deployment_status import InferenceDeploymentStatus
@@ -172,4 +171,4 @@ def write(directories: list[Path]) -> list[Path]:
     return changed
 
 
-__all__ = ["FILE_NAME", "Section", "crd_yaml", "openapi_schema", "render_crd", "write"]
+__all__ = ["FILE_NAME", "crd_yaml", "openapi_schema", "render_crd", "write"]

@@ -111,7 +111,7 @@ loads = st.floats(0, 200, allow_nan=False)
 
 
 @settings(max_examples=300, deadline=None)
-@given(history=st.lists(st.tuples(st.floats(0, 5), loads), min_size=1, max_size=60),
+@given(history=st.lists(st.tuples(st.floats(0, 20), loads), min_size=1, max_size=60),
        current=st.integers(0, 50), low=st.integers(0, 5), span=st.integers(0, 30))
 def test_property_never_outside_min_max_and_never_down_in_panic(history, current, low, span):
     policy = Policy(min_replicas=low, max_replicas=low + max(span, 1))
@@ -133,3 +133,8 @@ def test_property_a_steady_load_at_the_target_never_flaps(load):
     run = Run(policy, current=max(1, -(-load // 1)).__int__())
     run.run(400, load)
     assert len({d.desired for d in run.decisions}) == 1, {d.desired for d in run.decisions}
+
+
+def test_a_decision_long_after_the_last_sample_uses_the_newest():
+    decision = decide([Sample(0.0, 5.0)], 30.0, 1, POLICY, State())  # nothing in the 6-s panic window
+    assert decision.desired == 5 and decision.panic

@@ -79,7 +79,7 @@ def decide(samples: Sequence[Sample], now: float, current: int, policy: Policy, 
         desired = min(max(current, low), high)
         return Decision(desired, False, "no signal yet", 0.0, 0.0, state)
     stable = sum(s.saturation for s in window) / len(window)
-    recent = [s for s in window if s.at >= now - policy.panic_window]
+    recent = [s for s in window if s.at >= now - policy.panic_window] or window[-1:]  # a late tick: the newest
     burst = sum(s.saturation for s in recent) / len(recent)
     last_active = state.last_active if state.last_active is not None else window[0].at
     if window[-1].saturation > 0:
