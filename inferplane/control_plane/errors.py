@@ -54,6 +54,12 @@ class NotFound(ControlPlaneError):
     code = "not_found"
 
 
+class ModelNotFound(NotFound):
+    """404 for a model the caller asked to run: OpenAI's code, which its clients and users look for."""
+
+    code = "model_not_found"
+
+
 class Conflict(ControlPlaneError):
     """409: the object already exists, or is in a state that forbids the operation."""
 

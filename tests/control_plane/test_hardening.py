@@ -59,7 +59,7 @@ async def test_a_deeply_nested_body_is_not_parsed_for_an_unknown_caller(gateway)
 ])
 async def test_strings_that_are_not_unicode_are_refused_naming_them(gateway, path, body, field):
     status, answer = await _post(gateway, path, json.dumps(body), gateway.infer_key)  # json escapes them
-    assert status == 422, answer
+    assert status == 400, answer
     assert f"{field}: not valid Unicode text" in answer["error"]["message"]
 
 
@@ -69,7 +69,7 @@ async def test_strings_that_are_not_unicode_are_refused_naming_them(gateway, pat
 async def test_integers_beyond_the_wire_types_are_refused(gateway, field, value):
     body = {"model": "m", "prompt": "hi", field: value}
     status, answer = await _post(gateway, "/v1/completions", json.dumps(body), gateway.infer_key)
-    assert status == 422 and answer["error"]["param"] == field, answer
+    assert status == 400 and answer["error"]["param"] == field, answer
 
 
 @pytest.mark.parametrize(("path", "body", "field"), [

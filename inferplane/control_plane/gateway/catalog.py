@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from inferplane.api.tokenizer import TextTokenizer
-from inferplane.control_plane.errors import NotFound
+from inferplane.control_plane.errors import ModelNotFound
 
 
 @dataclass
@@ -53,5 +53,5 @@ class Catalog:
         with self._lock:
             model = self._models.get(name)
         if model is None or not model.visible_to(tenant_id):
-            raise NotFound(f"The model '{name}' does not exist or you do not have access to it.")
+            raise ModelNotFound(f"The model '{name}' does not exist or you do not have access to it.")
         return model

@@ -105,20 +105,22 @@ def _database_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) == "25006"
 
 
-def validation_error_response(errors: Sequence[Any]) -> JSONResponse:
-    """pydantic's (or FastAPI's) validation errors → 400 for a body that is not JSON, else 422
-    naming the first offending field."""
+def validation_error_response(errors: Sequence[Any], *, status: int = 400) -> JSONResponse:
+    """pydantic's (or FastAPI's) validation errors → 400 for a body that is not JSON, else `status`
+    (400 on the OpenAI API, as OpenAI answers and its clients expect; 422 on the admin API) naming
+    the first offending field."""
     if any(e.get("type") == "json_invalid" for e in errors):
         return error_response(400, "request body is not valid JSON", "invalid_json")
     message, param = validation_message(errors)
-    return error_response(422, message, "invalid_value", param)
+    code = "unsupported_parameter" if errors and errors[0].get("type") == "unserved" else "invalid_value"
+    return error_response(status, message, code, param)
 
 
 def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     """(message naming the first offending field, its dotted path) from pydantic's errors."""
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = ".".join(loc) or (first.get("ctx") or {}).get("param")
     message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
     return message, param
 
@@ -126,7 +128,7 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return validation_error_response(exc.errors())
+        return validation_error_response(exc.errors(), status=400 if request.url.path.startswith("/v1/") else 422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

@@ -1,7 +1,10 @@
 """OpenAI-compatible request bodies, validated by pydantic, and their mapping to sampling params.
 
-Unknown fields are ignored (clients send assorted extras); fields we cannot honour (n > 1,
-penalties) are refused with a message naming them rather than silently dropped.
+Unknown fields are ignored (clients send assorted extras). OpenAI parameters this server does not
+serve yet (n > 1, penalties, structured outputs, tools, logit_bias, top_logprobs, ...) are refused
+with a 400 naming them when they ask for something, never silently dropped; their neutral values
+(`tool_choice: "none"`, `response_format: {"type": "text"}`, ...) are accepted. Types are strict, as
+OpenAI's: `"5"` is not a number.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from inferplane.v1 import worker_pb2
 
@@ -41,7 +45,21 @@ def lone_surrogate_at(value: Any, path: str = "") -> str | None:
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def _neutral(value: Any, *neutral: Any) -> bool:
+    return value is None or value in neutral or (isinstance(value, dict | list) and not value)
+
+
+# OpenAI parameters not served yet, with the values that ask for nothing (accepted); see issue 17.
+UNSERVED: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "tools": (), "tool_choice": ("none",), "functions": (), "function_call": ("none",),
+    "parallel_tool_calls": (True, False), "logit_bias": (), "top_logprobs": (0,), "prediction": (),
+    "audio": (), "modalities": (["text"],), "suffix": ("",), "best_of": (1,), "min_tokens": (0,),
+    "repetition_penalty": (1, 1.0),
+}
 
 
 class StreamOptions(_Base):
@@ -62,6 +80,16 @@ class _Sampling(_Base):
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="not supported")
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="not supported")
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unserved(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, neutral in UNSERVED.items():
+                if name in data and not _neutral(data[name], *neutral):
+                    raise PydanticCustomError("unserved", "{name}: not supported by this server yet",
+                                              {"name": name, "param": name})
+        return data
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,45 @@
+"""Issue 17 (part): OpenAI's answers. Invalid bodies are 400s naming the parameter (the official
+client raises BadRequestError, not UnprocessableEntityError); parameters this server does not serve
+yet are refused instead of silently ignored, while their neutral values pass; types are strict; an
+unknown model is `model_not_found`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.control_plane.test_hardening import _post, gateway  # noqa: F401 (the fixture)
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), [
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/chat/completions", {"n": 2}, "n"),
+    ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"max_tokens": "5"}, "max_tokens"),  # strict types: no coercion
+    ("/v1/chat/completions", {"temperature": "0.5"}, "temperature"),
+])
+async def test_what_is_not_served_is_a_400_naming_it(gateway, path, extra, param):  # noqa: F811
+    base = {"model": "m", "prompt": "hi"} if path == "/v1/completions" else \
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    status, answer = await _post(gateway, path, json.dumps({**base, **extra}), gateway.infer_key)
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert param in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("extra", [
+    {"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"tools": []}, {"logit_bias": {}},
+    {"top_logprobs": 0}, {"parallel_tool_calls": True}, {"n": 1}, {"unknown_extra": 1},
+])
+async def test_neutral_values_pass_validation(gateway, extra):  # noqa: F811
+    body = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}], **extra}
+    status, answer = await _post(gateway, "/v1/chat/completions", json.dumps(body), gateway.infer_key)
+    assert status == 404 and answer["error"]["code"] == "model_not_found", answer  # past validation
