@@ -76,8 +76,11 @@ def structural(node: Any, defs: Mapping[str, Any]) -> Any:
         node.pop("type", None)
     if node.get("format") == "date-time" or node.get("x-kubernetes-preserve-unknown-fields"):
         node.pop("additionalProperties", None)
-    out = {key: _walk(key, value, defs) for key, value in node.items()}
-    return {key: out[key] for key in sorted(out, key=lambda k: (_KEY_ORDER + (k,)).index(k))}
+    return _in_key_order({key: _walk(key, value, defs) for key, value in node.items()})
+
+
+def _in_key_order(node: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: node[key] for key in sorted(node, key=lambda k: (_KEY_ORDER + (k,)).index(k))}
 
 
 def _walk(key: str, value: Any, defs: Mapping[str, Any]) -> Any:
@@ -108,8 +111,9 @@ def _attach_rules(spec_schema: dict[str, Any]) -> None:
             entry["fieldPath"] = f".{relative}"
         target = sections[rule.scope]
         target["x-kubernetes-validations"] = [*target.get("x-kubernetes-validations", []), entry]
-        ordered = {key: target.pop(key) for key in list(target)}
-        target.update({key: ordered[key] for key in sorted(ordered, key=lambda k: (_KEY_ORDER + (k,)).index(k))})
+        ordered = _in_key_order(target)
+        target.clear()
+        target.update(ordered)
 
 
 def openapi_schema() -> dict[str, Any]:

@@ -235,12 +235,10 @@ class SupervisorScaler:
     def __init__(self, supervisor: Supervisor, load: Callable[[str], int]):
         self.supervisor = supervisor
         self.load = load
-        self.decisions: dict[str, object] = {}  # the last decision per deployment, for status
 
     async def current(self, name: str) -> int:
         return len(self.supervisor.deployments[name].replicas)
 
     async def scale(self, name: str, replicas: int, decision, victims=()) -> None:
         """Going down, the `victims` the autoscaler chose (and the router no longer sends to) go first."""
-        self.decisions[name] = decision
         self.supervisor.scale(name, replicas, load=self.load, first={ep.address for ep in victims})

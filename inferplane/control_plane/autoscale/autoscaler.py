@@ -46,7 +46,6 @@ class ScaleTarget:
     samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=4096))
     state: State = field(default_factory=State)
     last: Decision | None = None
-    last_scaled_at: float | None = None
 
 
 class Scaler(Protocol):
@@ -160,7 +159,6 @@ class Autoscaler:
                 victims = self._victims(target, current - decision.desired) if decision.desired < current else []
                 try:
                     await self.scaler.scale(target.name, decision.desired, decision, victims)
-                    target.last_scaled_at = self.clock()
                 except Exception:
                     log.exception("autoscaler: scaling %s to %d failed", target.name, decision.desired)
             decisions[target.name] = decision
