@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test test-fast test-k8s services envtest lint proto crds bench bench-operator clean
+.PHONY: install up test test-fast test-k8s services envtest lint proto crds monitoring bench bench-operator clean
 
 $(STAMP): pyproject.toml Makefile scripts/install.sh
 	@PYTHON=$(PYTHON) scripts/install.sh
@@ -45,6 +45,9 @@ lint: install
 # The CRD is generated from inferplane/api/deployment.py; a test fails when a committed copy is stale.
 crds: install
 	$(VENV)/bin/inferplane crd --write deploy/crds helm/inferplane/crds
+
+monitoring: install
+	$(VENV)/bin/inferplane monitoring render --write deploy/monitoring helm/inferplane/monitoring
 
 proto: install
 	PY=$(PY) scripts/gen_proto.sh

@@ -21,9 +21,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "status": ("inferplane.local.status_cli", "what `inferplane up` runs: ports, health, models, logs"),
     "gateway": ("inferplane.control_plane.cli", "run the control plane gateway"),
     "models": ("inferplane.control_plane.cli_models", "model registry: register|list|show|delete"),
-    "tenants": ("inferplane.control_plane.cli_tenants", "tenants: create|list"),
+    "tenants": ("inferplane.control_plane.cli_tenants", "tenants: create|list, alert webhooks"),
     "keys": ("inferplane.control_plane.cli_keys", "API keys: create|list|revoke"),
     "crd": ("inferplane.crd_cli", "print the InferenceDeployment CRD generated from the spec models"),
+    "monitoring": ("inferplane.monitoring_cli", "Prometheus rules and Grafana dashboards: render|rules"),
     "quant-check": ("inferplane.worker.quant.cli", "int8 quality gate: perplexity, agreement, KL"),
 }
 

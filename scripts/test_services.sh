@@ -4,6 +4,8 @@
 #   Redis      127.0.0.1:6379                                               (INFERPLANE_TEST_REDIS_URL)
 #   etcd       the binary only: the Kubernetes tests start their own etcd per run
 #   promtool   (Debian's prometheus package) the metrics lint the tests run
+#   alertmanager  (Debian's prometheus-alertmanager, /usr/bin/prometheus-alertmanager) the binary only:
+#              the alert routing test starts its own on loopback
 # Nothing starts these for us on the project's machines. Safe to run again: what already runs is kept.
 # Needs root (apt-get, pg_ctlcluster); CI runs as root.
 set -euo pipefail
@@ -13,6 +15,8 @@ command -v pg_ctlcluster >/dev/null 2>&1 || packages+=(postgresql)
 command -v redis-server >/dev/null 2>&1 || packages+=(redis-server)
 command -v etcd >/dev/null 2>&1 || packages+=(etcd-server)
 command -v promtool >/dev/null 2>&1 || packages+=(prometheus)
+command -v prometheus-alertmanager >/dev/null 2>&1 || command -v alertmanager >/dev/null 2>&1 ||
+  packages+=(prometheus-alertmanager)
 if [ ${#packages[@]} -gt 0 ]; then
   echo "test services: installing ${packages[*]}"
   apt-get update -q >/dev/null

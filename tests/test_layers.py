@@ -14,10 +14,12 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "inferplane"
 FORBIDDEN = {
-    "api": {"worker", "operator", "control_plane", "local", "bench"},
-    "worker": {"operator", "control_plane", "local"},
+    "api": {"worker", "operator", "control_plane", "local", "bench", "monitoring"},
+    # Rules and dashboards read only api/ (metric names, the spec); the operator renders them.
+    "monitoring": {"worker", "operator", "control_plane", "local", "bench"},
+    "worker": {"operator", "control_plane", "local", "monitoring"},
     "operator": {"worker", "control_plane", "local"},
-    "control_plane": {"worker", "operator", "local"},
+    "control_plane": {"worker", "operator", "local", "monitoring"},
 }
 
 

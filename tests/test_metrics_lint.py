@@ -26,7 +26,12 @@ def promtool_lint(exposition: bytes) -> str:
 
 def test_the_gateways_metrics_pass_promtool() -> None:
     from inferplane.control_plane.autoscale.autoscaler import AutoscalerMetrics
-    from inferplane.control_plane.gateway.metrics import GatewayMetrics
+    from inferplane.control_plane.gateway.metrics import (
+        GatewayMetrics,
+        PlatformCollector,
+        PlatformSources,
+        ReplicaCount,
+    )
 
     metrics = GatewayMetrics()
     scaling = AutoscalerMetrics(metrics.registry)
@@ -35,9 +40,32 @@ def test_the_gateways_metrics_pass_promtool() -> None:
     metrics.ttft.labels("m").observe(0.01)
     metrics.tokens.labels("m", "prompt").inc(3)
     metrics.limiter_store_errors.labels("open").inc()
-    for gauge in (scaling.desired, scaling.current, scaling.saturation, scaling.panic):
+    metrics.key_admission("acme", "key-1", "rate_limited")
+    metrics.billed("acme", "m", prompt_tokens=3, completion_tokens=5)
+    metrics.registry.register(PlatformCollector(PlatformSources(
+        database_up=lambda: True, usage_last_flush=lambda: None, usage_pending=lambda: 2,
+        quotas=lambda: {"acme": (1000, 800)}, replicas=lambda: [ReplicaCount("m", "ns/chat", 1, 2)])))
+    for gauge in (scaling.desired, scaling.current, scaling.maximum, scaling.saturation, scaling.panic):
         gauge.labels("ns/chat").set(1)
-    assert promtool_lint(generate_latest(metrics.registry)) == ""
+    exposition = generate_latest(metrics.registry)
+    assert promtool_lint(exposition) == ""
+    assert b'inferplane_key_requests_total{key="key-1",result="admitted",tenant="acme"} 0.0' in exposition
+    assert b'inferplane_tenant_quota_used_tokens{tenant="acme"} 800.0' in exposition
+
+
+def test_the_operators_metrics_pass_promtool() -> None:
+    from inferplane.operator.metrics import OperatorMetrics
+
+    metrics = OperatorMetrics()
+    try:
+        with metrics.reconcile():
+            raise RuntimeError("apply failed")
+    except RuntimeError:
+        pass
+    exposition = generate_latest(metrics.registry)
+    assert promtool_lint(exposition) == ""
+    assert b'inferplane_operator_reconciles_total{result="error"} 1.0' in exposition
+    assert b'inferplane_operator_reconciles_total{result="ok"} 0.0' in exposition
 
 
 @pytest.mark.parametrize("runtime", ["paged", "radix", "cpu-int8"])

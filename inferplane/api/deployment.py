@@ -216,6 +216,9 @@ class InferenceDeploymentSpec(Section):
         "tenant keeps each tenant's cached prefixes apart; shared reuses them across tenants, only if every "
         "deployment with the same served name is shared."))
     workload: WorkloadHints = section_default("Traffic hints that runtime auto chooses from.")
+    tenant: Annotated[str, Field(pattern=r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$")] | None = Field(
+        None, description="The tenant that owns this deployment: its alerts carry this tenant label and reach "
+                          "that tenant's alert webhooks.")
     image: Annotated[str, Field(max_length=512)] | None = None
     drain_grace_seconds: int = Field(30, ge=0, le=3600)
     node_selector: dict[str, str] = Field(default_factory=dict)

@@ -342,6 +342,11 @@ class KeyCache:
     def __len__(self) -> int:
         return len(self._keys)
 
+    @property
+    def database_ok(self) -> bool:
+        """False while the latest refresh failed: the one database read every gateway does each second."""
+        return not self._loop.failing
+
     def __enter__(self) -> KeyCache:
         self.start()
         return self

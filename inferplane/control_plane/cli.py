@@ -88,6 +88,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         default=env("INFERPLANE_RATE_LIMIT_UNREACHABLE", "open"),
                         help="when Redis cannot be reached: open = limit per replica meanwhile, closed = answer "
                              "503 (default: %(default)s)")
+    alerts = parser.add_argument_group("alert routing (Alertmanager's webhook at /alerts/v1/webhook; off without "
+                                       "a secret)")
+    alerts.add_argument("--alert-webhook-secret-file", default=env("INFERPLANE_ALERT_WEBHOOK_SECRET_FILE"),
+                        help="file holding the secret Alertmanager sends as 'Authorization: Bearer <secret>' "
+                             "(default: $INFERPLANE_ALERT_WEBHOOK_SECRET_FILE; $INFERPLANE_ALERT_WEBHOOK_SECRET "
+                             "gives it directly)")
+    alerts.add_argument("--alert-retry-base-seconds", type=float,
+                        default=env("INFERPLANE_ALERT_RETRY_BASE_SECONDS", "1"),
+                        help="delay before the first retry of a failed delivery to a tenant's webhook, doubled "
+                             "at each further retry (default: %(default)s)")
+    alerts.add_argument("--alert-max-attempts", type=int, default=env("INFERPLANE_ALERT_MAX_ATTEMPTS", "8"),
+                        help="attempts per delivery before it is marked failed (default: %(default)s)")
     autoscale = parser.add_argument_group("autoscaling (InferenceDeployments with autoscaling.enabled)")
     autoscale.add_argument("--no-autoscale", dest="autoscale", action="store_false",
                            help="leave replicas alone even where a spec enables autoscaling")
@@ -177,6 +189,8 @@ def gateway_settings(args: argparse.Namespace) -> Any:
         raise UsageError("--resync-interval and --endpoint-interval must be positive")
     if args.drain_grace_seconds < 0:
         raise UsageError("--drain-grace-seconds must not be negative")
+    if args.alert_retry_base_seconds <= 0 or args.alert_max_attempts < 1:
+        raise UsageError("--alert-retry-base-seconds must be positive and --alert-max-attempts at least 1")
     return GatewaySettings(
         db_url=db_url(args), host=args.host, port=args.port, grpc_port=args.grpc_port or None,
         bootstrap_key=_read_secret(args.bootstrap_key_file, "INFERPLANE_BOOTSTRAP_KEY", "bootstrap key"),
@@ -185,7 +199,10 @@ def gateway_settings(args: argparse.Namespace) -> Any:
         salt_secret=_salt(_read_secret(args.salt_secret_file, "INFERPLANE_SALT_SECRET", "salt secret")),
         drain_grace_seconds=args.drain_grace_seconds,
         model_roots=tuple(args.model_root),
-        rate_limit_redis_url=args.rate_limit_redis_url or None, rate_limit_unreachable=args.rate_limit_unreachable)
+        rate_limit_redis_url=args.rate_limit_redis_url or None, rate_limit_unreachable=args.rate_limit_unreachable,
+        alert_webhook_secret=_read_secret(args.alert_webhook_secret_file, "INFERPLANE_ALERT_WEBHOOK_SECRET",
+                                          "alert webhook secret"),
+        alert_retry_base_delay=args.alert_retry_base_seconds, alert_max_attempts=args.alert_max_attempts)
 
 
 # ---- running ---------------------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""`inferplane tenants create|list`: platform-admin tenant management straight on the database."""
+"""`inferplane tenants create|list|set-webhook|list-webhooks|remove-webhook`: platform-admin tenant
+management straight on the database. The webhook commands manage where a tenant's alerts are sent
+(see `control_plane.alerts`), with the same URL validation as the admin API."""
 
 from __future__ import annotations
 
@@ -23,6 +25,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     listing = sub.add_parser("list", help="list tenants")
     listing.add_argument("--json", action="store_true")
     add_db_arguments(listing)
+    set_hook = sub.add_parser("set-webhook", help="add a URL the tenant's alerts are POSTed to (or give it a new "
+                                                  "secret)")
+    set_hook.add_argument("tenant_id")
+    set_hook.add_argument("url", help="http:// or https:// URL")
+    set_hook.add_argument("--secret", default=None,
+                          help="HMAC secret the deliveries are signed with, 16 characters or more (visible in ps; "
+                               "default: a generated one, printed once)")
+    set_hook.add_argument("--json", action="store_true")
+    add_db_arguments(set_hook)
+    list_hooks = sub.add_parser("list-webhooks", help="list the tenant's alert webhooks")
+    list_hooks.add_argument("tenant_id")
+    list_hooks.add_argument("--json", action="store_true")
+    add_db_arguments(list_hooks)
+    remove_hook = sub.add_parser("remove-webhook", help="remove one of the tenant's alert webhooks")
+    remove_hook.add_argument("tenant_id")
+    remove_hook.add_argument("webhook", help="the webhook's id or its exact URL")
+    add_db_arguments(remove_hook)
 
 
 def _create(args: argparse.Namespace, sessions: Any) -> int:
@@ -60,6 +79,45 @@ def _list(args: argparse.Namespace, sessions: Any) -> int:
     return 0
 
 
+def _set_webhook(args: argparse.Namespace, sessions: Any) -> int:
+    from inferplane.control_plane.alerts.webhooks import set_webhook
+
+    with sessions.begin() as s:
+        result = set_webhook(s, args.tenant_id, args.url, actor=cli_actor(), secret=args.secret)
+    if args.json:
+        print_json({**result.webhook.__dict__, "created": result.created, "secret": result.generated_secret})
+        return 0
+    verb = "added" if result.created else "updated"
+    print(f"{verb} webhook {result.webhook.id} of tenant {args.tenant_id}: {result.webhook.url}")
+    if result.generated_secret is not None:
+        print(f"signing secret (shown once): {result.generated_secret}")
+    return 0
+
+
+def _list_webhooks(args: argparse.Namespace, sessions: Any) -> int:
+    from inferplane.control_plane.alerts.webhooks import list_webhooks
+
+    with sessions() as s:
+        hooks = list_webhooks(s, args.tenant_id)
+    if args.json:
+        print_json(hooks)
+        return 0
+    print(f"{'ID':>6}  {'CREATED':<20} URL")
+    for h in hooks:
+        print(f"{h.id:>6}  {h.created_at:%Y-%m-%d %H:%M:%S}  {h.url}")
+    return 0
+
+
+def _remove_webhook(args: argparse.Namespace, sessions: Any) -> int:
+    from inferplane.control_plane.alerts.webhooks import remove_webhook
+
+    with sessions.begin() as s:
+        removed = remove_webhook(s, args.tenant_id, args.webhook, actor=cli_actor())
+    print(f"removed webhook {removed.id} of tenant {args.tenant_id}: {removed.url}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
-    command = {"create": _create, "list": _list}[args.tenants_command]
+    command = {"create": _create, "list": _list, "set-webhook": _set_webhook, "list-webhooks": _list_webhooks,
+               "remove-webhook": _remove_webhook}[args.tenants_command]
     return run_cli_command(command, args)

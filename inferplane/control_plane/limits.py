@@ -212,6 +212,10 @@ class QuotaTracker:
         stored = self._used.get(tenant_id, 0) if month == self._month else 0
         return stored + pending + self._reserved.get(tenant_id, 0)
 
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        """(quota, used) of every tenant that has a quota, for the gateway's metrics."""
+        return {tenant: (quota, self.used(tenant)) for tenant, quota in list(self._quota.items()) if quota is not None}
+
     def remaining(self, tenant_id: str) -> int | None:
         """Tokens left this month; None if the tenant has no quota."""
         quota = self._quota.get(tenant_id)

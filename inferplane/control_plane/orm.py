@@ -163,3 +163,84 @@ class AuditLog(Base):
     target: Mapped[str | None] = mapped_column(String(255))
     tenant_id: Mapped[str | None] = mapped_column(String(64))
     detail: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+ALERT_STATUSES = ("firing", "resolved")
+DELIVERY_STATES = ("pending", "delivered", "failed")
+
+
+class Alert(Base):
+    """One alert from Alertmanager, deduplicated by its fingerprint (a hash of its labels): the
+    resolved notification, and every repeat, update the same row.
+
+    `tenant_id` is the alert's `tenant` label when it names an existing tenant, else NULL (platform
+    alerts). ON DELETE CASCADE: a deleted tenant's alerts go with it; SET NULL would turn them into
+    platform alerts, indistinguishable from ones that never had a tenant.
+    """
+
+    __tablename__ = "alerts"
+    __table_args__ = (
+        UniqueConstraint("fingerprint", name="uq_alerts_fingerprint"),
+        CheckConstraint("status IN ('firing', 'resolved')", name="ck_alerts_status"),
+        Index("ix_alerts_tenant_id", "tenant_id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    fingerprint: Mapped[str] = mapped_column(String(128), nullable=False)
+    tenant_id: Mapped[str | None] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    status: Mapped[str] = mapped_column(String(16), nullable=False)
+    labels: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
+    annotations: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
+    starts_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
+    ends_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    generator_url: Mapped[str | None] = mapped_column(Text)
+    first_received_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
+    last_received_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
+
+
+class TenantWebhook(Base):
+    """A URL a tenant's alerts are POSTed to, signed with `secret` (HMAC-SHA256). The secret is
+    kept as is, not hashed: the forwarder needs it to sign. One row per (tenant, URL)."""
+
+    __tablename__ = "tenant_webhooks"
+    __table_args__ = (UniqueConstraint("tenant_id", "url", name="uq_tenant_webhooks_tenant_id_url"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False)
+    url: Mapped[str] = mapped_column(String(2048), nullable=False)
+    secret: Mapped[str] = mapped_column(String(255), nullable=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
+
+
+class AlertDelivery(Base):
+    """The outbox and the delivery log in one: one row per (alert transition, tenant webhook),
+    written in the transaction that records the transition, so a notification is never lost between
+    the two. `next_attempt_at` is when a pending row is due (the forwarder also pushes it forward
+    while it holds the row); delivered and failed rows keep their last status code and error.
+
+    `webhook_id` goes NULL when the webhook is removed (the log stays; a pending row then fails);
+    `webhook_url` keeps where it was sent.
+    """
+
+    __tablename__ = "alert_deliveries"
+    __table_args__ = (
+        CheckConstraint("alert_status IN ('firing', 'resolved')", name="ck_alert_deliveries_alert_status"),
+        CheckConstraint("state IN ('pending', 'delivered', 'failed')", name="ck_alert_deliveries_state"),
+        Index("ix_alert_deliveries_alert_id", "alert_id"),
+        Index("ix_alert_deliveries_webhook_id", "webhook_id"),
+        Index("ix_alert_deliveries_state_next_attempt_at", "state", "next_attempt_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    alert_id: Mapped[int] = mapped_column(ForeignKey("alerts.id", ondelete="CASCADE"), nullable=False)
+    webhook_id: Mapped[int | None] = mapped_column(ForeignKey("tenant_webhooks.id", ondelete="SET NULL"))
+    webhook_url: Mapped[str] = mapped_column(String(2048), nullable=False)
+    alert_status: Mapped[str] = mapped_column(String(16), nullable=False)
+    state: Mapped[str] = mapped_column(String(16), nullable=False, default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
+    next_attempt_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    last_attempt_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    last_status_code: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    delivered_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

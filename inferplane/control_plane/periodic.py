@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,10 @@ class PeriodicThread:
         self._on_error = on_error
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # What the gateway's metrics report (database up, usage flush lag): unix time of the last
+        # run that did not raise, and whether the latest run raised.
+        self.last_success: float | None = None
+        self.failing = False
 
     def start(self) -> None:
         self._stop.clear()
@@ -36,7 +41,14 @@ class PeriodicThread:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval()):
-            try:
-                self._work()
-            except Exception:
-                log.exception(self._on_error)
+            self.run_once()
+
+    def run_once(self) -> None:
+        try:
+            self._work()
+        except Exception:
+            self.failing = True
+            log.exception(self._on_error)
+        else:
+            self.failing = False
+            self.last_success = time.time()

@@ -119,6 +119,15 @@ class UsageRecorder:
             counts[1] += prompt_tokens
             counts[2] += completion_tokens
 
+    @property
+    def last_flush(self) -> float | None:
+        """Unix time of the last flush that did not fail (None: none yet)."""
+        return self._loop.last_success
+
+    def pending_records(self) -> int:
+        with self._lock:
+            return len(self._buffer) + len(self._in_flight)
+
     def pending_tokens(self, tenant_id: str, *, since: datetime | None = None) -> int:
         """Tokens recorded for `tenant_id` (at or after `since`) and not yet committed; the quota
         tracker adds these to what the database says."""

@@ -22,6 +22,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="no peering and no peering object needed (a single replica; development)")
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                         help="liveness endpoint for the kubelet, or '' for none (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=int,
+                        default=int(os.environ.get("INFERPLANE_OPERATOR_METRICS_PORT", 9100)),
+                        help="Prometheus /metrics port (build info, reconciles by result); 0 disables "
+                             "(default: %(default)s)")
     parser.add_argument("--worker-image", default=os.environ.get("INFERPLANE_WORKER_IMAGE", DEFAULT_IMAGE),
                         help="image for worker pods when spec.image is unset (default: %(default)s)")
     parser.add_argument("--no-monitoring", action="store_true",
@@ -71,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
     config = OperatorConfig(worker_image=args.worker_image, monitoring=not args.no_monitoring, webhook=webhook,
                             post_events=not args.no_events, peering_name=peering,
                             namespaces=tuple(namespaces), clusterwide=args.all_namespaces)
+    if args.metrics_port:
+        from inferplane.operator.metrics import METRICS
+
+        METRICS.serve(args.metrics_port)
     asyncio.run(kopf.operator(
         clusterwide=args.all_namespaces, namespaces=namespaces,
         standalone=args.standalone, peering_name=peering, liveness_endpoint=args.liveness or None,

@@ -24,6 +24,7 @@ from inferplane.api.resolve import resolve
 from inferplane.operator import manifests, peering
 from inferplane.operator.config import OperatorConfig
 from inferplane.operator.kube import ApiError, KubeClient, path_for, path_of
+from inferplane.operator.metrics import METRICS
 from inferplane.operator.status import compute_status, condition, invalid_status
 from inferplane.operator.webhook import ServiceWebhookServer
 
@@ -156,6 +157,13 @@ def _parse(spec: Mapping[str, Any], patch: kopf.Patch, meta: Mapping[str, Any], 
 async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, name: str,
                     namespace: str, patch: kopf.Patch, retry: int, memo: kopf.Memo,
                     logger: logging.Logger, **_: Any) -> None:
+    with METRICS.reconcile():
+        await _reconcile(body, spec, meta, status, name, namespace, patch, retry, memo, logger)
+
+
+async def _reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, name: str,
+                     namespace: str, patch: kopf.Patch, retry: int, memo: kopf.Memo,
+                     logger: logging.Logger) -> None:
     config, client = _config(memo), _client(memo)
     parsed = _parse(spec, patch, meta, status)
     resolved = resolve(parsed)

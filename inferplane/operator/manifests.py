@@ -18,6 +18,8 @@ from typing import Any
 
 from inferplane.api.deployment import API_VERSION, KIND, InferenceDeploymentSpec
 from inferplane.api.resolve import ResolvedDeployment, resolve
+from inferplane.monitoring.deployment_rules import DeploymentScope, deployment_groups
+from inferplane.monitoring.rules import rule_file
 
 GRPC_PORT = 50051
 METRICS_PORT = 9090
@@ -37,8 +39,6 @@ ANNOTATION_SERVED_MODEL = "inferplane.io/served-model-name"
 ANNOTATION_WEIGHT = "inferplane.io/weight"
 
 # Worker metrics the SLO alerts read (exported by the worker on --metrics-port).
-METRIC_TTFT = "inferplane_worker_time_to_first_token_seconds"
-METRIC_REQUESTS = "inferplane_worker_requests_total"  # label outcome="ok"|"error"|...
 
 
 @dataclass(frozen=True)
@@ -286,51 +286,14 @@ def service_monitor(owner: Owner, spec: InferenceDeploymentSpec, *, resolved: Re
     }
 
 
-def _number(value: float) -> str:
-    return f"{value:g}"
-
-
 def prometheus_rule(owner: Owner, spec: InferenceDeploymentSpec, *, resolved: ResolvedDeployment) -> dict[str, Any]:
-    """Alerts for spec.slo; series are scoped by the namespace and service labels the ServiceMonitor adds."""
-    scope = f'namespace="{owner.namespace}", service="{owner.name}"'
-    slo = spec.slo
-    requests = f"sum(rate({METRIC_REQUESTS}{{{scope}}}[5m]))"
-    errors = f'sum(rate({METRIC_REQUESTS}{{{scope}, outcome="error"}}[5m]))'
-    alert_labels = {"inferplane_deployment": owner.name, "namespace": owner.namespace}
+    """The deployment's SLO and saturation rules (inferplane/monitoring/deployment_rules.py)."""
+    scope = DeploymentScope.in_cluster(owner.namespace, owner.name, spec)
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
         "metadata": _metadata(owner, spec, resolved),
-        "spec": {"groups": [{
-            "name": f"inferplane.slo.{owner.namespace}.{owner.name}",
-            "rules": [
-                {
-                    "alert": "InferplaneTTFTAboveSLO",
-                    "expr": (f"histogram_quantile(0.95, sum by (le) (rate({METRIC_TTFT}_bucket{{{scope}}}[5m])))"
-                             f" > {_number(slo.ttft_p95_seconds)}"),
-                    "for": "10m",
-                    "labels": {"severity": "warning", **alert_labels},
-                    "annotations": {"summary": f"{owner.name}: p95 time to first token above "
-                                               f"{_number(slo.ttft_p95_seconds)}s"},
-                },
-                {
-                    "alert": "InferplaneErrorRateAboveSLO",
-                    "expr": f"100 * {errors} / clamp_min({requests}, 1e-9) > {_number(slo.error_rate_percent)}",
-                    "for": "5m",
-                    "labels": {"severity": "critical", **alert_labels},
-                    "annotations": {"summary": f"{owner.name}: error rate above "
-                                               f"{_number(slo.error_rate_percent)}%"},
-                },
-                {
-                    "alert": "InferplaneAvailabilityBelowSLO",
-                    "expr": f"100 * avg_over_time(avg(up{{{scope}}})[1h:1m]) < {_number(slo.availability)}",
-                    "for": "5m",
-                    "labels": {"severity": "critical", **alert_labels},
-                    "annotations": {"summary": f"{owner.name}: fewer than {_number(slo.availability)}% of "
-                                               "worker scrapes up over the last hour"},
-                },
-            ],
-        }]},
+        "spec": rule_file(deployment_groups(spec, scope)),
     }
 
 

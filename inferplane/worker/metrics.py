@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from inferplane.api import metric_names as m
 from inferplane.worker.engine import StepOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
@@ -23,20 +24,20 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 
 _OUTCOMES = {"stop": "ok", "length": "ok", "abort": "cancelled"}
 
 _COUNTER_STATS = {
-    "preemptions": "inferplane_worker_preemptions_total",
-    "prefix_query_tokens": "inferplane_worker_prefix_cache_query_tokens_total",
-    "prefix_hit_tokens": "inferplane_worker_prefix_cache_hit_tokens_total",
-    "evicted_blocks": "inferplane_worker_prefix_cache_evicted_blocks_total",
+    "preemptions": m.WORKER_PREEMPTIONS,
+    "prefix_query_tokens": m.WORKER_PREFIX_QUERY_TOKENS,
+    "prefix_hit_tokens": m.WORKER_PREFIX_HIT_TOKENS,
+    "evicted_blocks": m.WORKER_PREFIX_EVICTED_BLOCKS,
 }
 _GAUGE_STATS = {
-    "num_running": "inferplane_worker_num_requests_running",
-    "num_waiting": "inferplane_worker_num_requests_waiting",
-    "blocks_used": "inferplane_worker_kv_blocks_used",
-    "blocks_total": "inferplane_worker_kv_blocks_capacity",  # not _total: a gauge (promtool lint)
-    "blocks_cached": "inferplane_worker_kv_blocks_cached",
-    "peak_blocks_used": "inferplane_worker_kv_blocks_peak_used",
-    "tree_nodes": "inferplane_worker_prefix_cache_tree_nodes",
-    "native_kernels": "inferplane_worker_native_kernels",
+    "num_running": m.WORKER_RUNNING,
+    "num_waiting": m.WORKER_WAITING,
+    "blocks_used": m.WORKER_KV_USED,
+    "blocks_total": m.WORKER_KV_CAPACITY,  # not _total: a gauge (promtool lint)
+    "blocks_cached": m.WORKER_KV_CACHED,
+    "peak_blocks_used": m.WORKER_KV_PEAK,
+    "tree_nodes": m.WORKER_TREE_NODES,
+    "native_kernels": m.WORKER_NATIVE_KERNELS,
 }
 
 
@@ -50,7 +51,7 @@ class _EngineStatsCollector:
         names, values = list(self._labels), list(self._labels.values())
         for key, metric in _COUNTER_STATS.items():
             if key in stats:
-                family = CounterMetricFamily(metric.removesuffix("_total"), f"engine stat {key}", labels=names)
+                family = CounterMetricFamily(metric, f"engine stat {key}", labels=names)
                 family.add_metric(values, float(stats[key]))
                 yield family
         for key, metric in _GAUGE_STATS.items():
@@ -60,7 +61,7 @@ class _EngineStatsCollector:
                 yield family
         gate = {k: v for k, v in stats.items() if k.startswith(("gate_", "weight_bytes"))}
         if gate:
-            family = GaugeMetricFamily("inferplane_worker_weights_info", "weight format and int8 quality gate figures",
+            family = GaugeMetricFamily(m.WORKER_WEIGHTS_INFO, "weight format and int8 quality gate figures",
                                        labels=[*names, "figure"])
             for key, value in gate.items():
                 family.add_metric([*values, key], float(value))
@@ -73,17 +74,19 @@ class WorkerMetrics:
         labels = {"model": model, "runtime": runtime}
         names = list(labels)
         self._labels = labels
-        self.requests = Counter("inferplane_worker_requests", "finished requests by outcome and finish reason",
+        # process_start_time_seconds moves when the process restarts: the restart alert counts that.
+        ProcessCollector(registry=self.registry)
+        self.requests = Counter(m.WORKER_REQUESTS, "finished requests by outcome and finish reason",
                                 [*names, "outcome", "finish_reason"], registry=self.registry)
-        self.ttft = Histogram("inferplane_worker_time_to_first_token_seconds", "time to first token", names,
+        self.ttft = Histogram(m.WORKER_TTFT, "time to first token", names,
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("inferplane_worker_time_per_output_token_seconds", "decode time per output token",
+        self.tpot = Histogram(m.WORKER_TPOT, "decode time per output token",
                               names, buckets=_TPOT_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("inferplane_worker_e2e_request_latency_seconds", "request latency, arrival to finish",
+        self.e2e = Histogram(m.WORKER_E2E, "request latency, arrival to finish",
                              names, buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.prompt_tokens = Counter("inferplane_worker_prompt_tokens", "prompt tokens of finished requests", names,
+        self.prompt_tokens = Counter(m.WORKER_PROMPT_TOKENS, "prompt tokens of finished requests", names,
                                      registry=self.registry)
-        self.generation_tokens = Counter("inferplane_worker_generation_tokens", "generated tokens of finished requests",
+        self.generation_tokens = Counter(m.WORKER_GENERATION_TOKENS, "generated tokens of finished requests",
                                          names, registry=self.registry)
         self.registry.register(_EngineStatsCollector(read_stats, labels))
 

@@ -12,7 +12,7 @@ from alembic.runtime.migration import MigrationContext
 from inferplane.control_plane import db
 from inferplane.control_plane.orm import Base
 
-TABLES = {"tenants", "api_keys", "models", "usage", "audit_log"}
+TABLES = {"tenants", "api_keys", "models", "usage", "audit_log", "alerts", "tenant_webhooks", "alert_deliveries"}
 
 
 def _tables(engine: sa.Engine) -> set[str]:

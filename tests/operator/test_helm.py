@@ -18,7 +18,8 @@ from tests.operator.conftest import ROOT
 CHART = ROOT / "helm" / "inferplane"
 MATRIX = {"default": None, **{p.name.removesuffix("-values.yaml"): p for p in sorted((CHART / "ci").glob("*.yaml"))}}
 K8S_VERSION = "1.34.0"  # the chart's minimum (Chart.yaml kubeVersion)
-THIRD_PARTY = {"monitoring.coreos.com/v1", "kopf.dev/v1"}  # CRDs from other projects: checked structurally
+# CRDs from other projects: checked structurally
+THIRD_PARTY = {"monitoring.coreos.com/v1", "monitoring.coreos.com/v1alpha1", "kopf.dev/v1"}
 
 
 def helm_run(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:

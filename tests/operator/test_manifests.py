@@ -83,10 +83,15 @@ def test_building_twice_gives_identical_objects_and_hashes() -> None:
 def test_prometheus_rule_follows_the_slo() -> None:
     body, spec, objects = build(next(p for p in EXAMPLES if p.stem == "paged-gpu"))
     rule = next(o for o in objects if o["kind"] == "PrometheusRule")
-    exprs = {r["alert"]: r["expr"] for r in rule["spec"]["groups"][0]["rules"]}
-    assert exprs["InferplaneTTFTAboveSLO"].endswith(f"> {spec.slo.ttft_p95_seconds:g}")
-    assert exprs["InferplaneErrorRateAboveSLO"].endswith(f"> {spec.slo.error_rate_percent:g}")
-    assert exprs["InferplaneAvailabilityBelowSLO"].endswith(f"< {spec.slo.availability:g}")
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
+    assert alerts["InferplaneTTFTAboveSLO"]["expr"].endswith(f"> {spec.slo.ttft_p95_seconds:g}")
+    # The fast burn pages at 14.4x the error budget (errorRatePercent) over 1h and 5m.
+    budget = spec.slo.error_rate_percent / 100
+    assert f"> {14.4 * budget:g}" in alerts["InferplaneErrorBudgetBurnFast"]["expr"]
+    assert f"> {14.4 * (1 - spec.slo.availability / 100):g}" in alerts["InferplaneAvailabilityBurnFast"]["expr"]
+    ns, name = body["metadata"].get("namespace", "default"), body["metadata"]["name"]
+    assert all(a["labels"]["namespace"] == ns and a["labels"]["deployment"] == name for a in alerts.values())
+    assert f'service="{name}"' in alerts["InferplaneTTFTAboveSLO"]["expr"]
 
 
 def test_worker_invocation_is_the_container_command_line() -> None:

@@ -23,6 +23,7 @@ from typing import Protocol
 import grpc
 from prometheus_client import CollectorRegistry, Gauge
 
+from inferplane.api import metric_names as m
 from inferplane.control_plane.autoscale.activator import Activator
 from inferplane.control_plane.autoscale.decision import Decision, Policy, Sample, State, decide
 from inferplane.control_plane.autoscale.signals import ReplicaSignals, Targets, saturation
@@ -60,13 +61,13 @@ class Scaler(Protocol):
 class AutoscalerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         kw = {"registry": registry} if registry is not None else {}
-        self.desired = Gauge("inferplane_autoscaler_desired_replicas", "Replicas the autoscaler wants",
+        self.desired = Gauge(m.AUTOSCALER_DESIRED, "Replicas the autoscaler wants", ["deployment"], **kw)
+        self.current = Gauge(m.AUTOSCALER_CURRENT, "Replicas set when it decided", ["deployment"], **kw)
+        self.maximum = Gauge(m.AUTOSCALER_MAX, "The policy's maxReplicas (pinned there: the alert)",
                              ["deployment"], **kw)
-        self.current = Gauge("inferplane_autoscaler_current_replicas", "Replicas set when it decided",
-                             ["deployment"], **kw)
-        self.saturation = Gauge("inferplane_autoscaler_saturation",
+        self.saturation = Gauge(m.AUTOSCALER_SATURATION,
                                 "Load in replicas' worth, averaged over the stable window", ["deployment"], **kw)
-        self.panic = Gauge("inferplane_autoscaler_panic", "1 while the panic window rules", ["deployment"], **kw)
+        self.panic = Gauge(m.AUTOSCALER_PANIC, "1 while the panic window rules", ["deployment"], **kw)
 
 
 class Autoscaler:
@@ -153,7 +154,7 @@ class Autoscaler:
                 decision = replace(decision, desired=current, reason=f"{serving}/{current} replicas still starting",
                                    state=replace(decision.state, last_active=self.clock()))
             target.state, target.last = decision.state, decision
-            self._observe(target.name, current, decision)
+            self._observe(target, current, decision)
             if decision.desired != current:
                 log.info("autoscaler: %s %d -> %d (%s)", target.name, current, decision.desired, decision.reason)
                 victims = self._victims(target, current - decision.desired) if decision.desired < current else []
@@ -164,9 +165,11 @@ class Autoscaler:
             decisions[target.name] = decision
         return decisions
 
-    def _observe(self, name: str, current: int, decision: Decision) -> None:
+    def _observe(self, target: ScaleTarget, current: int, decision: Decision) -> None:
+        name = target.name
         self.metrics.desired.labels(name).set(decision.desired)
         self.metrics.current.labels(name).set(current)
+        self.metrics.maximum.labels(name).set(target.policy.max_replicas)
         self.metrics.saturation.labels(name).set(decision.stable_load)
         self.metrics.panic.labels(name).set(1 if decision.panic else 0)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -12,6 +13,9 @@ from inferplane.control_plane.gateway.catalog import Catalog
 from inferplane.control_plane.gateway.inference import InferenceService
 from inferplane.control_plane.gateway.metrics import GatewayMetrics
 from inferplane.control_plane.tokens import AdminTokenVerifier, authenticate_admin
+
+if TYPE_CHECKING:
+    from inferplane.control_plane.alerts.forwarder import AlertForwarder
 
 
 @dataclass
@@ -26,6 +30,10 @@ class GatewayContext:
     max_body_bytes: int = 1 << 20
     # Folders a platform admin may register weights from over the API (nothing outside them).
     model_roots: tuple[str, ...] = ()
+    # Alert routing: the secret Alertmanager sends (None: its webhook answers 503), and the forwarder
+    # to wake when alerts are enqueued (None: none runs in this process; the next one to poll delivers).
+    alert_webhook_secret: str | None = None
+    alert_forwarder: AlertForwarder | None = None
 
     def tenant_principal(self, credential: str | None) -> Principal:
         if not credential:

@@ -22,9 +22,10 @@ import grpc
 
 from inferplane.control_plane.auth import SCOPE_INFER, Principal
 from inferplane.control_plane.autoscale.activator import Activator
-from inferplane.control_plane.errors import RequestTooLarge
+from inferplane.control_plane.errors import QuotaExceeded, RateLimited, RequestTooLarge
 from inferplane.control_plane.gateway.catalog import Catalog, ServedModel
 from inferplane.control_plane.gateway.errors import GatewayError
+from inferplane.control_plane.gateway.metrics import GatewayMetrics
 from inferplane.control_plane.gateway.worker_client import WorkerChannels
 from inferplane.control_plane.limits import KeyLimiter, KeyLimits, QuotaTracker
 from inferplane.control_plane.routing import Router, RouteRequest, route_and_stream, tenant_cache_salt
@@ -54,7 +55,8 @@ def _limits(principal: Principal) -> KeyLimits:
 class InferenceService:
     def __init__(self, catalog: Catalog, router: Router, channels: WorkerChannels, *, limiter: KeyLimiter,
                  quota: QuotaTracker | None, usage: UsageRecorder | None, salt_secret: bytes,
-                 request_timeout: float = 600.0, activator: Activator | None = None):
+                 request_timeout: float = 600.0, activator: Activator | None = None,
+                 metrics: GatewayMetrics | None = None):
         self.catalog = catalog
         self.router = router
         self.channels = channels
@@ -65,6 +67,7 @@ class InferenceService:
         self.request_timeout = request_timeout
         self._settling: set[asyncio.Task] = set()
         self.activator = activator or Activator()
+        self.metrics = metrics
 
     async def prepare(self, principal: Principal, model_name: str, *, prompt: str | None = None,
                       messages: list[dict[str, str]] | None = None, max_tokens: int | None = None
@@ -89,21 +92,33 @@ class InferenceService:
                                f"the {param} has {len(token_ids)} tokens and max_tokens is {max_tokens}.",
                                "context_length_exceeded", "max_tokens")
         limits = _limits(principal)
-        max_tokens = max_tokens if max_tokens is not None else self._implicit_max_tokens(
-            principal, limits, len(token_ids), room)
-        prepared = PreparedRequest(uuid.uuid4().hex, principal, model, token_ids, max_tokens,
-                                   reserved=len(token_ids) + max_tokens)
         tenant = principal.tenant_id
-        if self.quota is not None and tenant is not None:
-            self.quota.reserve(tenant, prepared.reserved)
-        if principal.key_id is not None:
-            try:
-                await self.limiter.admit(principal.key_id, limits, tokens=prepared.reserved)
-            except BaseException:
-                if self.quota is not None and tenant is not None:
-                    self.quota.release(tenant, prepared.reserved)
-                raise
+        try:
+            max_tokens = max_tokens if max_tokens is not None else self._implicit_max_tokens(
+                principal, limits, len(token_ids), room)
+            prepared = PreparedRequest(uuid.uuid4().hex, principal, model, token_ids, max_tokens,
+                                       reserved=len(token_ids) + max_tokens)
+            if self.quota is not None and tenant is not None:
+                self.quota.reserve(tenant, prepared.reserved)
+            if principal.key_id is not None:
+                try:
+                    await self.limiter.admit(principal.key_id, limits, tokens=prepared.reserved)
+                except BaseException:
+                    if self.quota is not None and tenant is not None:
+                        self.quota.release(tenant, prepared.reserved)
+                    raise
+        except QuotaExceeded:
+            self._count_admission(principal, "quota_exceeded")
+            raise
+        except RateLimited:
+            self._count_admission(principal, "rate_limited")
+            raise
+        self._count_admission(principal, "admitted")
         return prepared
+
+    def _count_admission(self, principal: Principal, result: str) -> None:
+        if self.metrics is not None and principal.key_id is not None:
+            self.metrics.key_admission(principal.tenant_id, principal.key_id, result)
 
     def _implicit_max_tokens(self, principal: Principal, limits: KeyLimits, prompt_tokens: int, room: int) -> int:
         """The context room, capped by what the key may spend per minute and the tenant has left."""
@@ -175,6 +190,9 @@ class InferenceService:
         if served and self.usage is not None and principal.tenant_id is not None:
             self.usage.record(principal.tenant_id, prepared.model.name, prompt_tokens=prepared.prompt_tokens,
                               completion_tokens=completion_tokens)
+            if self.metrics is not None:
+                self.metrics.billed(principal.tenant_id, prepared.model.name, prompt_tokens=prepared.prompt_tokens,
+                                    completion_tokens=completion_tokens)
         if self.quota is not None and principal.tenant_id is not None:
             self.quota.release(principal.tenant_id, prepared.reserved)
         if principal.key_id is not None and used != prepared.reserved:

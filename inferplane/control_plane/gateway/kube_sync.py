@@ -65,6 +65,7 @@ class ResourceRoute:
     cache_isolation: str
     model_fingerprint: str  # changes whenever what the workers load (and so Info) may change
     autoscaling: AutoscaleSettings | None = None  # None: the spec's replicas are the user's
+    replicas: int = 1  # spec.replicas (the autoscaler writes it too): the metrics' desired replicas
 
     @property
     def key(self) -> tuple[str, str]:
@@ -97,7 +98,7 @@ def resource_route(obj: Mapping[str, Any]) -> ResourceRoute:
         served_model_name=spec.served_model_name(name), weight=float(spec.serving.weight),
         tier=Tier(spec.serving.tier), block_size=resolve(spec).block_size,
         cache_isolation=spec.cache_isolation, model_fingerprint=_fingerprint(raw_spec),
-        autoscaling=autoscale_settings(spec))
+        autoscaling=autoscale_settings(spec), replicas=spec.replicas)
 
 
 def resource_routes(objs: Iterable[Mapping[str, Any]]) -> list[ResourceRoute]:
@@ -261,7 +262,7 @@ class KubernetesCatalogSync:
 
     def _deployment(self, route: ResourceRoute) -> Deployment:
         return Deployment(route.deployment_name, self._tracked[route.key].source, weight=route.weight,
-                          tier=route.tier, block_size=route.block_size)
+                          tier=route.tier, block_size=route.block_size, desired_replicas=route.replicas)
 
     async def publish(self) -> None:
         """Put each served model that has a replica into the catalog, from that replica's ``Info``.

@@ -1,23 +1,110 @@
-"""The gateway's own Prometheus metrics (the workers export the engine's)."""
+"""The gateway's own Prometheus metrics (the workers export the engine's).
+
+Request counters are bumped where things happen; the platform's state (database reachable, usage
+flush lag, tenants' quota, replicas ready vs desired) is read by `PlatformCollector` at scrape
+time, so it is never stale and costs nothing between scrapes. Names: `inferplane.api.metric_names`.
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from inferplane.api import metric_names as m
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+KEY_RESULTS = ("admitted", "rate_limited", "quota_exceeded")
 
 
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("inferplane_gateway_requests", "tenant API requests by route and status",
+        self.requests = Counter(m.GATEWAY_REQUESTS, "tenant API requests by route and status",
                                 ["route", "status"], registry=self.registry)
-        self.latency = Histogram("inferplane_gateway_request_seconds", "time to the full response (or stream end)",
+        self.latency = Histogram(m.GATEWAY_LATENCY, "time to the full response (or stream end)",
                                  ["route"], buckets=_BUCKETS, registry=self.registry)
-        self.ttft = Histogram("inferplane_gateway_time_to_first_token_seconds", "time to the first streamed token",
+        self.ttft = Histogram(m.GATEWAY_TTFT, "time to the first streamed token",
                               ["model"], buckets=_BUCKETS, registry=self.registry)
-        self.tokens = Counter("inferplane_gateway_tokens", "tokens served by kind", ["model", "kind"],
+        self.tokens = Counter(m.GATEWAY_TOKENS, "tokens served by kind", ["model", "kind"],
                               registry=self.registry)
-        self.limiter_store_errors = Counter("inferplane_gateway_limiter_store_errors",
+        self.limiter_store_errors = Counter(m.GATEWAY_LIMITER_STORE_ERRORS,
                                             "rate-limit store (Redis) calls that failed", ["failure_mode"],
                                             registry=self.registry)
+        self.key_requests = Counter(m.KEY_REQUESTS, "inference requests per API key by admission result",
+                                    ["tenant", "key", "result"], registry=self.registry)
+        self.tenant_tokens = Counter(m.TENANT_TOKENS, "tokens billed per tenant, model and kind",
+                                     ["tenant", "model", "kind"], registry=self.registry)
+
+    def key_admission(self, tenant: str | None, key: str, result: str) -> None:
+        """Counts one admission decision; the key's other results start at 0, so a share is defined."""
+        for other in KEY_RESULTS:
+            self.key_requests.labels(tenant or "", key, other)
+        self.key_requests.labels(tenant or "", key, result).inc()
+
+    def billed(self, tenant: str, model: str, *, prompt_tokens: int, completion_tokens: int) -> None:
+        self.tenant_tokens.labels(tenant, model, "prompt").inc(prompt_tokens)
+        self.tenant_tokens.labels(tenant, model, "completion").inc(completion_tokens)
+
+
+@dataclass(frozen=True)
+class ReplicaCount:
+    model: str
+    deployment: str
+    ready: int
+    desired: int
+
+
+@dataclass
+class PlatformSources:
+    """Where the collector reads the platform's state; each callable is cheap and never blocks on I/O."""
+
+    database_up: Callable[[], bool]
+    usage_last_flush: Callable[[], float | None]  # unix time of the last successful flush (None: none yet)
+    usage_pending: Callable[[], int]
+    quotas: Callable[[], dict[str, tuple[int, int]]]  # tenant -> (quota, used) for tenants with a quota
+    replicas: Callable[[], list[ReplicaCount]]
+
+
+class PlatformCollector:
+    def __init__(self, sources: PlatformSources, started: float | None = None) -> None:
+        self.sources = sources
+        self.started = time.time() if started is None else started
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked collector: families depend on the state at scrape time
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.sources
+        yield _gauge(m.DATABASE_UP, "1 while the control plane's database answers", value=float(s.database_up()))
+        # Before the first flush the start time stands in, so a flush that never succeeds shows as lag.
+        last = s.usage_last_flush()
+        yield _gauge(m.USAGE_FLUSH_LAST_SUCCESS, "unix time of the last successful usage flush",
+                     value=self.started if last is None else last)
+        yield _gauge(m.USAGE_PENDING_RECORDS, "usage rows buffered and not yet written", value=s.usage_pending())
+        quota = GaugeMetricFamily(m.TENANT_QUOTA_TOKENS, "monthly token quota", labels=["tenant"])
+        used = GaugeMetricFamily(m.TENANT_QUOTA_USED_TOKENS, "tokens used this month, reservations included",
+                                 labels=["tenant"])
+        for tenant, (limit, spent) in sorted(s.quotas().items()):
+            quota.add_metric([tenant], limit)
+            used.add_metric([tenant], spent)
+        yield quota
+        yield used
+        ready = GaugeMetricFamily(m.DEPLOYMENT_REPLICAS_READY, "replicas passing health checks",
+                                  labels=["model", "deployment"])
+        desired = GaugeMetricFamily(m.DEPLOYMENT_REPLICAS_DESIRED, "replicas the deployment asks for",
+                                    labels=["model", "deployment"])
+        for count in s.replicas():
+            ready.add_metric([count.model, count.deployment], count.ready)
+            desired.add_metric([count.model, count.deployment], count.desired)
+        yield ready
+        yield desired
+
+
+def _gauge(name: str, documentation: str, *, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation)
+    family.add_metric([], value)
+    return family

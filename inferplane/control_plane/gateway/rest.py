@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 from inferplane.control_plane import auth, registry, tenants, usage
 from inferplane.control_plane.auth import ALL_TENANTS, SCOPE_MODELS_READ, Principal
 from inferplane.control_plane.errors import Forbidden
+from inferplane.control_plane.gateway.alerts_api import alerts_router
 from inferplane.control_plane.gateway.completions import Completions
 from inferplane.control_plane.gateway.context import GatewayContext, bearer
 from inferplane.control_plane.gateway.errors import ERROR_RESPONSES, error_response, install_error_handlers
@@ -79,6 +80,7 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     app = FastAPI(title="inferplane gateway", version="0.1.0", responses=ERROR_RESPONSES,
                   description="OpenAI-compatible inference API with tenants, keys, quotas and routing.")
     install_error_handlers(app)
+    app.include_router(alerts_router(ctx))
 
     # Credential checks are in-memory (key cache, JWT signature): `async def` keeps them on the event
     # loop; a plain `def` dependency costs every request a hop through the thread pool.

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 import uvicorn
 
+from inferplane.control_plane.alerts.forwarder import AlertForwarder, ForwarderSettings
 from inferplane.control_plane.auth import KeyCache
 from inferplane.control_plane.autoscale.activator import Activator
 from inferplane.control_plane.db import init_db, session_factory
@@ -17,7 +18,7 @@ from inferplane.control_plane.gateway.catalog import Catalog
 from inferplane.control_plane.gateway.context import GatewayContext
 from inferplane.control_plane.gateway.grpc_api import InferenceServicer
 from inferplane.control_plane.gateway.inference import InferenceService
-from inferplane.control_plane.gateway.metrics import GatewayMetrics
+from inferplane.control_plane.gateway.metrics import GatewayMetrics, PlatformCollector, PlatformSources, ReplicaCount
 from inferplane.control_plane.gateway.rest import create_asgi_app
 from inferplane.control_plane.gateway.worker_client import WorkerChannels
 from inferplane.control_plane.limits import InProcessKeyLimiter, KeyLimiter, QuotaTracker
@@ -53,6 +54,12 @@ class GatewaySettings:
     rate_limit_unreachable: str = "open"
     # Folders a platform admin may register weights from through the admin API (none: aliases only).
     model_roots: tuple[str, ...] = ()
+    # Alert routing: the secret Alertmanager sends to /alerts/v1/webhook (None: routing off, the
+    # webhook answers 503 and no forwarder runs), and how deliveries to tenants' webhooks are retried.
+    alert_webhook_secret: str | None = None
+    alert_retry_base_delay: float = 1.0
+    alert_max_attempts: int = 8
+    alert_poll_interval: float = 5.0
 
 
 def _key_limiter(settings: GatewaySettings, metrics: GatewayMetrics) -> KeyLimiter:
@@ -80,16 +87,27 @@ class Gateway:
             jwt_verifier = AdminTokenVerifier(JWTSettings(algorithm=settings.jwt_algorithm, key=settings.jwt_key,
                                                           audience=settings.jwt_audience, issuer=settings.jwt_issuer))
         metrics = GatewayMetrics()
+        metrics.registry.register(PlatformCollector(PlatformSources(
+            database_up=lambda: self.keys.database_ok,
+            usage_last_flush=lambda: self.usage.last_flush,
+            usage_pending=self.usage.pending_records,
+            quotas=self.quota.snapshot,
+            replicas=lambda: [ReplicaCount(*row) for row in self.router.replica_counts()])))
         self.limiter = _key_limiter(settings, metrics)
         self.activator = Activator()
         inference = InferenceService(self.catalog, self.router, self.channels, limiter=self.limiter,
                                      activator=self.activator,
-                                     quota=self.quota, usage=self.usage,
+                                     quota=self.quota, usage=self.usage, metrics=metrics,
                                      salt_secret=settings.salt_secret or secrets.token_bytes(32))
+        self.alert_forwarder = AlertForwarder(self.sessions, ForwarderSettings(
+            base_delay=settings.alert_retry_base_delay, max_attempts=settings.alert_max_attempts,
+            poll_interval=settings.alert_poll_interval)) if settings.alert_webhook_secret else None
         self.context = GatewayContext(sessions=self.sessions, keys=self.keys, catalog=self.catalog,
                                       inference=inference, metrics=metrics,
                                       bootstrap_key=settings.bootstrap_key, jwt_verifier=jwt_verifier,
-                                      model_roots=tuple(settings.model_roots))
+                                      model_roots=tuple(settings.model_roots),
+                                      alert_webhook_secret=settings.alert_webhook_secret,
+                                      alert_forwarder=self.alert_forwarder)
         self.app = create_asgi_app(self.context)
         self._http: uvicorn.Server | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -99,6 +117,8 @@ class Gateway:
         self.keys.start()
         self.usage.start()
         self.quota.start()
+        if self.alert_forwarder is not None:
+            self.alert_forwarder.start()  # delivers what earlier runs left pending, then what arrives
         poller = HealthPoller(self.router.health, self.router.addresses)
         self._tasks.append(asyncio.create_task(poller.run(self.settings.health_poll_interval)))
         self._tasks.append(asyncio.create_task(self._prune_channels()))
@@ -144,6 +164,8 @@ class Gateway:
                 task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.channels.close()
+        if self.alert_forwarder is not None:
+            await self.alert_forwarder.stop()
         close = getattr(self.limiter, "close", None)
         if close is not None:
             await close()

@@ -51,6 +51,9 @@ class Deployment:
     max_waiting: int | None = None  # worker-reported queue length that counts as saturated
     load_epsilon: float = 0.25      # bounded-load slack: a replica may hold (1 + eps) x the average
     vnodes: int = 160
+    # Replicas its owner asks for (InferenceDeployment spec.replicas, which the autoscaler also
+    # sets); None: the listed endpoints are all there is to want (a local group).
+    desired_replicas: int | None = None
 
     def __post_init__(self) -> None:
         self.tier = Tier(self.tier)
@@ -139,6 +142,17 @@ class Router:
     def addresses(self) -> set[str]:
         """Every listed replica of every route: what the health poller should check."""
         return {ep.address for deps in self._routes.values() for d in deps for ep in d.source.endpoints()}
+
+    def replica_counts(self) -> list[tuple[str, str, int, int]]:
+        """(model, deployment, ready, desired) per deployment: what the gateway's metrics report."""
+        counts = []
+        for model, deployments in sorted(self._routes.items()):
+            for d in deployments:
+                listed = d.source.endpoints()
+                ready = sum(1 for ep in listed if self.health.is_healthy(ep.address))
+                desired = d.desired_replicas if d.desired_replicas is not None else len(listed)
+                counts.append((model, d.name, ready, desired))
+        return counts
 
     def has_replicas(self, model: str) -> bool:
         """Whether a request for `model` could be picked now (any healthy replica in any tier)."""

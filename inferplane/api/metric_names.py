@@ -1,0 +1,65 @@
+"""Every Prometheus metric name the platform exports, in one place.
+
+The exporters (worker, gateway, autoscaler, operator) and what reads the series (the generated
+alert and recording rules, the Grafana dashboards) both take names from here, so a rename breaks
+at import time instead of leaving a dashboard panel on "No data". Counters are named without
+`_total` (prometheus_client appends it to the exposed series); `SERIES_*` names are what
+Prometheus stores and what PromQL must say.
+"""
+
+from __future__ import annotations
+
+# -- worker (one per replica; labels model, runtime; the ServiceMonitor adds namespace, service, pod)
+WORKER_REQUESTS = "inferplane_worker_requests"  # labels outcome ("ok"|"error"|"cancelled"), finish_reason
+WORKER_TTFT = "inferplane_worker_time_to_first_token_seconds"
+WORKER_TPOT = "inferplane_worker_time_per_output_token_seconds"
+WORKER_E2E = "inferplane_worker_e2e_request_latency_seconds"
+WORKER_PROMPT_TOKENS = "inferplane_worker_prompt_tokens"
+WORKER_GENERATION_TOKENS = "inferplane_worker_generation_tokens"
+WORKER_PREEMPTIONS = "inferplane_worker_preemptions"
+WORKER_PREFIX_QUERY_TOKENS = "inferplane_worker_prefix_cache_query_tokens"
+WORKER_PREFIX_HIT_TOKENS = "inferplane_worker_prefix_cache_hit_tokens"
+WORKER_PREFIX_EVICTED_BLOCKS = "inferplane_worker_prefix_cache_evicted_blocks"
+WORKER_RUNNING = "inferplane_worker_num_requests_running"
+WORKER_WAITING = "inferplane_worker_num_requests_waiting"
+WORKER_KV_USED = "inferplane_worker_kv_blocks_used"
+WORKER_KV_CAPACITY = "inferplane_worker_kv_blocks_capacity"
+WORKER_KV_CACHED = "inferplane_worker_kv_blocks_cached"
+WORKER_KV_PEAK = "inferplane_worker_kv_blocks_peak_used"
+WORKER_TREE_NODES = "inferplane_worker_prefix_cache_tree_nodes"
+WORKER_NATIVE_KERNELS = "inferplane_worker_native_kernels"
+WORKER_WEIGHTS_INFO = "inferplane_worker_weights_info"
+# prometheus_client's process collector, which every worker registers: a restart moves it.
+PROCESS_START_TIME = "process_start_time_seconds"
+
+# -- gateway (control plane; no `namespace` label of its own, the scrape adds the gateway's)
+GATEWAY_REQUESTS = "inferplane_gateway_requests"  # labels route, status (HTTP code)
+GATEWAY_LATENCY = "inferplane_gateway_request_seconds"
+GATEWAY_TTFT = "inferplane_gateway_time_to_first_token_seconds"
+GATEWAY_TOKENS = "inferplane_gateway_tokens"  # labels model, kind
+GATEWAY_LIMITER_STORE_ERRORS = "inferplane_gateway_limiter_store_errors"
+KEY_REQUESTS = "inferplane_key_requests"  # labels tenant, key, result ("admitted"|"rate_limited"|"quota_exceeded")
+TENANT_TOKENS = "inferplane_tenant_tokens"  # labels tenant, model, kind ("prompt"|"completion")
+TENANT_QUOTA_TOKENS = "inferplane_tenant_quota_tokens"  # label tenant; only tenants with a quota
+TENANT_QUOTA_USED_TOKENS = "inferplane_tenant_quota_used_tokens"  # label tenant; this month, reservations included
+USAGE_FLUSH_LAST_SUCCESS = "inferplane_usage_flush_last_success_timestamp_seconds"
+USAGE_PENDING_RECORDS = "inferplane_usage_pending_records"
+DATABASE_UP = "inferplane_database_up"
+DEPLOYMENT_REPLICAS_READY = "inferplane_deployment_replicas_ready"  # labels model, deployment
+DEPLOYMENT_REPLICAS_DESIRED = "inferplane_deployment_replicas_desired"
+
+# -- autoscaler (inside the gateway; label deployment)
+AUTOSCALER_DESIRED = "inferplane_autoscaler_desired_replicas"
+AUTOSCALER_CURRENT = "inferplane_autoscaler_current_replicas"
+AUTOSCALER_MAX = "inferplane_autoscaler_max_replicas"
+AUTOSCALER_SATURATION = "inferplane_autoscaler_saturation"
+AUTOSCALER_PANIC = "inferplane_autoscaler_panic"
+
+# -- operator
+OPERATOR_BUILD_INFO = "inferplane_operator_build_info"  # label version
+OPERATOR_RECONCILES = "inferplane_operator_reconciles"  # label result ("ok"|"error")
+
+
+def series(counter: str) -> str:
+    """The stored name of a counter declared without `_total`."""
+    return f"{counter}_total"

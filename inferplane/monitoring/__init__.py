@@ -1,0 +1,1 @@
+"""What Prometheus and Grafana read: alert and recording rules, dashboards (generated, never hand-kept)."""
