@@ -148,7 +148,8 @@ def _saturation_alerts(spec: InferenceDeploymentSpec, scope: DeploymentScope) ->
               "and preempts running sequences (they are recomputed later): add replicas or KV memory.",
               for_="10m", labels=labels),
         Alert("InferplaneQueueGrowing",
-              f"min_over_time({WAITING}{{{w}}}[15m]) > 0\n and deriv({WAITING}{{{w}}}[15m]) > 0", "warning",
+              # deriv first: `and` keeps the left side's value, the growth the description reports.
+              f"deriv({WAITING}{{{w}}}[15m]) > 0\n and min_over_time({WAITING}{{{w}}}[15m]) > 0", "warning",
               f"{name}: waiting queue growing",
               f"Requests have waited on {scope.namespace}/{name} for 15 minutes without the queue ever "
               "emptying, and it keeps growing ({{ $value }} more per second): demand exceeds capacity.",
@@ -165,8 +166,9 @@ def _saturation_alerts(spec: InferenceDeploymentSpec, scope: DeploymentScope) ->
               f"Worker processes of {scope.namespace}/{name} restarted {{{{ $value }}}} times in 30 minutes "
               "(out of memory, a crash at load, or a failing liveness probe).", labels=labels),
         Alert("InferplaneReplicasNotReady",
-              f"sum by (deployment) ({m.DEPLOYMENT_REPLICAS_READY}{{{g}}})\n"
-              f" < sum by (deployment) ({m.DEPLOYMENT_REPLICAS_DESIRED}{{{g}}})", "warning",
+              # max, not sum: every gateway replica reports the same deployment.
+              f"max by (deployment) ({m.DEPLOYMENT_REPLICAS_READY}{{{g}}})\n"
+              f" < max by (deployment) ({m.DEPLOYMENT_REPLICAS_DESIRED}{{{g}}})", "warning",
               f"{name}: fewer replicas ready than desired",
               f"{scope.namespace}/{name} has had {{{{ $value }}}} ready replicas, fewer than desired, for longer "
               f"than a rollout takes ({ROLLOUT_GRACE}): pods pending, crashing or failing health checks.",
@@ -175,8 +177,9 @@ def _saturation_alerts(spec: InferenceDeploymentSpec, scope: DeploymentScope) ->
     if spec.autoscaling.enabled:
         alerts.append(Alert(
             "InferplaneAutoscalerAtMax",
-            f"{m.AUTOSCALER_DESIRED}{{{g}}} >= {m.AUTOSCALER_MAX}{{{g}}}\n"
-            f" and {m.AUTOSCALER_SATURATION}{{{g}}} > {m.AUTOSCALER_MAX}{{{g}}}", "warning",
+            # saturation first: its value (the load in replicas' worth) is what the description reports.
+            f"{m.AUTOSCALER_SATURATION}{{{g}}} > {m.AUTOSCALER_MAX}{{{g}}}\n"
+            f" and {m.AUTOSCALER_DESIRED}{{{g}}} >= {m.AUTOSCALER_MAX}{{{g}}}", "warning",
             f"{name}: autoscaler pinned at maxReplicas",
             f"{scope.namespace}/{name} runs at maxReplicas and its load asks for {{{{ $value }}}} replicas' worth: "
             "raise maxReplicas or expect queueing.", for_="15m", labels=labels))
