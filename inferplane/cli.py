@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "crd": ("inferplane.crd_cli", "print the InferenceDeployment CRD generated from the spec models"),
     "monitoring": ("inferplane.monitoring_cli", "Prometheus rules and Grafana dashboards: render|rules"),
     "quant-check": ("inferplane.worker.quant.cli", "int8 quality gate: perplexity, agreement, KL"),
+    "fetch-model": ("inferplane.storage.cli", "fetch and verify model weights into the node cache"),
 }
 
 

@@ -3,6 +3,7 @@
 `api/` is the bottom floor; `worker/`, `operator/` and `control_plane/` stand on it and never import
 each other: what two of them share moves down into `api/`. `local/`, `bench/` and `cli.py` compose
 them and may import anything.
+`monitoring/` (rules, dashboards) and `storage/` (weights by URI) stand on `api/` alone.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "inferplane"
 FORBIDDEN = {
-    "api": {"worker", "operator", "control_plane", "local", "bench", "monitoring"},
+    "api": {"worker", "operator", "control_plane", "local", "bench", "monitoring", "storage"},
+    # Fetching weights by URI into the node cache: the registry, the operator and the local
+    # supervisor all use it, so it stands on api/ alone.
+    "storage": {"worker", "operator", "control_plane", "local", "bench", "monitoring"},
     # Rules and dashboards read only api/ (metric names, the spec); the operator renders them.
     "monitoring": {"worker", "operator", "control_plane", "local", "bench"},
     "worker": {"operator", "control_plane", "local", "monitoring"},

@@ -24,7 +24,7 @@ class _StatusPart(BaseModel):
 class Condition(_StatusPart):
     """A Kubernetes-style condition; lastTransitionTime changes only when status does."""
 
-    type: Literal["Ready", "Progressing", "Degraded"]
+    type: Literal["Ready", "Progressing", "Degraded", "ModelResolved"]
     status: Literal["True", "False", "Unknown"]
     reason: str | None = None
     message: str | None = None
@@ -43,6 +43,16 @@ class AutoscalerStatus(_StatusPart):
     reason: str | None = None
 
 
+class ModelStatus(_StatusPart):
+    """The registry entry `spec.model.name` resolved to: what the workers fetch and verify."""
+
+    name: str
+    version: str
+    sha256: str
+    uri: str
+    format: str
+
+
 class InferenceDeploymentStatus(_StatusPart):
     phase: Phase | None = None
     observed_generation: int | None = None
@@ -53,5 +63,6 @@ class InferenceDeploymentStatus(_StatusPart):
     runtime_reason: str | None = None
     endpoints: list[str] = Field(default_factory=list)
     autoscaler: AutoscalerStatus | None = None
+    model: ModelStatus | None = None
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})

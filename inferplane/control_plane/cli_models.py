@@ -14,8 +14,14 @@ from inferplane.control_plane.cli_common import add_db_arguments, cli_actor, pri
 
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="models_command", required=True)
-    register = sub.add_parser("register", help="register weights from a path or alias (e.g. smollm2-135m)")
-    register.add_argument("source", help="a GGUF file, a Hugging Face model folder, or an alias")
+    register = sub.add_parser("register", help="register weights from a path, URI or alias (e.g. smollm2-135m)",
+                              description="inferplane models register SOURCE [--name N], or "
+                                          "inferplane models register NAME --uri URI")
+    register.add_argument("source", help="a GGUF file, a Hugging Face model folder, an alias, or with --uri the name")
+    register.add_argument("--uri", default=None,
+                          help="where the weights are: a path, file://, http(s)://, s3://bucket/key (a key ending "
+                               "in / is a folder), or pvc://claim/path (with --sha256 and --format)")
+    register.add_argument("--format", default=None, choices=["gguf", "hf"], help="needed for pvc:// only")
     register.add_argument("--name", default=None, help="served name (default: alias or file name)")
     register.add_argument("--version", default=None, help="default: the next integer")
     register.add_argument("--sha256", default=None, help="expected checksum; a mismatch marks it failed")
@@ -72,10 +78,11 @@ def _register(args: argparse.Namespace, sessions: Any) -> int:
     with sessions.begin() as s:
         model = register_model(
             s,
-            args.source,
+            args.uri or args.source,
             actor=cli_actor(),
-            name=args.name,
+            name=args.source if args.uri else args.name,
             version=args.version,
+            model_format=args.format,
             owner_tenant_id=args.tenant,
             visibility="public" if args.public or not args.tenant else "private",
             expected_sha256=args.sha256,
@@ -84,7 +91,7 @@ def _register(args: argparse.Namespace, sessions: Any) -> int:
         print_json(model)
     else:
         _print_one(model)
-    return 0 if model.status == "verified" else 1
+    return 0 if model.status == "verified" or (model.status == "registered" and model.uri.startswith("pvc://")) else 1
 
 
 def _list(args: argparse.Namespace, sessions: Any) -> int:
@@ -130,7 +137,7 @@ def _verify(args: argparse.Namespace, sessions: Any) -> int:
     with sessions.begin() as s:
         model = verify_model(s, _scope(args), args.ref, actor=cli_actor())
     print_json(model) if args.json else _print_one(model)
-    return 0 if model.status == "verified" else 1
+    return 0 if model.status == "verified" or (model.status == "registered" and model.uri.startswith("pvc://")) else 1
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,13 +30,14 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
+from inferplane.api.model_resolution import BUILTIN_MODELS, ModelResolutionError, ResolvedModel, model_ref_text
 from inferplane.control_plane import audit
 from inferplane.control_plane.auth import ALL_TENANTS, TenantScope
 from inferplane.control_plane.errors import Conflict, Forbidden, InvalidInput, NotFound
@@ -75,6 +76,7 @@ def _smollm2_135m() -> Path:
 
 
 ALIASES: dict[str, Callable[[], Path]] = {"smollm2-135m": _smollm2_135m}
+assert set(ALIASES) == BUILTIN_MODELS, "the registry's aliases are the models every worker image has"
 
 
 def resolve_source(source: str | Path) -> tuple[Path, str | None]:
@@ -95,6 +97,10 @@ def confine_source(source: str, roots: Sequence[str | Path], *, platform_admin: 
     admin, and only inside `roots` (symlinks resolved first, so none leads out). A refused path gets
     the same answer whether or not it exists: the API is no oracle for the gateway's file system."""
     if source in ALIASES:
+        return source
+    if uri_scheme(source) != "file":  # fetched from object storage or a claim: no local file is read
+        if not platform_admin:
+            raise Forbidden("registering weights from a URI is a platform admin's operation")
         return source
     if not platform_admin:
         raise Forbidden("registering weights from a server path is a platform admin's operation; a tenant "
@@ -299,6 +305,63 @@ def _next_version(session: Session, namespace: str, name: str) -> str:
     return str(max(numbers, default=0) + 1)
 
 
+REMOTE_SCHEMES = ("http", "https", "s3")
+
+
+def uri_scheme(source: str | Path) -> str:
+    """"http", "https", "s3", "pvc", or "file" (paths, file:// URIs and aliases)."""
+    scheme = urlparse(str(source)).scheme
+    return scheme if scheme in (*REMOTE_SCHEMES, "pvc") else "file"
+
+
+@dataclass(frozen=True)
+class _Inspected:
+    uri: str
+    format: str
+    meta: ModelMetadata | None
+    status: str
+    detail: str | None
+
+
+def _inspect_local(source: str | Path, expected_sha256: str | None) -> tuple[_Inspected, str | None, Path]:
+    path, alias = resolve_source(source)
+    fmt = detect_format(path)
+    status, detail = "verified", None
+    try:
+        meta: ModelMetadata | None = inspect_model(path)
+    except CorruptWeights as e:
+        meta, status, detail = None, "failed", str(e)
+    if meta is not None and expected_sha256 is not None and meta.sha256 != expected_sha256:
+        status, detail = "failed", f"sha256 mismatch: expected {expected_sha256}, file has {meta.sha256}"
+    return _Inspected(path.as_uri(), fmt, meta, status, detail), alias, path
+
+
+def _inspect_remote(uri: str, expected_sha256: str | None, cache_root: Path | None) -> _Inspected:
+    """Fetches into the digest-keyed cache (verifying against `expected_sha256` when given), then
+    reads the header as for a local file; the row keeps the remote URI, which workers fetch."""
+    from inferplane.storage.cache import default_cache_root
+    from inferplane.storage.fetch import DigestMismatch, FetchError, fetch_model
+
+    try:
+        fetched = fetch_model(uri, cache_root or default_cache_root(), sha256=expected_sha256)
+    except DigestMismatch as e:
+        return _Inspected(uri, "gguf" if not uri.endswith("/") else "hf", None, "failed", str(e))
+    except (FetchError, ValueError) as e:
+        raise InvalidInput(f"cannot fetch {uri}: {e}") from None
+    inspected, _, _ = _inspect_local(fetched.path, expected_sha256)
+    return _Inspected(uri, inspected.format, inspected.meta, inspected.status, inspected.detail)
+
+
+def _pvc_entry(uri: str, expected_sha256: str | None, fmt: str | None) -> _Inspected:
+    """A PVC is not mounted here: its digest and format are the registrant's word, checked by every
+    pod's fetch-model init container before the worker loads anything."""
+    if expected_sha256 is None or fmt not in ("gguf", "hf"):
+        raise InvalidInput("a pvc:// model needs --sha256 and --format gguf|hf: the control plane cannot read "
+                           "the claim; each pod verifies the digest before loading")
+    meta = ModelMetadata(fmt, expected_sha256, 0, None, None)
+    return _Inspected(uri, fmt, meta, "registered", "on a PVC: verified by each pod before it loads")
+
+
 def register_model(
     session: Session,
     source: str | Path,
@@ -309,8 +372,12 @@ def register_model(
     owner_tenant_id: str | None = None,
     visibility: str | None = None,
     expected_sha256: str | None = None,
+    model_format: str | None = None,
+    cache_root: Path | None = None,
 ) -> ModelInfo:
-    """Registers weights at `source` (a path, `file://` URI or alias such as "smollm2-135m").
+    """Registers weights at `source`: a path, `file://` URI or alias such as "smollm2-135m"; an
+    `http(s)://` or `s3://` URI (fetched into the cache at `cache_root` to be checked and read); or
+    `pvc://claim/path` (needs `expected_sha256` and `model_format`, see `_pvc_entry`).
 
     Defaults: name = the alias or the file/folder name; version = next integer for that name;
     visibility = private for a tenant's model, public for a platform model. A checksum mismatch
@@ -318,16 +385,22 @@ def register_model(
     sees it in `list`; the caller checks `status`. Raises `InvalidInput` for a missing path or bad
     names, `Conflict` if the version exists or the name belongs to another owner.
     """
-    path, alias = resolve_source(source)
-    name = name or alias or (path.stem if path.is_file() else path.name)
-    if not NAME_RE.match(name):
-        raise InvalidInput(f"invalid model name {name!r}: letters, digits, '.', '_', '-', '/'; up to 128")
-    if version is not None and not VERSION_RE.match(version):
-        raise InvalidInput(f"invalid model version {version!r}")
     if expected_sha256 is not None:
         expected_sha256 = expected_sha256.lower()
         if not SHA256_RE.match(expected_sha256):
             raise InvalidInput("expected sha256 must be 64 hex digits")
+    scheme = uri_scheme(source)
+    alias = None
+    if scheme == "file":
+        path, alias = resolve_source(source)
+        default_name = alias or (path.stem if path.is_file() else path.name)
+    else:
+        default_name = PurePosixPath(urlparse(str(source)).path.rstrip("/")).name.removesuffix(".gguf")
+    name = name or default_name
+    if not NAME_RE.match(name):
+        raise InvalidInput(f"invalid model name {name!r}: letters, digits, '.', '_', '-', '/'; up to 128")
+    if version is not None and not VERSION_RE.match(version):
+        raise InvalidInput(f"invalid model version {version!r}")
     visibility = visibility or ("private" if owner_tenant_id else "public")
     if visibility not in ("public", "private"):
         raise InvalidInput(f"visibility must be public or private, got {visibility!r}")
@@ -347,27 +420,26 @@ def register_model(
     if any(r.version == version for r in existing):
         raise Conflict(f"model {name}:{version} already exists")
 
-    fmt = detect_format(path)
-    status, detail = "verified", None
-    try:
-        meta: ModelMetadata | None = inspect_model(path)
-    except CorruptWeights as e:
-        meta, status, detail = None, "failed", str(e)
-    if meta is not None and expected_sha256 is not None and meta.sha256 != expected_sha256:
-        status, detail = "failed", f"sha256 mismatch: expected {expected_sha256}, file has {meta.sha256}"
+    if scheme == "file":
+        inspected, _, _ = _inspect_local(source, expected_sha256)
+    elif scheme == "pvc":
+        inspected = _pvc_entry(str(source), expected_sha256, model_format)
+    else:
+        inspected = _inspect_remote(str(source), expected_sha256, cache_root)
+    meta = inspected.meta
     now = utcnow()
     row = Model(
         namespace=namespace,
         name=name,
         version=version,
-        uri=path.as_uri(),
-        format=fmt,
+        uri=inspected.uri,
+        format=inspected.format,
         sha256=meta.sha256 if meta else None,
         size_bytes=meta.size_bytes if meta else None,
         architecture=meta.architecture if meta else None,
         context_length=meta.context_length if meta else None,
-        status=status,
-        status_detail=detail,
+        status=inspected.status,
+        status_detail=inspected.detail,
         owner_tenant_id=owner_tenant_id,
         visibility=visibility,
         created_at=now,
@@ -381,9 +453,26 @@ def register_model(
         action="model.register",
         target=f"{name}:{version}",
         tenant_id=owner_tenant_id,
-        detail={"uri": row.uri, "status": status, "sha256": row.sha256},
+        detail={"uri": row.uri, "status": row.status, "sha256": row.sha256},
     )
     return _info(row)
+
+
+def resolve_for_deployment(session: Session, name: str, version: str | None) -> ResolvedModel:
+    """What a deployment's `model: {name, version}` runs: a platform model (a tenant's private
+    registration never backs a deployment), that version or the latest verified one. PVC entries
+    count as servable: the pods verify them. Raises `ModelResolutionError` naming name and version."""
+    ref = model_ref_text(name, version)
+    try:
+        rows = _find(session, PLATFORM, name, version)
+    except NotFound:
+        raise ModelResolutionError("ModelNotFound", f"model {ref} is not in the registry") from None
+    servable = [r for r in rows if r.status == "verified" or (r.status == "registered" and r.uri.startswith("pvc://"))]
+    row = _latest(servable or rows)
+    if not servable or row.sha256 is None:
+        raise ModelResolutionError("ModelNotVerified", f"model {row.name}@{row.version} is {row.status}"
+                                   + (f": {row.status_detail}" if row.status_detail else ""))
+    return ResolvedModel(row.name, row.version, row.uri, row.sha256, row.format, row.size_bytes)
 
 
 def _find(session: Session, tenant: TenantScope, name: str, version: str | None) -> list[Model]:

@@ -75,7 +75,9 @@ async def _main(args: argparse.Namespace) -> int:
     import signal
 
     from inferplane.api.deployment import SpecError
+    from inferplane.api.model_resolution import ModelResolutionError
     from inferplane.local.platform import LocalPlatform, read_manifests
+    from inferplane.storage.fetch import FetchError
 
     try:
         manifests = read_manifests(args.files)
@@ -90,7 +92,16 @@ async def _main(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await platform.start()
+        try:
+            await platform.start()
+        except (ModelResolutionError, FetchError, ValueError) as exc:  # InvalidInput is a ValueError
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 2
+        for name, fetched in platform.fetches.items():
+            how = (f"fetched {fetched.size_bytes / 2**20:.1f} MiB in {fetched.fetch_seconds:.2f} s"
+                   if fetched.downloaded else "in the cache")
+            print(f"model of {name}: {how}, verified in {fetched.verify_seconds:.2f} s ({fetched.sha256[:12]})",
+                  flush=True)
         print(f"starting workers (logs in {platform.home / 'logs'}) ...", flush=True)
         ready = asyncio.create_task(platform.wait_ready(args.ready_timeout))
         done, _ = await asyncio.wait({ready, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
+from inferplane.api.model_resolution import ModelResolutionError
 from inferplane.api.resolve import served_cache_isolation
 from inferplane.api.tokenizer import TextTokenizer
 from inferplane.control_plane import auth, registry, tenants
@@ -29,6 +30,7 @@ from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
 from inferplane.control_plane.routing import Deployment
 from inferplane.local import runstate
 from inferplane.local.supervisor import LocalDeployment, Replica, Supervisor, SupervisorScaler
+from inferplane.storage.fetch import FetchResult, fetch_model
 from inferplane.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -86,11 +88,17 @@ class LocalPlatform:
         salt_file = home / "salt-secret"
         if not salt_file.exists():
             _secret_file(salt_file, secrets.token_hex(32))
+        # Alert routing is on locally too: point an Alertmanager at /alerts/v1/webhook with this
+        # file as its bearer credentials_file (README, "Alert routing").
+        alert_file = home / "alert-webhook-secret"
+        if not alert_file.exists():
+            _secret_file(alert_file, secrets.token_urlsafe(32))
         self.admin_key = admin_file.read_text().strip()
         settings = GatewaySettings(db_url=f"sqlite:///{home / 'inferplane.db'}", host=host, port=port,
                                    grpc_port=grpc_port, bootstrap_key=self.admin_key,
                                    salt_secret=bytes.fromhex(salt_file.read_text().strip()),
-                                   model_roots=(str(home / "models"),))
+                                   model_roots=(str(home / "models"),),
+                                   alert_webhook_secret=alert_file.read_text().strip())
         self.gateway = Gateway(settings)
         self.supervisor = Supervisor(home, on_ready=self._replica_ready)
         self.autoscaler = Autoscaler(
@@ -100,6 +108,7 @@ class LocalPlatform:
         self._autoscaling: asyncio.Task | None = None
         self._run_state: asyncio.Task | None = None
         self.tenant_key: str | None = None
+        self.fetches: dict[str, FetchResult] = {}  # deployment name -> how its registry weights were fetched
 
     def bootstrap(self) -> None:
         """First start only: the default tenant and its key (printed once, never stored)."""
@@ -115,24 +124,29 @@ class LocalPlatform:
             self.tenant_key = created.secret
 
     def _model_path(self, manifest: Manifest) -> str:
-        """Registers the deployment's model (once) and returns what the worker should load."""
+        """What the worker should load. A registry name resolves as in a cluster
+        (`registry.resolve_for_deployment`) and its weights are fetched and verified into
+        `<home>/model-cache` (a local path is verified in place); a `uri` is registered once."""
         model = manifest.spec.model
-        with self.gateway.sessions.begin() as session:
-            if model.name is not None:
+        if model.name is not None:
+            with self.gateway.sessions.begin() as session:
                 try:
-                    # The platform's namespace only: a tenant's private registration never backs a deployment.
-                    info = registry.resolve_model(session, registry.PLATFORM, model.name if model.version is None
-                                                  else f"{model.name}:{model.version}")
-                    return str(info.path)
-                except NotFound:
+                    resolved = registry.resolve_for_deployment(session, model.name, model.version)
+                except ModelResolutionError:
+                    if model.name not in registry.ALIASES or model.version is not None:
+                        raise
                     info = registry.register_model(session, model.name, actor="inferplane-up", name=model.name)
                     return str(info.path)
-            uri = model.uri or ""
+            fetched = fetch_model(resolved.uri, self.home / "model-cache", sha256=resolved.sha256)
+            self.fetches[manifest.name] = fetched
+            return str(fetched.path)
+        uri = model.uri or ""
+        with self.gateway.sessions.begin() as session:
             try:
                 registry.register_model(session, uri, actor="inferplane-up", name=manifest.name)
             except Conflict:
                 pass
-            return uri.removeprefix("file://")
+        return uri.removeprefix("file://")
 
     def run_state(self) -> dict:
         """What runs, for run.json (`inferplane status`, and the next start's leftover cleanup)."""

@@ -119,9 +119,8 @@ class Supervisor:
     def command(self, deployment: LocalDeployment, replica: Replica) -> tuple[list[str], dict[str, str]]:
         invocation = worker_invocation(deployment.name, deployment.spec, resolved=deployment.resolved,
                                        host="127.0.0.1", port=replica.port, metrics_port=replica.metrics_port,
-                                       model_root=str(self.home / "models"))
+                                       model_argument=deployment.model_arg)
         args = list(invocation.args)
-        args[args.index("--model") + 1] = deployment.model_arg
         # `inferplane worker` as this interpreter runs it, so the process uses the same environment.
         command = [sys.executable, "-m", "inferplane.cli", *invocation.command[1:], *args]
         # The home marks the process as this supervisor's (runstate.end_leftovers checks it).

@@ -28,6 +28,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--worker-image", default=os.environ.get("INFERPLANE_WORKER_IMAGE", DEFAULT_IMAGE),
                         help="image for worker pods when spec.image is unset (default: %(default)s)")
+    models = parser.add_argument_group("registry models (spec.model.name resolved, fetched and verified per node)")
+    models.add_argument("--registry-url", default=os.environ.get("INFERPLANE_REGISTRY_URL"),
+                        help="the control plane's base URL; unset: a model name is an alias the image knows")
+    models.add_argument("--registry-token-file", default=os.environ.get("INFERPLANE_REGISTRY_TOKEN_FILE"),
+                        help="a platform admin credential for the registry (re-read on every call)")
+    cache = models.add_mutually_exclusive_group()
+    cache.add_argument("--model-cache-host-path", default=None,
+                       help="share fetched weights between pods of a node in this hostPath (default: per pod)")
+    cache.add_argument("--model-cache-pvc", default=None, help="or in this PersistentVolumeClaim")
+    models.add_argument("--model-storage-secret", default=None,
+                        help="a Secret with AWS_* variables for s3:// weights, given to the fetch-model step")
+    models.add_argument("--s3-endpoint-url", default=None, help="an S3-compatible endpoint (MinIO, Ceph...)")
     parser.add_argument("--no-monitoring", action="store_true",
                         help="do not create ServiceMonitor/PrometheusRule (no Prometheus operator CRDs)")
     parser.add_argument("--no-events", action="store_true", help="do not post Kubernetes Events")
@@ -55,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     import inferplane.operator.handlers  # noqa: F401  (registers the handlers)
     from inferplane.operator.config import OperatorConfig, WebhookConfig
+    from inferplane.operator.model_pod import ModelCache
     from inferplane.operator.webhook import parse_service
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -72,9 +85,20 @@ def run(args: argparse.Namespace) -> int:
     # kopf makes peering mandatory whenever a peering name is passed, even with standalone=True,
     # and then pauses every watch for want of the peering object: standalone passes no name.
     peering = None if args.standalone else args.peering
+    registry = None
+    if args.registry_url:
+        from pathlib import Path
+
+        from inferplane.operator.registry_client import RegistryClient
+
+        registry = RegistryClient(args.registry_url,
+                                  token_file=Path(args.registry_token_file) if args.registry_token_file else None)
+    cache = ModelCache(host_path=args.model_cache_host_path, claim=args.model_cache_pvc,
+                       storage_secret=args.model_storage_secret, s3_endpoint_url=args.s3_endpoint_url)
     config = OperatorConfig(worker_image=args.worker_image, monitoring=not args.no_monitoring, webhook=webhook,
                             post_events=not args.no_events, peering_name=peering,
-                            namespaces=tuple(namespaces), clusterwide=args.all_namespaces)
+                            namespaces=tuple(namespaces), clusterwide=args.all_namespaces,
+                            registry=registry, model_cache=cache)
     if args.metrics_port:
         from inferplane.operator.metrics import METRICS
 

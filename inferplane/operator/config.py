@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from inferplane.operator.manifests import DEFAULT_IMAGE
+from inferplane.operator.model_pod import ModelCache
 
 
 @dataclass(frozen=True)
@@ -34,4 +36,8 @@ class OperatorConfig:
     namespaces: tuple[str, ...] = ()  # what the operator watches (for the peering check)
     clusterwide: bool = False
     max_backoff_seconds: float = 60.0
+    # Resolves spec.model.name through the control plane's registry (a RegistryClient); None: a
+    # name is an alias the worker image knows (no fetch, no digest).
+    registry: Any = None
+    model_cache: ModelCache = field(default_factory=ModelCache)
     extra: dict[str, str] = field(default_factory=dict)

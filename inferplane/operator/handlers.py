@@ -20,12 +20,13 @@ from typing import Any
 import kopf
 
 from inferplane.api.deployment import GROUP, PLURAL, VERSION, InferenceDeploymentSpec, SpecError
+from inferplane.api.model_resolution import BUILTIN_MODELS, ModelResolutionError, ResolvedModel
 from inferplane.api.resolve import resolve
 from inferplane.operator import manifests, peering
 from inferplane.operator.config import OperatorConfig
 from inferplane.operator.kube import ApiError, KubeClient, path_for, path_of
 from inferplane.operator.metrics import METRICS
-from inferplane.operator.status import compute_status, condition, invalid_status
+from inferplane.operator.status import compute_status, condition, invalid_status, unresolved_model_status
 from inferplane.operator.webhook import ServiceWebhookServer
 
 FINALIZER = "inferplane.io/finalizer"
@@ -109,6 +110,9 @@ async def close_client(memo: kopf.Memo, **_: Any) -> None:
     client = memo.pop("client", None)
     if client is not None:
         await client.close()
+    registry = _config(memo).registry
+    if registry is not None:
+        await registry.close()
 
 
 # ---- admission ----------------------------------------------------------------------------------
@@ -167,8 +171,9 @@ async def _reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: 
     config, client = _config(memo), _client(memo)
     parsed = _parse(spec, patch, meta, status)
     resolved = resolve(parsed)
+    model = await _resolve_model(parsed, config, patch, meta, status, retry, logger)
     desired = manifests.children(body, parsed, image=config.worker_image, monitoring=config.monitoring,
-                                 resolved=resolved)
+                                 resolved=resolved, model=model, cache=config.model_cache)
     try:
         for child in desired:
             await _apply(client, child, logger)
@@ -182,7 +187,27 @@ async def _reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: 
     patch.status.update(compute_status(
         name=name, namespace=namespace, desired_replicas=parsed.replicas, resolved=resolved,
         deployment=deployment, generation=meta.get("generation"),
-        previous_conditions=status.get("conditions") or []))
+        previous_conditions=status.get("conditions") or [], model=model))
+
+
+async def _resolve_model(spec: InferenceDeploymentSpec, config: OperatorConfig, patch: kopf.Patch,
+                         meta: Mapping[str, Any], status: Mapping[str, Any], retry: int,
+                         logger: logging.Logger) -> ResolvedModel | None:
+    """The registry entry the spec names, or None (a path, a PVC, a model built into the image, or
+    no registry to ask).
+    An unknown or unverified model: a False ModelResolved condition, no child touched, and another
+    try later (the model may be registered meanwhile)."""
+    name, version = spec.model.name, spec.model.version
+    if name is None or config.registry is None or (name in BUILTIN_MODELS and version is None):
+        return None
+    try:
+        return await config.registry.resolve(name, version)
+    except ModelResolutionError as exc:
+        logger.warning(f"model not resolved: {exc.message}")
+        patch.status.update(unresolved_model_status(exc, generation=meta.get("generation"),
+                                                    previous_conditions=status.get("conditions") or []))
+        delay = _retry_delay(retry, config) if exc.retryable else config.max_backoff_seconds
+        raise kopf.TemporaryError(exc.message, delay=delay) from exc
 
 
 def _degraded(reason: str, message: str, meta: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, Any]:
@@ -207,10 +232,12 @@ async def child_deployment_changed(type: str | None, body: kopf.Body, namespace:
     except SpecError:
         return  # reconcile reports invalid specs
     current = parent.get("status") or {}
+    resolved_model = current.get("model")
     new = compute_status(
         name=owner, namespace=namespace, desired_replicas=parsed.replicas, resolved=resolve(parsed),
         deployment=body, generation=parent.get("metadata", {}).get("generation"),
-        previous_conditions=current.get("conditions") or [])
+        previous_conditions=current.get("conditions") or [],
+        model=ResolvedModel.from_dict(resolved_model) if resolved_model and parsed.model.name else None)
     if any(current.get(key) != value for key, value in new.items()):
         await client.patch_status(owner_path, new)
 

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inferplane.api.deployment import API_VERSION, KIND, InferenceDeploymentSpec
+from inferplane.api.model_resolution import ResolvedModel
 from inferplane.api.resolve import ResolvedDeployment, resolve
 from inferplane.monitoring.deployment_rules import DeploymentScope, deployment_groups
 from inferplane.monitoring.rules import rule_file
+from inferplane.operator import model_pod
 
 GRPC_PORT = 50051
 METRICS_PORT = 9090
-MODEL_ROOT = "/models"
 DEFAULT_IMAGE = "ghcr.io/inferplane/inferplane:0.1.0"
 PRE_STOP_SECONDS = 5  # lets endpoints drop a terminating pod before it starts refusing work
 
@@ -37,9 +38,6 @@ MANAGED_BY = "inferplane-operator"
 ANNOTATION_HASH = "inferplane.io/spec-hash"
 ANNOTATION_SERVED_MODEL = "inferplane.io/served-model-name"
 ANNOTATION_WEIGHT = "inferplane.io/weight"
-
-# Worker metrics the SLO alerts read (exported by the worker on --metrics-port).
-
 
 @dataclass(frozen=True)
 class WorkerInvocation:
@@ -75,18 +73,6 @@ def _label_value(text: str) -> str:
     return value.strip("-._") or "none"
 
 
-def model_argument(name: str, spec: InferenceDeploymentSpec, model_root: str = MODEL_ROOT) -> str:
-    """--model: the registry name, or the weights' path as the worker sees it (PVCs mount at model_root)."""
-    model = spec.model
-    if model.name is not None:
-        return model.name
-    pvc = model.pvc
-    if pvc is not None:
-        return f"{model_root}/{pvc[1]}".rstrip("/")
-    assert model.uri is not None
-    return model.uri
-
-
 def worker_invocation(
     name: str,
     spec: InferenceDeploymentSpec,
@@ -95,12 +81,13 @@ def worker_invocation(
     host: str = "0.0.0.0",
     port: int = GRPC_PORT,
     metrics_port: int = METRICS_PORT,
-    model_root: str = MODEL_ROOT,
+    model_argument: str | None = None,
 ) -> WorkerInvocation:
-    """The worker's command line and environment for one replica of `name`."""
+    """The worker's command line and environment for one replica of `name`; `model_argument` is
+    what --model says (default: as `model_pod.plan` says without a registry)."""
     resolved = resolved or resolve(spec)
     args = [
-        "--model", model_argument(name, spec, model_root),
+        "--model", model_argument or model_pod.plan(spec, None, image="").argument,
         "--host", host,
         "--port", str(port),
         "--metrics-port", str(metrics_port),
@@ -138,14 +125,13 @@ def _grpc_probe(period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
 
 
 def worker_container(name: str, spec: InferenceDeploymentSpec, *,
-                     resolved: ResolvedDeployment, image: str) -> dict[str, Any]:
+                     resolved: ResolvedDeployment, image: str, weights: model_pod.ModelPlan) -> dict[str, Any]:
     """The worker container: the invocation plus probes, ports, resources and a locked-down context."""
-    invocation = worker_invocation(name, spec, resolved=resolved)
+    invocation = worker_invocation(name, spec, resolved=resolved, model_argument=weights.argument)
     quantities = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
     if spec.uses_gpu:
         quantities[spec.resources.gpu_resource_name] = str(spec.resources.gpus)
-    mounts = [{"name": "model", "mountPath": MODEL_ROOT, "readOnly": spec.model.pvc is not None},
-              {"name": "tmp", "mountPath": "/tmp"}]
+    mounts = [*weights.worker_mounts, {"name": "tmp", "mountPath": "/tmp"}]
     if spec.uses_gpu:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     # The worker answers NOT_SERVING while it drains; liveness must not kill it during that drain.
@@ -180,13 +166,8 @@ def worker_container(name: str, spec: InferenceDeploymentSpec, *,
 
 
 def worker_pod_spec(name: str, spec: InferenceDeploymentSpec, *,
-                    resolved: ResolvedDeployment, image: str) -> dict[str, Any]:
-    pvc = spec.model.pvc
-    model_volume: dict[str, Any] = (
-        {"name": "model", "persistentVolumeClaim": {"claimName": pvc[0], "readOnly": True}} if pvc
-        else {"name": "model", "emptyDir": {}}  # registry downloads are cached per pod
-    )
-    volumes = [model_volume, {"name": "tmp", "emptyDir": {}}]
+                    resolved: ResolvedDeployment, image: str, weights: model_pod.ModelPlan) -> dict[str, Any]:
+    volumes = [*weights.volumes, {"name": "tmp", "emptyDir": {}}]
     tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
     if spec.uses_gpu:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
@@ -199,9 +180,11 @@ def worker_pod_spec(name: str, spec: InferenceDeploymentSpec, *,
         "terminationGracePeriodSeconds": PRE_STOP_SECONDS + spec.drain_grace_seconds + 10,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
                             "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [worker_container(name, spec, resolved=resolved, image=image)],
+        "containers": [worker_container(name, spec, resolved=resolved, image=image, weights=weights)],
         "volumes": volumes,
     }
+    if weights.init_containers:
+        pod["initContainers"] = weights.init_containers
     if spec.node_selector:
         pod["nodeSelector"] = dict(spec.node_selector)
     if tolerations:
@@ -221,8 +204,9 @@ def _metadata(owner: Owner, spec: InferenceDeploymentSpec, resolved: ResolvedDep
             "ownerReferences": [owner.reference()], **extra}
 
 
-def deployment(owner: Owner, spec: InferenceDeploymentSpec, *,
-               resolved: ResolvedDeployment, image: str) -> dict[str, Any]:
+def deployment(owner: Owner, spec: InferenceDeploymentSpec, *, resolved: ResolvedDeployment, image: str,
+               model: ResolvedModel | None = None, cache: model_pod.ModelCache | None = None) -> dict[str, Any]:
+    weights = model_pod.plan(spec, model, image=image, cache=cache)
     # Without a spare GPU a surge pod cannot schedule, so GPU rollouts replace one pod at a time.
     rolling = {"maxSurge": 0, "maxUnavailable": 1} if spec.uses_gpu else {"maxSurge": 1, "maxUnavailable": 0}
     return {
@@ -237,8 +221,8 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, *,
             "template": {
                 "metadata": {"labels": labels(owner.name, spec, resolved),
                              "annotations": {"prometheus.io/scrape": "true",
-                                             "prometheus.io/port": str(METRICS_PORT)}},
-                "spec": worker_pod_spec(owner.name, spec, resolved=resolved, image=image),
+                                             "prometheus.io/port": str(METRICS_PORT), **weights.annotations}},
+                "spec": worker_pod_spec(owner.name, spec, resolved=resolved, image=image, weights=weights),
             },
         },
     }
@@ -317,6 +301,8 @@ def children(
     image: str = DEFAULT_IMAGE,
     monitoring: bool = True,
     resolved: ResolvedDeployment | None = None,
+    model: ResolvedModel | None = None,
+    cache: model_pod.ModelCache | None = None,
 ) -> list[dict[str, Any]]:
     """Every object an InferenceDeployment owns, each stamped with the hash of its content.
 
@@ -326,7 +312,7 @@ def children(
     owner = Owner.from_body(body)
     resolved = resolved or resolve(spec)
     objects = [
-        deployment(owner, spec, resolved=resolved, image=image),
+        deployment(owner, spec, resolved=resolved, image=image, model=model, cache=cache),
         service(owner, spec, resolved=resolved),
         pod_disruption_budget(owner, spec, resolved=resolved),
     ]

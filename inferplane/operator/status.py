@@ -12,6 +12,7 @@ import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from inferplane.api.model_resolution import ModelResolutionError, ResolvedModel
 from inferplane.api.resolve import ResolvedDeployment
 from inferplane.operator.manifests import GRPC_PORT, LABEL_DEPLOYMENT
 
@@ -49,6 +50,7 @@ def compute_status(
     generation: int | None = None,
     previous_conditions: Sequence[Mapping[str, Any]] = (),
     now: str | None = None,
+    model: ResolvedModel | None = None,
 ) -> dict[str, Any]:
     """Phase Ready when every desired replica is ready and updated; Degraded when the rollout failed."""
     dstatus = (deployment or {}).get("status", {}) or {}
@@ -100,6 +102,27 @@ def compute_status(
         "selector": f"{LABEL_DEPLOYMENT}={name}",
         # The headless Service resolves to the ready pods' addresses; the gateway dials them.
         "endpoints": [f"{name}.{namespace}.svc:{GRPC_PORT}"] if ready > 0 else [],
+    }
+    if model is not None:
+        status["model"] = {"name": model.name, "version": model.version, "sha256": model.sha256, "uri": model.uri,
+                           "format": model.format}
+        conditions.append(condition("ModelResolved", True, "Resolved",
+                                    f"{model.ref} sha256:{model.sha256[:12]}", **kw))
+    if generation is not None:
+        status["observedGeneration"] = generation
+    return status
+
+
+def unresolved_model_status(error: ModelResolutionError, *, generation: int | None,
+                            previous_conditions: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """The registry cannot give the spec's model: no worker is created or changed (pods would only
+    crash-loop); workers already running keep serving the version they have."""
+    kw = {"previous": previous_conditions, "generation": generation}
+    message = f"{error.message}; running workers, if any, are left as they are"
+    status: dict[str, Any] = {
+        "phase": "Degraded",
+        "conditions": [condition("ModelResolved", False, error.reason, error.message, **kw),
+                       condition("Degraded", True, error.reason, message, **kw)],
     }
     if generation is not None:
         status["observedGeneration"] = generation

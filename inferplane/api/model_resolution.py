@@ -1,0 +1,60 @@
+"""A deployment's `model: {name, version}` resolved through the registry: what every worker fetches.
+
+The registry (control plane) answers; the local supervisor asks it in-process, the operator over
+the admin API (`GET /admin/v1/models/resolve`). Both get this record, so the worker's weights,
+the pod template's digest and the InferenceDeployment's status come from one lookup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+# Names every worker resolves by itself: weights inside a package installed in the image. A
+# deployment naming one (without a version) needs no registry, in a cluster or locally.
+BUILTIN_MODELS = frozenset({"smollm2-135m"})
+
+ResolutionFailure = Literal["ModelNotFound", "ModelNotVerified", "RegistryUnavailable"]
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str
+    version: str
+    uri: str  # file path/file://, pvc://claim/path, http(s)://, s3://bucket/key (a key ending in / is a folder)
+    sha256: str
+    format: str  # "gguf" (one file) or "hf" (a Hugging Face folder)
+    size_bytes: int | None = None
+
+    @property
+    def is_folder(self) -> bool:
+        return self.format == "hf"
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ResolvedModel:
+        return cls(**{k: data[k] for k in ("name", "version", "uri", "sha256", "format")},
+                   size_bytes=data.get("size_bytes"))
+
+
+class ModelResolutionError(Exception):
+    """Why a deployment's model cannot be served; `reason` is the status condition's reason."""
+
+    def __init__(self, reason: ResolutionFailure, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+    @property
+    def retryable(self) -> bool:
+        return self.reason == "RegistryUnavailable"
+
+
+def model_ref_text(name: str, version: str | None) -> str:
+    return f"{name}@{version}" if version else f"{name} (latest verified version)"
