@@ -21,7 +21,6 @@ admin's power, confined to configured roots (`confine_source`); tenants register
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -42,6 +41,7 @@ from inferplane.control_plane import audit
 from inferplane.control_plane.auth import ALL_TENANTS, TenantScope
 from inferplane.control_plane.errors import Conflict, Forbidden, InvalidInput, NotFound
 from inferplane.control_plane.orm import Model, Tenant, utcnow
+from inferplane.storage.digest import folder_files, sha256_file, sha256_folder
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -128,30 +128,6 @@ class ModelMetadata:
     context_length: int | None
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _folder_files(folder: Path) -> list[Path]:
-    """Regular files under `folder`, excluding hidden ones (.git, .cache) that are not weights."""
-    return sorted(
-        p
-        for p in folder.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-    )
-
-
-def _sha256_folder(folder: Path, files: list[Path]) -> str:
-    """A folder's checksum: sha256 over "<sha256>  <relative path>\\n" lines in path order (the
-    `sha256sum` manifest format), so one changed, added or renamed file changes it."""
-    manifest = "".join(f"{_sha256_file(p)}  {p.relative_to(folder).as_posix()}\n" for p in files)
-    return hashlib.sha256(manifest.encode()).hexdigest()
-
-
 def _gguf_value(field: Any) -> Any:
     if hasattr(field, "contents"):
         return field.contents()
@@ -214,10 +190,10 @@ def inspect_model(path: Path, *, use_cache: bool = True) -> ModelMetadata:
     """
     fmt = detect_format(path)
     if fmt == "hf":
-        files = _folder_files(path)
+        files = folder_files(path)
         arch, ctx = _read_hf_config(path)
         size = sum(p.stat().st_size for p in files)
-        return ModelMetadata("hf", _sha256_folder(path, files), size, arch, ctx)
+        return ModelMetadata("hf", sha256_folder(path, files), size, arch, ctx)
     stat = path.stat()
     cache_key = (str(path), stat.st_size, stat.st_mtime_ns)
     with _cache_lock:
@@ -227,7 +203,7 @@ def inspect_model(path: Path, *, use_cache: bool = True) -> ModelMetadata:
         arch, ctx = _read_gguf(path)
     except Exception as e:  # a truncated or corrupt file: gguf raises assorted errors
         raise CorruptWeights(f"unreadable GGUF metadata in {path}: {e}") from None
-    meta = ModelMetadata("gguf", _sha256_file(path), stat.st_size, arch, ctx)
+    meta = ModelMetadata("gguf", sha256_file(path), stat.st_size, arch, ctx)
     with _cache_lock:
         _cache[cache_key] = meta
     return meta
