@@ -43,6 +43,7 @@ class StepOutput:
     num_cached_tokens: int = 0
     ttft: float | None = None  # seconds, on the finished output
     latency: float | None = None  # seconds from arrival to finish, on the finished output
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per new token
 
 
 @dataclass
@@ -69,7 +70,7 @@ class Engine:
                                   config.head_dim, dtype, device)
         self.kv = build_kv_manager(options, num_blocks)
         self.scheduler = build_scheduler(options, self.kv)
-        self.runner = ModelRunner(loaded.model, self.cache, device)
+        self.runner = ModelRunner(loaded.model, self.cache, device, eos_ids=frozenset(config.eos_token_ids))
         self.eos_ids = set(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -121,6 +122,7 @@ class Engine:
             if bad:
                 raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary (size {vocab})")
         max_tokens = params.validate(len(token_ids), self.max_model_len)
+        params.check_vocab(self.loaded.config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
         needed = blocks_for(len(token_ids) + max_tokens, self.block_size)
@@ -160,7 +162,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        tokens, logprobs = self.runner.execute(plan.scheduled)
+        result = self.runner.execute(plan.scheduled)
+        tokens, logprobs, top = result.tokens, result.logprobs, result.top
         outputs = []
         sampled = 0
         for item in plan.scheduled:
@@ -171,11 +174,13 @@ class Engine:
                 continue  # a prefill chunk that is not the last one
             token = tokens[sampled]
             logprob = logprobs[sampled] if logprobs is not None else None
+            alternatives = top[sampled] if top is not None else None
             sampled += 1
-            outputs.append(self._append_token(seq, token, logprob))
+            outputs.append(self._append_token(seq, token, logprob, alternatives))
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprob: float | None) -> StepOutput:
+    def _append_token(self, seq: Sequence, token: int, logprob: float | None,
+                      alternatives: list[tuple[int, float]] | None = None) -> StepOutput:
         now = time.perf_counter()
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -190,9 +195,12 @@ class Engine:
         if detok is not None:
             delta = detok.add(token)
         reason = None
-        if token in seq.params.stop_token_ids or (not seq.params.ignore_eos and token in self.eos_ids):
-            reason = "stop"
-        if delta and seq.params.stop:
+        # A stop token (EOS, or one of stop_token_ids) ends the request and, as with OpenAI and
+        # vLLM, is not part of the answer: no text, no logprob, not a completion token.
+        stop_token = token in seq.params.stop_token_ids or (not seq.params.ignore_eos and token in self.eos_ids)
+        if stop_token:
+            reason, delta = "stop", ""
+        elif delta and seq.params.stop:
             delta, hit = self._cut_at_stop(seq, delta)
             if hit:
                 reason = "stop"
@@ -202,7 +210,14 @@ class Engine:
             reason = "length"
         if reason is not None:
             self._finish(seq, reason)
-        return self._output(seq, [token], new_logprobs, delta)
+        if stop_token:
+            out = self._output(seq, [], [], "")
+            out.num_output_tokens -= 1
+            return out
+        out = self._output(seq, [token], new_logprobs, delta)
+        if new_logprobs and seq.params.top_logprobs:
+            out.new_top_logprobs = [alternatives or []]
+        return out
 
     def _cut_at_stop(self, seq: Sequence, delta: str) -> tuple[str, bool]:
         """Appends delta to the output text unless a stop string completes in it; the stop string

@@ -10,13 +10,15 @@ import torch
 
 from inferplane.worker.attention import AttentionBatch, PagedKVCache, PrefillSegment
 from inferplane.worker.model.llama import LlamaForCausalLM
-from inferplane.worker.sampling import sample
+from inferplane.worker.sampling import History, Sampled, SamplingParams, sample
 from inferplane.worker.scheduler import ScheduledSequence
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, device: torch.device):
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, device: torch.device,
+                 eos_ids: frozenset[int] = frozenset()):
         self.model = model
+        self.eos_ids = eos_ids  # masked with each request's stop_token_ids until its min_tokens
         self.cache = cache
         self.block_size = cache.block_size
         self.device = device
@@ -63,15 +65,20 @@ class ModelRunner:
         ]
         return self._to_device(input_ids), self._to_device(positions), attn, sample_rows
 
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSequence]) -> tuple[list[int], list[float] | None]:
-        """Returns the sampled token (and logprob) for each sequence that completed its tokens, in
-        batch order."""
+    def execute(self, batch: list[ScheduledSequence]) -> Sampled:
+        """The sampled token (and logprobs) for each sequence that completed its tokens, in batch order."""
         input_ids, positions, attn, sample_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.cache, attn)
         if not sample_rows:
-            return [], None
+            return Sampled([])
         logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])
         sampling = [i.seq for i in batch if i.seq.num_computed_tokens + i.num_new_tokens == i.seq.num_tokens]
         want_logprobs = any(s.params.logprobs for s in sampling)
-        return sample(logits, [s.params for s in sampling], [s.generator for s in sampling], want_logprobs)
+        histories = None
+        if any(s.params.adjusts_logits for s in sampling):
+            histories = [History(s.prompt_token_ids, s.output_token_ids, self._stop_ids(s.params)) for s in sampling]
+        return sample(logits, [s.params for s in sampling], [s.generator for s in sampling], want_logprobs, histories)

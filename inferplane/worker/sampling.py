@@ -2,6 +2,13 @@
 
 Every request owns a torch.Generator seeded from its `seed` (or from fresh entropy), so a seeded
 request samples the same tokens whatever else shares its batch, and after a preemption.
+
+Before choosing, each row's logits are adjusted as OpenAI and vLLM specify, in this order:
+repetition penalty over prompt and output (vLLM/HF: a seen token's positive logit divided by it,
+a negative one multiplied), frequency and presence penalties over the output so far (OpenAI:
+logit - count * frequency - (count > 0) * presence), `logit_bias` added, and the stop tokens
+masked while fewer than `min_tokens` were generated. Logprobs (and `top_logprobs`) are the
+model's own distribution, before these adjustments and before temperature, as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -22,6 +29,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool | int | None = None
+    top_logprobs: int = 0  # alternatives reported per token (with logprobs)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,6 +58,17 @@ class SamplingParams:
             raise ValueError(f"top_k: must be >= 0 (0 disables it), got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop: stop strings must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 10:
+            raise ValueError(f"repetition_penalty: must be in (0, 10], got {self.repetition_penalty}")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs: must be in [0, 20], got {self.top_logprobs}")
+        if any(not -100 <= bias <= 100 for bias in self.logit_bias.values()):
+            raise ValueError("logit_bias: each bias must be in [-100, 100]")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens: must be >= 0, got {self.min_tokens}")
         room = max_model_len - prompt_len
         if self.max_tokens is None:
             return room
@@ -55,7 +79,19 @@ class SamplingParams:
                 f"max_tokens: prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) exceeds the "
                 f"context length {max_model_len}"
             )
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: {self.min_tokens} is more than max_tokens ({self.max_tokens})")
         return self.max_tokens
+
+    def check_vocab(self, vocab_size: int) -> None:
+        bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -75,9 +111,54 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+@dataclass(frozen=True)
+class History:
+    """What a row's adjustments read: the prompt, what it generated, and its stop tokens."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    stop_ids: frozenset[int]
+
+
+@dataclass
+class Sampled:
+    tokens: list[int]
+    logprobs: list[float] | None = None  # of each chosen token, when any row asked
+    top: list[list[tuple[int, float]]] | None = None  # per row: (token, logprob), best first
+
+
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[History]) -> None:
+    """Applies each row's penalties, bias and min_tokens mask in place (see the module docstring)."""
+    vocab = logits.shape[-1]
+    for i, p in enumerate(params):
+        if not p.adjusts_logits:
+            continue
+        row = logits[i]
+        history = histories[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(history.prompt_ids) | set(history.output_ids)), device=row.device,
+                                dtype=torch.long)
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and history.output_ids:
+            counts = torch.bincount(torch.tensor(history.output_ids, device=row.device), minlength=vocab)[:vocab]
+            row -= counts.to(row.dtype) * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=row.device, dtype=torch.long)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device, dtype=row.dtype)
+        if len(history.output_ids) < p.min_tokens and history.stop_ids:
+            row[torch.tensor(sorted(history.stop_ids), device=row.device, dtype=torch.long)] = float("-inf")
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-           want_logprobs: bool) -> tuple[list[int], list[float] | None]:
+           want_logprobs: bool, histories: list[History] | None = None) -> Sampled:
     """logits: [S, V] float32, one row per sequence that samples this step."""
+    raw = None
+    if want_logprobs:
+        raw = logits.log_softmax(dim=-1)
+    if histories is not None and any(p.adjusts_logits for p in params):
+        logits = logits.clone()  # the model's logits stay as they were
+        adjust_logits(logits, params, histories)
     chosen = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -92,7 +173,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         # from each request's own generator, so the draw does not depend on the batch.
         noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=generators[i]) for i in random_rows])
         chosen[rows] = (probs / noise).argmax(dim=-1)
-    logprobs = None
-    if want_logprobs:
-        logprobs = logits.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1).tolist()
-    return chosen.tolist(), logprobs
+    result = Sampled(chosen.tolist())
+    if raw is not None:
+        result.logprobs = raw.gather(-1, chosen[:, None]).squeeze(-1).tolist()
+        k = max(p.top_logprobs for p in params)
+        if k:
+            values, ids = raw.topk(k, dim=-1)
+            result.top = [list(zip(ids[i, :p.top_logprobs].tolist(), values[i, :p.top_logprobs].tolist(), strict=True))
+                          for i, p in enumerate(params)]
+    return result

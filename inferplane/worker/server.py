@@ -42,6 +42,12 @@ def params_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        logit_bias=dict(p.logit_bias),
+        min_tokens=p.min_tokens,
     )
 
 
@@ -49,6 +55,8 @@ def _response(out: StepOutput) -> worker_pb2.GenerateResponse:
     msg = worker_pb2.GenerateResponse(text=out.text_delta, token_ids=out.new_token_ids,
                                       logprobs=out.new_logprobs, finished=out.finished,
                                       finish_reason=out.finish_reason or "")
+    for alternatives in out.new_top_logprobs:
+        msg.top_logprobs.add(token_ids=[t for t, _ in alternatives], logprobs=[lp for _, lp in alternatives])
     if out.finished:
         msg.usage.prompt_tokens = out.num_prompt_tokens
         msg.usage.completion_tokens = out.num_output_tokens

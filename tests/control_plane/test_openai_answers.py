@@ -1,7 +1,7 @@
 """Issue 17 (part): OpenAI's answers. Invalid bodies are 400s naming the parameter (the official
 client raises BadRequestError, not UnprocessableEntityError); parameters this server does not serve
-yet are refused instead of silently ignored, while their neutral values pass; types are strict; an
-unknown model is `model_not_found`."""
+yet are refused instead of silently ignored, while their neutral values pass; values out of
+OpenAI's (or vLLM's) range are refused; types are strict; an unknown model is `model_not_found`."""
 
 from __future__ import annotations
 
@@ -18,12 +18,18 @@ from tests.control_plane.test_hardening import _post, gateway  # noqa: F401 (the
      "response_format"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
-    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"logit_bias": {"the": -100}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"7": 101}}, "logit_bias"),
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/completions", {"logprobs": 6}, "logprobs"),
+    ("/v1/chat/completions", {"frequency_penalty": -2.5}, "frequency_penalty"),
+    ("/v1/chat/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/chat/completions", {"n": 2}, "n"),
-    ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/completions", {"max_tokens": "5"}, "max_tokens"),  # strict types: no coercion
     ("/v1/chat/completions", {"temperature": "0.5"}, "temperature"),
 ])
@@ -38,6 +44,8 @@ async def test_what_is_not_served_is_a_400_naming_it(gateway, path, extra, param
 @pytest.mark.parametrize("extra", [
     {"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"tools": []}, {"logit_bias": {}},
     {"top_logprobs": 0}, {"parallel_tool_calls": True}, {"n": 1}, {"unknown_extra": 1},
+    {"presence_penalty": -2}, {"frequency_penalty": 2}, {"repetition_penalty": 1.2}, {"min_tokens": 2},
+    {"logit_bias": {"7": -100}}, {"logprobs": True, "top_logprobs": 20},
 ])
 async def test_neutral_values_pass_validation(gateway, extra):  # noqa: F811
     body = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}], **extra}

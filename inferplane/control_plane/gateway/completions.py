@@ -37,12 +37,14 @@ class _Collected:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top: list[worker_pb2.TopLogprobs] = []
         self.final: Message | None = None
 
     def add(self, msg: Message) -> None:
         self.text.append(msg.text)
         self.token_ids.extend(msg.token_ids)
         self.logprobs.extend(msg.logprobs)
+        self.top.extend(msg.top_logprobs)
         if msg.finished:
             self.final = msg
 
@@ -81,6 +83,10 @@ class _Shape:
     def token_texts(self, ids) -> list[str]:
         return [self.prepared.model.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
 
+    def alternatives(self, top) -> list[list[tuple[str, float]]]:
+        """Per token: its best alternatives as (text, logprob), best first."""
+        return [list(zip(self.token_texts(t.token_ids), t.logprobs, strict=True)) for t in top]
+
     def whole(self, result: _Collected) -> dict:
         return self.envelope(self.whole_object, [self.whole_choice(result)], result.final, with_usage=True)
 
@@ -108,22 +114,37 @@ class _TextShape(_Shape):
     whole_object = chunk_object = "text_completion"
     body: CompletionRequest
 
-    def logprobs(self, ids, values) -> dict | None:
+    def __init__(self, body: CompletionRequest, prepared: PreparedRequest) -> None:
+        super().__init__(body, prepared)
+        self.offset = 0  # characters of text already returned: text_offset counts from the start
+
+    def logprobs(self, ids, values, top) -> dict | None:
         if self.body.logprobs is None:
             return None
-        return {"tokens": self.token_texts(ids), "token_logprobs": list(values), "top_logprobs": None,
-                "text_offset": []}
+        texts = self.token_texts(ids)
+        offsets = []
+        for text in texts:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        alternatives = self.alternatives(top) if self.body.logprobs else []
+        return {"tokens": texts, "token_logprobs": list(values),
+                "top_logprobs": [dict(a) for a in alternatives] if self.body.logprobs else None,
+                "text_offset": offsets}
 
     def whole_choice(self, result: _Collected) -> dict:
         return {"index": 0, "text": "".join(result.text), "finish_reason": _reason(result.final),
-                "logprobs": self.logprobs(result.token_ids, result.logprobs)}
+                "logprobs": self.logprobs(result.token_ids, result.logprobs, result.top)}
 
     def chunk_choice(self, msg: Message) -> dict:
         return {"index": 0, "text": msg.text, "finish_reason": None,
-                "logprobs": self.logprobs(msg.token_ids, msg.logprobs)}
+                "logprobs": self.logprobs(msg.token_ids, msg.logprobs, msg.top_logprobs)}
 
     def final_choice(self, msg: Message) -> dict:
         return {"index": 0, "text": "", "finish_reason": _reason(msg), "logprobs": None}
+
+
+def _entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
 class _ChatShape(_Shape):
@@ -135,15 +156,17 @@ class _ChatShape(_Shape):
         super().__init__(body, prepared)
         self.sent_role = False
 
-    def logprobs(self, ids, values) -> dict | None:
+    def logprobs(self, ids, values, top) -> dict | None:
         if not self.body.logprobs:
             return None
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(self.token_texts(ids), values, strict=False)]}
+        alternatives = self.alternatives(top) if self.body.top_logprobs else [[] for _ in ids]
+        return {"content": [{**_entry(t, lp), "top_logprobs": [_entry(a, alp) for a, alp in alt]}
+                            for t, lp, alt in zip(self.token_texts(ids), values, alternatives, strict=False)]}
 
     def whole_choice(self, result: _Collected) -> dict:
         return {"index": 0, "message": {"role": "assistant", "content": "".join(result.text)},
-                "finish_reason": _reason(result.final), "logprobs": self.logprobs(result.token_ids, result.logprobs)}
+                "finish_reason": _reason(result.final),
+                "logprobs": self.logprobs(result.token_ids, result.logprobs, result.top)}
 
     def chunk_choice(self, msg: Message) -> dict:
         delta = {"content": msg.text}
@@ -151,7 +174,7 @@ class _ChatShape(_Shape):
             delta["role"] = "assistant"
             self.sent_role = True
         return {"index": 0, "delta": delta, "finish_reason": None,
-                "logprobs": self.logprobs(msg.token_ids, msg.logprobs)}
+                "logprobs": self.logprobs(msg.token_ids, msg.logprobs, msg.top_logprobs)}
 
     def final_choice(self, msg: Message) -> dict:
         return {"index": 0, "delta": {}, "finish_reason": _reason(msg)}

@@ -26,16 +26,22 @@ def rest_body(model: str, params: worker_pb2.SamplingParams, *, prompt: str | No
               messages: list[dict[str, Any]] | None = None) -> CompletionRequest | ChatCompletionRequest:
     """The REST request a gRPC call amounts to, validated by the same model (ValidationError if bad).
 
-    Proto defaults mean "unset": max_tokens 0 (room left in the context), top_p 0, top_k 0.
+    Proto defaults mean "unset": max_tokens 0 (room left in the context), top_p 0, top_k 0,
+    repetition_penalty 0.
     """
     fields: dict[str, Any] = {"model": model, "temperature": params.temperature, "top_p": params.top_p or 1.0,
                               "top_k": params.top_k or None, "max_tokens": params.max_tokens or None,
-                              "stop": list(params.stop) or None}
+                              "stop": list(params.stop) or None, "presence_penalty": params.presence_penalty,
+                              "frequency_penalty": params.frequency_penalty,
+                              "repetition_penalty": params.repetition_penalty or 1.0, "min_tokens": params.min_tokens,
+                              "logit_bias": {str(k): v for k, v in params.logit_bias.items()} or None}
     if params.HasField("seed"):
         fields["seed"] = params.seed
     if messages is not None:
-        return ChatCompletionRequest.model_validate({**fields, "messages": messages, "logprobs": params.logprobs})
-    return CompletionRequest.model_validate({**fields, "prompt": prompt, "logprobs": 1 if params.logprobs else None})
+        return ChatCompletionRequest.model_validate({**fields, "messages": messages, "logprobs": params.logprobs,
+                                                     "top_logprobs": params.top_logprobs or None})
+    return CompletionRequest.model_validate({**fields, "prompt": prompt,
+                                             "logprobs": params.top_logprobs if params.logprobs else None})
 
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
            403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND, 409: grpc.StatusCode.ALREADY_EXISTS,
@@ -70,6 +76,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 async for msg in self.ctx.inference.stream(prepared, worker_params):
                     out = inference_pb2.CompleteResponse(id=prepared.request_id, text=msg.text,
                                                          finished=msg.finished, finish_reason=msg.finish_reason)
+                    if params.logprobs:
+                        out.token_ids.extend(msg.token_ids)
+                        out.logprobs.extend(msg.logprobs)
+                        out.top_logprobs.extend(msg.top_logprobs)
                     if msg.finished:
                         out.usage.CopyFrom(msg.usage)
                     yield out

@@ -1,7 +1,7 @@
 """OpenAI-compatible request bodies, validated by pydantic, and their mapping to sampling params.
 
 Unknown fields are ignored (clients send assorted extras). OpenAI parameters this server does not
-serve yet (n > 1, penalties, structured outputs, tools, logit_bias, top_logprobs, ...) are refused
+serve yet (n > 1, structured outputs, tools, ...) are refused
 with a 400 naming them when they ask for something, never silently dropped; their neutral values
 (`tool_choice: "none"`, `response_format: {"type": "text"}`, ...) are accepted. Types are strict, as
 OpenAI's: `"5"` is not a number.
@@ -56,9 +56,8 @@ def _neutral(value: Any, *neutral: Any) -> bool:
 UNSERVED: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},),
     "tools": (), "tool_choice": ("none",), "functions": (), "function_call": ("none",),
-    "parallel_tool_calls": (True, False), "logit_bias": (), "top_logprobs": (0,), "prediction": (),
-    "audio": (), "modalities": (["text"],), "suffix": ("",), "best_of": (1,), "min_tokens": (0,),
-    "repetition_penalty": (1, 1.0),
+    "parallel_tool_calls": (True, False), "prediction": (),
+    "audio": (), "modalities": (["text"],), "suffix": ("",), "best_of": (1,),
 }
 
 
@@ -77,8 +76,11 @@ class _Sampling(_Base):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="not supported")
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="not supported")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, description="vLLM's extension; 1 is off")
+    logit_bias: dict[str, float] | None = Field(default=None, description="token id (as a string) -> [-100, 100]")
+    min_tokens: int = Field(default=0, ge=0, le=UINT32_MAX, description="vLLM's extension")
     user: str | None = None
 
     @model_validator(mode="before")
@@ -109,13 +111,30 @@ class _Sampling(_Base):
             raise ValueError("stop sequences must not be empty")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit() or int(key) > UINT32_MAX:
+                raise ValueError(f"keys are token ids as strings, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"token {key}: bias must be in [-100, 100], got {bias}")
+        return value
+
     def default_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def top_logprobs_wanted(self) -> int:
+        return 0
 
     def sampling_params(self, max_tokens: int, want_logprobs: bool) -> worker_pb2.SamplingParams:
         params = worker_pb2.SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0,
             stop=list(self.stop or []), logprobs=want_logprobs,
+            top_logprobs=self.top_logprobs_wanted() if want_logprobs else 0,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
         )
         if self.seed is not None:
             params.seed = self.seed
@@ -131,6 +150,9 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: Literal[False] = False
+
+    def top_logprobs_wanted(self) -> int:
+        return self.logprobs or 0
 
     @field_validator("prompt")
     @classmethod
@@ -163,6 +185,16 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("invalid_value", "needs logprobs: true", {"param": "top_logprobs"})
+        return self
+
+    def top_logprobs_wanted(self) -> int:
+        return self.top_logprobs or 0
 
     def default_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -1,0 +1,88 @@
+"""Issue 17: top_logprobs, completions logprobs N with text_offset, logit_bias and penalties through
+the whole path (official `openai` client -> gateway -> worker), on the tiny model."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from inferplane.control_plane import auth, tenants
+from inferplane.control_plane.gateway.rest import create_asgi_app
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def client(in_process_gateway) -> AsyncOpenAI:
+    gw = in_process_gateway
+    with gw.sessions.begin() as session:
+        tenants.create_tenant(session, "s", actor="test")
+        key = auth.create_key(session, "s", actor="test").secret
+    gw.keys.refresh()
+    transport = httpx.ASGITransport(create_asgi_app(gw.context))
+    return AsyncOpenAI(base_url="http://gw/v1", api_key=key, timeout=300,
+                       http_client=httpx.AsyncClient(transport=transport, base_url="http://gw"))
+
+
+MESSAGES = [{"role": "user", "content": "Say something"}]
+
+
+async def test_chat_top_logprobs_lists_the_best_alternatives_of_each_token(client) -> None:
+    answer = await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=5, temperature=0,
+                                                  logprobs=True, top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    assert content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        # Greedy, nothing adjusted: the chosen token is the best alternative.
+        assert entry.token == entry.top_logprobs[0].token and entry.logprob == pytest.approx(values[0])
+
+
+async def test_streamed_chunks_carry_their_tokens_top_logprobs(client) -> None:
+    stream = await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, temperature=0,
+                                                  logprobs=True, top_logprobs=2, stream=True)
+    entries = [e async for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+               for e in chunk.choices[0].logprobs.content]
+    assert entries and all(len(e.top_logprobs) == 2 for e in entries)
+
+
+async def test_completions_logprobs_n_gives_top_entries_and_text_offsets(client) -> None:
+    answer = await client.completions.create(model="m", prompt="Once upon", max_tokens=6, temperature=0, logprobs=2)
+    logprobs = answer.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs)
+    assert all(len(top) <= 2 and top for top in logprobs.top_logprobs)  # two ids may decode alike
+    offsets, position = [], 0
+    for token in logprobs.tokens:
+        offsets.append(position)
+        position += len(token)
+    assert logprobs.text_offset == offsets
+
+
+async def test_logit_bias_forces_a_token_the_model_would_never_pick(client) -> None:
+    plain = await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, temperature=0,
+                                                 logprobs=True)
+    forced = await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, temperature=0,
+                                                  logit_bias={"123": 100}, logprobs=True, top_logprobs=1)
+    content = forced.choices[0].logprobs.content
+    assert len({e.token for e in content}) == 1 and content[0].token != plain.choices[0].logprobs.content[0].token
+    # The reported logprobs are the model's: far below the best alternative the bias overrode.
+    assert all(e.logprob < e.top_logprobs[0].logprob - 10 for e in content)
+
+
+def test_the_grpc_api_carries_every_sampling_field_into_the_same_validation() -> None:
+    from inferplane.control_plane.gateway.grpc_api import rest_body
+    from inferplane.v1 import worker_pb2
+
+    params = worker_pb2.SamplingParams(max_tokens=4, presence_penalty=0.5, frequency_penalty=-0.5,
+                                       repetition_penalty=1.2, min_tokens=2, logprobs=True, top_logprobs=3,
+                                       logit_bias={7: -5.0})
+    chat = rest_body("m", params, messages=[{"role": "user", "content": "hi"}])
+    mapped = chat.sampling_params(4, want_logprobs=True)
+    assert (mapped.presence_penalty, mapped.frequency_penalty, mapped.min_tokens, mapped.top_logprobs) == \
+        (0.5, -0.5, 2, 3)
+    assert mapped.repetition_penalty == pytest.approx(1.2) and dict(mapped.logit_bias) == {7: -5.0}
+    text = rest_body("m", params, prompt="hi")
+    assert text.sampling_params(4, want_logprobs=True).top_logprobs == 3
