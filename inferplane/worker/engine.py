@@ -70,6 +70,7 @@ class Engine:
                                   config.head_dim, dtype, device)
         self.kv = build_kv_manager(options, num_blocks)
         self.scheduler = build_scheduler(options, self.kv)
+        self._grammars = None  # structured.GrammarCompiler, made when a request first needs it
         self.runner = ModelRunner(loaded.model, self.cache, device, eos_ids=frozenset(config.eos_token_ids))
         self.eos_ids = set(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -108,6 +109,17 @@ class Engine:
             raise ValueError("prompt: this model has no tokenizer; send token ids")
         return self.tokenizer.encode(prompt)
 
+    def _grammar_state(self, constraint):
+        """A grammar state for a structured-output request (the compiler is built on first use:
+        a worker that never serves one never loads the grammar engine)."""
+        if self.tokenizer is None:
+            raise ValueError("response_format: structured outputs need the model's tokenizer")
+        if self._grammars is None:
+            from inferplane.worker.structured import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size, sorted(self.eos_ids))
+        return self._grammars.new_state(constraint)
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str = "") -> Sequence:
         params = params or SamplingParams()
@@ -136,8 +148,9 @@ class Engine:
             raise ValueError(f"request_id: {request_id!r} is already running")
         generator = torch.Generator(device=self.device)
         generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
+        grammar = self._grammar_state(params.constraint) if params.constraint is not None else None
         seq = Sequence(request_id=request_id, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
-                       generator=generator, cache_salt=cache_salt)
+                       generator=generator, cache_salt=cache_salt, grammar=grammar)
         self.requests[request_id] = seq
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
@@ -198,6 +211,10 @@ class Engine:
         # A stop token (EOS, or one of stop_token_ids) ends the request and, as with OpenAI and
         # vLLM, is not part of the answer: no text, no logprob, not a completion token.
         stop_token = token in seq.params.stop_token_ids or (not seq.params.ignore_eos and token in self.eos_ids)
+        if seq.grammar is not None and not stop_token:
+            seq.grammar.accept(token)
+            if seq.grammar.is_terminated():
+                reason = "stop"  # the document is complete: no need to spend a step on EOS
         if stop_token:
             reason, delta = "stop", ""
         elif delta and seq.params.stop:

@@ -81,4 +81,6 @@ class ModelRunner:
         histories = None
         if any(s.params.adjusts_logits for s in sampling):
             histories = [History(s.prompt_token_ids, s.output_token_ids, self._stop_ids(s.params)) for s in sampling]
-        return sample(logits, [s.params for s in sampling], [s.generator for s in sampling], want_logprobs, histories)
+        grammars = [s.grammar for s in sampling] if any(s.grammar is not None for s in sampling) else None
+        return sample(logits, [s.params for s in sampling], [s.generator for s in sampling], want_logprobs, histories,
+                      grammars)

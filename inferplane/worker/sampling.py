@@ -13,7 +13,9 @@ model's own distribution, before these adjustments and before temperature, as vL
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,6 +37,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    # Structured output (inferplane.worker.structured.Constraint): the engine keeps a grammar state
+    # per sequence and masks what the grammar does not allow.
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -151,14 +156,23 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-           want_logprobs: bool, histories: list[History] | None = None) -> Sampled:
-    """logits: [S, V] float32, one row per sequence that samples this step."""
+           want_logprobs: bool, histories: list[History] | None = None,
+           grammars: Sequence[Any] | None = None) -> Sampled:
+    """logits: [S, V] float32, one row per sequence that samples this step. `grammars`: per row a
+    structured-output state (or None), whose disallowed tokens are masked after the adjustments."""
     raw = None
     if want_logprobs:
         raw = logits.log_softmax(dim=-1)
-    if histories is not None and any(p.adjusts_logits for p in params):
+    adjusting = histories is not None and any(p.adjusts_logits for p in params)
+    masking = grammars is not None and any(g is not None for g in grammars)
+    if adjusting or masking:
         logits = logits.clone()  # the model's logits stay as they were
+    if adjusting:
         adjust_logits(logits, params, histories)
+    if masking:
+        from inferplane.worker.structured import apply_masks
+
+        apply_masks(logits, grammars)
     chosen = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:

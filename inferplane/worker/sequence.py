@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,8 @@ class Sequence:
     output_text: str = ""
     # Radix bookkeeping: tree nodes this sequence holds locked (kv/radix.py).
     locked_nodes: list = field(default_factory=list)
+    # Structured output: the grammar state (worker/structured.py) that has accepted every output token.
+    grammar: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -48,7 +48,22 @@ def params_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=p.repetition_penalty or 1.0,
         logit_bias=dict(p.logit_bias),
         min_tokens=p.min_tokens,
+        constraint=_constraint(p.constraint_kind, p.constraint_spec) if p.constraint_kind else None,
     )
+
+
+def _constraint(kind: str, spec: str):
+    """The proto's constraint as a `structured.Constraint` (GrammarError, a ValueError, if malformed)."""
+    import json
+
+    from inferplane.worker.structured import Constraint, GrammarError
+
+    if kind == "choice":
+        try:
+            return Constraint(kind, json.loads(spec))
+        except ValueError as exc:
+            raise GrammarError(f"response_format: choice is not a JSON list of strings: {exc}") from None
+    return Constraint(kind, spec or None)
 
 
 def _response(out: StepOutput) -> worker_pb2.GenerateResponse:

@@ -13,11 +13,13 @@ from tests.control_plane.test_hardening import _post, gateway  # noqa: F401 (the
 
 
 @pytest.mark.parametrize(("path", "extra", "param"), [
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format.type"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f g"}}]},
+     "tools.0.function.name"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),  # no tools to call
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),  # the deprecated form
     ("/v1/chat/completions", {"logit_bias": {"the": -100}}, "logit_bias"),
     ("/v1/chat/completions", {"logit_bias": {"7": 101}}, "logit_bias"),
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true

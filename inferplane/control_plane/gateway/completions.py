@@ -20,6 +20,7 @@ from inferplane.control_plane.gateway.context import GatewayContext
 from inferplane.control_plane.gateway.errors import error_response, sse_error
 from inferplane.control_plane.gateway.inference import PreparedRequest
 from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from inferplane.control_plane.gateway.structured_outputs import tool_calls
 from inferplane.v1 import worker_pb2
 
 # A stream whose first token has not come this soon gets its headers anyway, then a comment every
@@ -90,7 +91,8 @@ class _Shape:
     def whole(self, result: _Collected) -> dict:
         return self.envelope(self.whole_object, [self.whole_choice(result)], result.final, with_usage=True)
 
-    def chunk(self, msg: Message) -> dict:
+    def chunk(self, msg: Message) -> dict | None:
+        """A stream chunk for `msg`, or None when the shape holds it back."""
         return self.envelope(self.chunk_object, [self.chunk_choice(msg)])
 
     def final_chunk(self, msg: Message) -> dict:
@@ -155,6 +157,10 @@ class _ChatShape(_Shape):
     def __init__(self, body: ChatCompletionRequest, prepared: PreparedRequest) -> None:
         super().__init__(body, prepared)
         self.sent_role = False
+        # A forced tool call streams as one delta once its JSON is complete: arguments are only
+        # useful whole, and the call's id and name come with it.
+        self.calling = body.forced_tools is not None
+        self.call_text: list[str] = []
 
     def logprobs(self, ids, values, top) -> dict | None:
         if not self.body.logprobs:
@@ -164,9 +170,19 @@ class _ChatShape(_Shape):
                             for t, lp, alt in zip(self.token_texts(ids), values, alternatives, strict=False)]}
 
     def whole_choice(self, result: _Collected) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": "".join(result.text)},
-                "finish_reason": _reason(result.final),
+        text, reason = "".join(result.text), _reason(result.final)
+        message: dict = {"role": "assistant", "content": text}
+        calls = tool_calls(text) if self.calling and reason == "stop" else None
+        if calls:
+            message, reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        return {"index": 0, "message": message, "finish_reason": reason,
                 "logprobs": self.logprobs(result.token_ids, result.logprobs, result.top)}
+
+    def chunk(self, msg: Message) -> dict | None:
+        if self.calling:
+            self.call_text.append(msg.text)
+            return None
+        return super().chunk(msg)
 
     def chunk_choice(self, msg: Message) -> dict:
         delta = {"content": msg.text}
@@ -177,7 +193,16 @@ class _ChatShape(_Shape):
                 "logprobs": self.logprobs(msg.token_ids, msg.logprobs, msg.top_logprobs)}
 
     def final_choice(self, msg: Message) -> dict:
-        return {"index": 0, "delta": {}, "finish_reason": _reason(msg)}
+        reason = _reason(msg)
+        calls = tool_calls("".join(self.call_text)) if self.calling and reason == "stop" else None
+        if calls:
+            return {"index": 0, "delta": {"role": "assistant", "content": None,
+                                          "tool_calls": [{"index": 0, **call} for call in calls]},
+                    "finish_reason": "tool_calls"}
+        if self.calling:  # cut off before the call closed: what was written, as text
+            return {"index": 0, "delta": {"role": "assistant", "content": "".join(self.call_text)},
+                    "finish_reason": reason}
+        return {"index": 0, "delta": {}, "finish_reason": reason}
 
 
 async def _opened(first: Message, stream: AsyncIterator[Message]) -> AsyncIterator[Message | str]:
@@ -277,8 +302,9 @@ class Completions:
                     if isinstance(msg, str):  # a keep-alive comment while queued
                         yield msg
                         continue
-                    if msg.text or msg.token_ids:
-                        yield f"data: {json.dumps(shape.chunk(msg))}\n\n"
+                    chunk = shape.chunk(msg) if msg.text or msg.token_ids else None
+                    if chunk is not None:
+                        yield f"data: {json.dumps(chunk)}\n\n"
                     if msg.finished:
                         final = msg
                         yield f"data: {json.dumps(shape.final_chunk(msg))}\n\n"

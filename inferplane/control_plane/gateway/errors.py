@@ -72,6 +72,11 @@ def error_response(status: int, message: str, code: str | None = None, param: st
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
+def param_of(exc: BaseException) -> str | None:
+    """The request parameter an error names (a worker's INVALID_ARGUMENT says it first), if any."""
+    return exc.param if isinstance(exc, GatewayError) else None
+
+
 def as_error(exc: BaseException) -> tuple[int, str, str | None, dict[str, str] | None]:
     """Maps any exception the request path can raise to (status, message, code, headers)."""
     if isinstance(exc, RateLimited):
@@ -139,7 +144,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def _known(request: Request, exc: Exception):
         status, message, code, headers = as_error(exc)
-        return error_response(status, message, code, headers=headers)
+        return error_response(status, message, code, param_of(exc), headers=headers)
 
     # Expected failures get their own handlers: Starlette re-raises (and logs as a crash) whatever
     # reaches the catch-all Exception handler, which is kept for real bugs only.
@@ -163,4 +168,4 @@ def _allowed_methods(request: Request) -> str:
 def sse_error(exc: BaseException) -> str:
     """The error event a stream ends with when it breaks after it started."""
     status, message, code, _ = as_error(exc)
-    return f"data: {json.dumps(error_body(status, message, code))}\n\n"
+    return f"data: {json.dumps(error_body(status, message, code, param_of(exc)))}\n\n"

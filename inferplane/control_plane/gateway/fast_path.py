@@ -34,7 +34,13 @@ from starlette.responses import Response
 from inferplane.control_plane.auth import Principal
 from inferplane.control_plane.gateway.completions import Completions
 from inferplane.control_plane.gateway.context import GatewayContext, bearer
-from inferplane.control_plane.gateway.errors import GatewayError, as_error, error_response, validation_error_response
+from inferplane.control_plane.gateway.errors import (
+    GatewayError,
+    as_error,
+    error_response,
+    param_of,
+    validation_error_response,
+)
 from inferplane.control_plane.gateway.middleware import Scope, header
 from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 
@@ -75,7 +81,7 @@ class InferenceFastPath:
             return
         except Exception as exc:  # everything the request path raises becomes an OpenAI error body
             status, message, code, headers = as_error(exc)
-            response = error_response(status, message, code, headers=headers)
+            response = error_response(status, message, code, param_of(exc), headers=headers)
         await response(scope, receive, send)
 
     async def _handle(self, endpoint: _Endpoint, scope: Scope, receive) -> Response:

@@ -1,7 +1,7 @@
 """OpenAI-compatible request bodies, validated by pydantic, and their mapping to sampling params.
 
 Unknown fields are ignored (clients send assorted extras). OpenAI parameters this server does not
-serve yet (n > 1, structured outputs, tools, ...) are refused
+serve yet (n > 1, echo, the deprecated functions, audio, ...) are refused
 with a 400 naming them when they ask for something, never silently dropped; their neutral values
 (`tool_choice: "none"`, `response_format: {"type": "text"}`, ...) are accepted. Types are strict, as
 OpenAI's: `"5"` is not a number.
@@ -9,11 +9,19 @@ OpenAI's: `"5"` is not a number.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from inferplane.control_plane.gateway.structured_outputs import (
+    ResponseFormat,
+    Tool,
+    ToolChoice,
+    constraint,
+    forced_tools,
+)
 from inferplane.v1 import worker_pb2
 
 # The wire types of worker.proto's SamplingParams: a larger number is a 422, not an overflow (500).
@@ -54,9 +62,7 @@ def _neutral(value: Any, *neutral: Any) -> bool:
 
 # OpenAI parameters not served yet, with the values that ask for nothing (accepted); see issue 17.
 UNSERVED: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
-    "tools": (), "tool_choice": ("none",), "functions": (), "function_call": ("none",),
-    "parallel_tool_calls": (True, False), "prediction": (),
+    "functions": (), "function_call": ("none",), "prediction": (),
     "audio": (), "modalities": (["text"],), "suffix": ("",), "best_of": (1,),
 }
 
@@ -127,8 +133,14 @@ class _Sampling(_Base):
     def top_logprobs_wanted(self) -> int:
         return 0
 
+    def constraint(self) -> tuple[str, str]:
+        """The structured-output constraint (kind, spec) the worker applies; none by default."""
+        return "", ""
+
     def sampling_params(self, max_tokens: int, want_logprobs: bool) -> worker_pb2.SamplingParams:
+        kind, spec = self.constraint()
         params = worker_pb2.SamplingParams(
+            constraint_kind=kind, constraint_spec=spec,
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0,
             stop=list(self.stop or []), logprobs=want_logprobs,
             top_logprobs=self.top_logprobs_wanted() if want_logprobs else 0,
@@ -169,8 +181,14 @@ class CompletionRequest(_Sampling):
 class ChatMessage(_Base):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
 
     def text(self) -> str:
+        """What the chat template shows: text parts; an assistant's calls as the JSON it wrote."""
+        if self.tool_calls and not self.content:
+            return json.dumps([{"name": c.get("function", {}).get("name"),
+                                "arguments": c.get("function", {}).get("arguments")} for c in self.tool_calls])
         if isinstance(self.content, list):  # content parts: only text parts are understood
             parts = []
             for part in self.content:
@@ -186,12 +204,37 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # one call per answer either way
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError("invalid_value", "needs logprobs: true", {"param": "top_logprobs"})
         return self
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> ChatCompletionRequest:
+        try:
+            forced = forced_tools(self.tools, self.tool_choice)
+        except ValueError as exc:
+            message = str(exc).removeprefix("tool_choice: ")
+            raise PydanticCustomError("invalid_value", "{message}",
+                                      {"message": message, "param": "tool_choice"}) from None
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise PydanticCustomError("invalid_value", "a forced tool call cannot also follow response_format",
+                                      {"param": "tool_choice"})
+        return self
+
+    @property
+    def forced_tools(self) -> list[Tool] | None:
+        """The tools a call must go to (tool_choice required or named), else None."""
+        return forced_tools(self.tools, self.tool_choice)
+
+    def constraint(self) -> tuple[str, str]:
+        return constraint(self.response_format, self.forced_tools)
 
     def top_logprobs_wanted(self) -> int:
         return self.top_logprobs or 0

@@ -1,0 +1,115 @@
+"""OpenAI's `response_format`, `tools` and `tool_choice`, turned into the worker's output constraint,
+and a constrained tool call turned back into `tool_calls`.
+
+`response_format` json_object / json_schema constrain the output to JSON (matching the schema).
+`tool_choice: "required"` or a named function constrains the output to a call object
+`{"name": <a declared function>, "arguments": <its parameters schema>}`, so even a small model
+returns a valid call; the gateway answers it as `tool_calls`. `tool_choice: "auto"` (the default
+when tools are given) leaves the choice to the model's chat template: the served models have no
+tool-call format, so `auto` answers as `none` (README). The grammar engine (the worker's) checks
+the schemas; one it cannot compile is a 400 naming `response_format`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+
+class JSONSchemaFormat(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("json_schema.schema is required with type json_schema")
+        return self
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _Named(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _Named
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def call_schema(tools: list[Tool]) -> dict[str, Any]:
+    """The JSON a forced call is: the function's name and arguments matching its parameters."""
+    variants = [{"type": "object", "properties": {
+        "name": {"const": t.function.name},
+        "arguments": t.function.parameters or {"type": "object"}},
+        "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+
+
+def forced_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[Tool] | None:
+    """The tools a call must be made to, or None when the output is free text. Raises ValueError
+    (naming tool_choice) for a named function that was not declared."""
+    if choice in (None, "none", "auto"):
+        return None
+    if not tools:
+        raise ValueError("tool_choice: names a call but no tools are given")
+    if choice == "required":
+        return tools
+    assert isinstance(choice, NamedToolChoice)
+    named = [t for t in tools if t.function.name == choice.function.name]
+    if not named:
+        raise ValueError(f"tool_choice: function {choice.function.name!r} is not among the tools")
+    return named
+
+
+def constraint(response_format: ResponseFormat | None, tools: list[Tool] | None) -> tuple[str, str]:
+    """(kind, spec) for the worker's SamplingParams; ("", "") for free text."""
+    if tools:
+        return "json_schema", json.dumps(call_schema(tools))
+    if response_format is None or response_format.type == "text":
+        return "", ""
+    if response_format.type == "json_object":
+        return "json_object", ""
+    assert response_format.json_schema is not None
+    return "json_schema", json.dumps(response_format.json_schema.json_schema)
+
+
+def tool_calls(text: str) -> list[dict[str, Any]] | None:
+    """The call a constrained generation wrote, as OpenAI's `tool_calls`; None if it is incomplete
+    (the generation hit max_tokens before the call's JSON closed)."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return None
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]
