@@ -53,3 +53,10 @@ async def test_neutral_values_pass_validation(gateway, extra):  # noqa: F811
     body = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}], **extra}
     status, answer = await _post(gateway, "/v1/chat/completions", json.dumps(body), gateway.infer_key)
     assert status == 404 and answer["error"]["code"] == "model_not_found", answer  # past validation
+
+
+async def test_embeddings_are_a_404_that_names_what_is_served(gateway):  # noqa: F811
+    status, answer = await _post(gateway, "/v1/embeddings", json.dumps({"model": "m", "input": "hi"}),
+                                 gateway.infer_key)
+    assert status == 404 and answer["error"]["code"] == "model_not_found", answer
+    assert "embeddings are not served" in answer["error"]["message"] and "served models:" in answer["error"]["message"]

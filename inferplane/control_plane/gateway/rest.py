@@ -124,6 +124,13 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         principal.require(SCOPE_MODELS_READ)
         return {"object": "list", "data": [_model_card(m) for m in ctx.catalog.visible(principal.tenant_id)]}
 
+    @app.post("/v1/embeddings", include_in_schema=False)
+    async def embeddings(principal: Principal = Depends(tenant)):
+        """No served model embeds: a 404 that says so and names what is served, not a bare Not Found."""
+        served = ", ".join(sorted(m.name for m in ctx.catalog.visible(principal.tenant_id))) or "none"
+        return error_response(404, "embeddings are not served: every model here is generative (chat and "
+                                   f"completions); served models: {served}", "model_not_found", "model")
+
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, principal: Principal = Depends(tenant)):
         principal.require(SCOPE_MODELS_READ)
