@@ -149,8 +149,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="peers to leave out")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--structured", action="store_true",
+                        help="instead: JSON-schema constrained against free generation, batch 1 and 64")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.structured:
+        from inferplane.bench.structured import run
+        from inferplane.worker.model.loader import resolve_model_path
+
+        run(resolve_model_path("smollm2-135m"), device="cpu" if args.device == "auto" else args.device,
+            new_tokens=args.new or 96)
+        return 0
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
