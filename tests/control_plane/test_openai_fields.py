@@ -37,9 +37,9 @@ SHAPING = {
     "parallel_tool_calls": "one call per answer either way (README: differs from OpenAI)",
     "user": "OpenAI's end-user id for abuse monitoring; no effect on the output in OpenAI either",
     "n": "only 1 (anything else is refused, below)",
-    "echo": "only false (true is refused, below)",
+    "echo": "the prompt first in the answer (tests/e2e/test_openai_sampling.py); with logprobs refused",
 }
-REFUSED: dict[str, Any] = {"n": 2, "echo": True, **{name: "x" for name in UNSERVED}}
+REFUSED: dict[str, Any] = {"n": 2, **{name: "x" for name in UNSERVED}}
 
 
 def worker_view(model: type, body: dict) -> tuple:

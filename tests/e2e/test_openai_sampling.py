@@ -86,3 +86,37 @@ def test_the_grpc_api_carries_every_sampling_field_into_the_same_validation() ->
     assert mapped.repetition_penalty == pytest.approx(1.2) and dict(mapped.logit_bias) == {7: -5.0}
     text = rest_body("m", params, prompt="hi")
     assert text.sampling_params(4, want_logprobs=True).top_logprobs == 3
+
+
+async def test_a_prompt_of_token_ids_answers_as_its_text_does(client, in_process_gateway) -> None:
+    tokenizer = in_process_gateway.catalog.get("m", None).tokenizer
+    ids = tokenizer.encode("Once upon a time")
+    by_text = await client.completions.create(model="m", prompt="Once upon a time", max_tokens=6, temperature=0)
+    by_ids = await client.completions.create(model="m", prompt=ids, max_tokens=6, temperature=0)
+    nested = await client.completions.create(model="m", prompt=[ids], max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text == nested.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+
+
+async def test_echo_puts_the_prompt_first_whole_and_streamed(client) -> None:
+    plain = await client.completions.create(model="m", prompt="Once upon", max_tokens=5, temperature=0)
+    echoed = await client.completions.create(model="m", prompt="Once upon", max_tokens=5, temperature=0, echo=True)
+    assert echoed.choices[0].text == "Once upon" + plain.choices[0].text
+    stream = await client.completions.create(model="m", prompt="Once upon", max_tokens=5, temperature=0, echo=True,
+                                             stream=True)
+    streamed = "".join([c.choices[0].text async for c in stream if c.choices])
+    assert streamed == echoed.choices[0].text
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"prompt": ["a", "b"]}, "prompt"),  # several prompts in one request: not served yet
+    ({"prompt": [[1, 2], [3]]}, "prompt"),
+    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": [10**7]}, "prompt"),  # outside the vocabulary: the worker names it
+])
+async def test_prompts_and_echo_it_cannot_serve_are_400s(client, extra, param) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.completions.create(model="m", max_tokens=2, **{"prompt": "hi", **extra})
+    assert refused.value.body["param"] == param, refused.value.body

@@ -119,6 +119,10 @@ class _TextShape(_Shape):
     def __init__(self, body: CompletionRequest, prepared: PreparedRequest) -> None:
         super().__init__(body, prepared)
         self.offset = 0  # characters of text already returned: text_offset counts from the start
+        # echo: the prompt comes first, in the whole answer or the first chunk.
+        self.echo = (body.prompt_text if body.prompt_text is not None else
+                     prepared.model.tokenizer.decode(prepared.token_ids)) if body.echo else ""
+        self.offset = len(self.echo)
 
     def logprobs(self, ids, values, top) -> dict | None:
         if self.body.logprobs is None:
@@ -134,11 +138,12 @@ class _TextShape(_Shape):
                 "text_offset": offsets}
 
     def whole_choice(self, result: _Collected) -> dict:
-        return {"index": 0, "text": "".join(result.text), "finish_reason": _reason(result.final),
+        return {"index": 0, "text": self.echo + "".join(result.text), "finish_reason": _reason(result.final),
                 "logprobs": self.logprobs(result.token_ids, result.logprobs, result.top)}
 
     def chunk_choice(self, msg: Message) -> dict:
-        return {"index": 0, "text": msg.text, "finish_reason": None,
+        text, self.echo = self.echo + msg.text, ""
+        return {"index": 0, "text": text, "finish_reason": None,
                 "logprobs": self.logprobs(msg.token_ids, msg.logprobs, msg.top_logprobs)}
 
     def final_choice(self, msg: Message) -> dict:
@@ -237,8 +242,8 @@ class Completions:
         self.ctx = ctx
 
     async def text(self, body: CompletionRequest, principal: Principal) -> Response:
-        prepared = await self.ctx.inference.prepare(principal, body.model, prompt=body.prompt,
-                                                    max_tokens=body.default_max_tokens())
+        prepared = await self.ctx.inference.prepare(principal, body.model, prompt=body.prompt_text,
+                                                    prompt_ids=body.prompt_ids, max_tokens=body.default_max_tokens())
         with self.ctx.inference.settled_on_error(prepared):
             params = body.sampling_params(prepared.max_tokens, want_logprobs=body.logprobs is not None)
             return await self._respond(_TextShape(body, prepared), params)

@@ -70,8 +70,10 @@ class InferenceService:
         self.metrics = metrics
 
     async def prepare(self, principal: Principal, model_name: str, *, prompt: str | None = None,
-                      messages: list[dict[str, str]] | None = None, max_tokens: int | None = None
-                      ) -> PreparedRequest:
+                      messages: list[dict[str, str]] | None = None, max_tokens: int | None = None,
+                      prompt_ids: list[int] | None = None) -> PreparedRequest:
+        """`prompt` (text), `messages` (through the chat template) or `prompt_ids` (token ids the
+        worker checks against its vocabulary)."""
         principal.require(SCOPE_INFER)
         model = self.catalog.get(model_name, principal.tenant_id)
         if messages is not None:
@@ -79,7 +81,7 @@ class InferenceService:
                 prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             except ValueError as exc:
                 raise GatewayError(400, str(exc), "invalid_messages", "messages") from exc
-        token_ids = model.tokenizer.encode(prompt or "")
+        token_ids = list(prompt_ids) if prompt_ids is not None else model.tokenizer.encode(prompt or "")
         param = "messages" if messages is not None else "prompt"
         if not token_ids:
             raise GatewayError(400, f"{param} must not be empty", "invalid_value", param)

@@ -1,7 +1,7 @@
 """OpenAI-compatible request bodies, validated by pydantic, and their mapping to sampling params.
 
 Unknown fields are ignored (clients send assorted extras). OpenAI parameters this server does not
-serve yet (n > 1, echo, the deprecated functions, audio, ...) are refused
+serve yet (n > 1, several prompts, echo with logprobs, the deprecated functions, audio, ...) are refused
 with a 400 naming them when they ask for something, never silently dropped; their neutral values
 (`tool_choice: "none"`, `response_format: {"type": "text"}`, ...) are accepted. Types are strict, as
 OpenAI's: `"5"` is not a number.
@@ -158,10 +158,11 @@ class _Sampling(_Base):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] = Field(description="a string (a list must hold exactly one)")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a string or token ids (a list must hold exactly one prompt)")
     max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: Literal[False] = False
+    echo: bool = False
 
     def top_logprobs_wanted(self) -> int:
         return self.logprobs or 0
@@ -169,13 +170,32 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value):
+        if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+            value = [value]  # one prompt as token ids
         if isinstance(value, list):
             if len(value) != 1:
                 raise ValueError("send one prompt per request")
             value = value[0]
         if not value:
             raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and any(not 0 <= t <= UINT32_MAX for t in value):
+            raise ValueError("token ids must be in [0, 2**32)")
         return value
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise PydanticCustomError("unserved", "echo: with logprobs is not supported by this server yet (it "
+                                      "needs the prompt's logprobs)", {"param": "echo"})
+        return self
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        return self.prompt if isinstance(self.prompt, list) else None
+
+    @property
+    def prompt_text(self) -> str | None:
+        return self.prompt if isinstance(self.prompt, str) else None
 
 
 class ChatMessage(_Base):
