@@ -38,3 +38,20 @@ def in_process_gateway(tiny_worker, tmp_path):
     gw.router.set_route("m", [Deployment("d", StaticEndpointSource([address]))])
     yield gw
     gw.engine.dispose()
+
+
+def openai_client(gw: Gateway, tenant: str = "e2e"):
+    """The official async client talking to `gw` in process, with a new tenant's key."""
+    import httpx
+    from openai import AsyncOpenAI
+
+    from inferplane.control_plane import auth, tenants
+    from inferplane.control_plane.gateway.rest import create_asgi_app
+
+    with gw.sessions.begin() as session:
+        tenants.create_tenant(session, tenant, actor="test")
+        key = auth.create_key(session, tenant, actor="test").secret
+    gw.keys.refresh()
+    transport = httpx.ASGITransport(create_asgi_app(gw.context))
+    return AsyncOpenAI(base_url="http://gw/v1", api_key=key, timeout=300,
+                       http_client=httpx.AsyncClient(transport=transport, base_url="http://gw"))

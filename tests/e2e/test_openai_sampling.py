@@ -3,26 +3,17 @@ the whole path (official `openai` client -> gateway -> worker), on the tiny mode
 
 from __future__ import annotations
 
-import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from inferplane.control_plane import auth, tenants
-from inferplane.control_plane.gateway.rest import create_asgi_app
+from tests.e2e.conftest import openai_client
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 def client(in_process_gateway) -> AsyncOpenAI:
-    gw = in_process_gateway
-    with gw.sessions.begin() as session:
-        tenants.create_tenant(session, "s", actor="test")
-        key = auth.create_key(session, "s", actor="test").secret
-    gw.keys.refresh()
-    transport = httpx.ASGITransport(create_asgi_app(gw.context))
-    return AsyncOpenAI(base_url="http://gw/v1", api_key=key, timeout=300,
-                       http_client=httpx.AsyncClient(transport=transport, base_url="http://gw"))
+    return openai_client(in_process_gateway, "s")
 
 
 MESSAGES = [{"role": "user", "content": "Say something"}]

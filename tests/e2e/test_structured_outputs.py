@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -16,12 +15,12 @@ from hypothesis import strategies as st
 from openai import AsyncOpenAI
 
 from inferplane.bench.gateway_harness import free_port, start_worker, wait_serving
-from inferplane.control_plane import auth, registry, tenants
+from inferplane.control_plane import registry
 from inferplane.control_plane.gateway.catalog import ServedModel
-from inferplane.control_plane.gateway.rest import create_asgi_app
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
 from inferplane.control_plane.routing import Deployment, StaticEndpointSource
 from inferplane.worker.model.tokenizer import load_gguf_tokenizer
+from tests.e2e.conftest import openai_client
 
 pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "Answer in JSON"}]
@@ -63,19 +62,9 @@ def draw_schemas(count: int) -> list[dict]:
     return drawn[:count]
 
 
-def client_for(gw: Gateway) -> AsyncOpenAI:
-    with gw.sessions.begin() as session:
-        tenants.create_tenant(session, "so", actor="test")
-        key = auth.create_key(session, "so", actor="test").secret
-    gw.keys.refresh()
-    transport = httpx.ASGITransport(create_asgi_app(gw.context))
-    return AsyncOpenAI(base_url="http://gw/v1", api_key=key, timeout=300,
-                       http_client=httpx.AsyncClient(transport=transport, base_url="http://gw"))
-
-
 @pytest.fixture
 def client(in_process_gateway) -> AsyncOpenAI:
-    return client_for(in_process_gateway)
+    return openai_client(in_process_gateway, "so")
 
 
 async def test_twenty_drawn_schemas_are_followed(client) -> None:
@@ -170,7 +159,7 @@ async def test_smollm2_follows_a_schema(tmp_path) -> None:
         tokenizer = load_gguf_tokenizer(GGUFReader(str(gguf)))
         gw.catalog.put(ServedModel(name="smol", tokenizer=tokenizer, max_model_len=512))
         gw.router.set_route("smol", [Deployment("d", StaticEndpointSource([f"127.0.0.1:{port}"]))])
-        client = client_for(gw)
+        client = openai_client(gw, "so")
         properties = {"capital": {"type": "string", "maxLength": 20},
                       "population_millions": {"type": "integer", "minimum": 0, "maximum": 2000}}
         schema = {"type": "object", "properties": properties, "required": sorted(properties),
