@@ -8,6 +8,7 @@ broken set-up, and a suite that went green by skipping would hide it.
 from __future__ import annotations
 
 import os
+import shutil
 from typing import NoReturn
 
 import pytest
@@ -25,3 +26,13 @@ def missing_service(reason: str, hint: str = START_HINT) -> NoReturn:
     if in_ci():
         pytest.fail(f"CI: {message}", pytrace=False)
     pytest.skip(message)
+
+
+def installed(*names: str, package: str) -> str:
+    """The path of the first of `names` on PATH; else skip or fail (as `missing_service`) naming the
+    Debian `package` that provides it (`scripts/test_services.sh` installs it)."""
+    for name in names:
+        path = shutil.which(name)
+        if path is not None:
+            return path
+    missing_service(f"{names[0]} is not installed (Debian package {package})")

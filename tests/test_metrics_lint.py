@@ -7,19 +7,16 @@ every engine stat the exporter knows, int8 gate figures included) are rendered a
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import pytest
 from prometheus_client import generate_latest
 
-from tests.services import missing_service
+from tests.services import installed
 
 
 def promtool_lint(exposition: bytes) -> str:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        missing_service("promtool is not installed (Debian package prometheus)")
+    promtool = installed("promtool", package="prometheus")
     result = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True, timeout=60)
     return (result.stdout + result.stderr).decode().strip() if result.returncode else ""
 

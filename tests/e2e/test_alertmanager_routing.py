@@ -17,7 +17,6 @@ import hashlib
 import hmac
 import json
 import logging
-import shutil
 import subprocess
 import threading
 import time
@@ -32,7 +31,7 @@ from inferplane.bench.gateway_harness import free_port
 from inferplane.control_plane import auth, tenants
 from inferplane.control_plane.alerts.webhooks import set_webhook
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
-from tests.services import missing_service
+from tests.services import installed
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +41,7 @@ WAIT = 90.0  # seconds: generous, for a busy shared machine
 
 
 def alertmanager_binary() -> str:
-    path = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
-    if path is None:
-        missing_service("Alertmanager is not installed (Debian package prometheus-alertmanager)")
-    return path
+    return installed("prometheus-alertmanager", "alertmanager", package="prometheus-alertmanager")
 
 
 class Receivers:

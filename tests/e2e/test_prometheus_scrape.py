@@ -13,7 +13,6 @@ unauthenticated):
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from inferplane.local import runstate
 from inferplane.monitoring import dashboards, render
 from inferplane.operator.metrics import OperatorMetrics
 from tests.e2e.test_up_newcomer import Up
-from tests.services import missing_service
+from tests.services import installed
 from tests.worker.test_worker_process import free_port
 
 pytestmark = pytest.mark.slow
@@ -38,10 +37,7 @@ WAIT = 240.0  # seconds for the series to appear on a busy machine
 
 
 def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        missing_service("prometheus is not installed (Debian package prometheus)")
-    return path
+    return installed("prometheus", package="prometheus")
 
 
 @pytest.fixture

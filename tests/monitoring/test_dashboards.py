@@ -7,7 +7,6 @@ made-up defect, so a check that passes everything cannot hide behind a green run
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from collections.abc import Iterable
 from itertools import combinations
@@ -18,7 +17,7 @@ import pytest
 
 from inferplane.api import metric_names as m
 from inferplane.monitoring import dashboards as d
-from tests.services import missing_service
+from tests.services import installed
 
 EXPECTED = {"inferplane-platform.json", "inferplane-deployment.json", "inferplane-tenant.json"}
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -224,10 +223,7 @@ def test_used_metric_names() -> None:
 
 
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        missing_service("promtool is not installed (Debian package prometheus)")
-    return path
+    return installed("promtool", package="prometheus")
 
 
 def run_promtool(*args: str, cwd: Path) -> None:

@@ -27,7 +27,7 @@ from inferplane.monitoring import render
 from inferplane.monitoring.deployment_rules import DeploymentScope, deployment_groups
 from inferplane.monitoring.platform_rules import platform_groups
 from inferplane.monitoring.rules import RUNBOOK_URL, Group, rule_file, runbook_anchor
-from tests.services import missing_service
+from tests.services import installed
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -75,10 +75,7 @@ def alert_cases(tests: dict[str, Any]) -> Iterable[tuple[dict[str, Any], dict[st
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        missing_service("promtool is not installed (Debian package prometheus)")
-    return path
+    return installed("promtool", package="prometheus")
 
 
 @pytest.fixture
