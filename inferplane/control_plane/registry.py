@@ -299,8 +299,7 @@ class _Inspected:
     detail: str | None
 
 
-def _inspect_local(source: str | Path, expected_sha256: str | None) -> tuple[_Inspected, str | None, Path]:
-    path, alias = resolve_source(source)
+def _inspect_local(path: Path, expected_sha256: str | None) -> _Inspected:
     fmt = detect_format(path)
     status, detail = "verified", None
     try:
@@ -309,7 +308,7 @@ def _inspect_local(source: str | Path, expected_sha256: str | None) -> tuple[_In
         meta, status, detail = None, "failed", str(e)
     if meta is not None and expected_sha256 is not None and meta.sha256 != expected_sha256:
         status, detail = "failed", f"sha256 mismatch: expected {expected_sha256}, file has {meta.sha256}"
-    return _Inspected(path.as_uri(), fmt, meta, status, detail), alias, path
+    return _Inspected(path.as_uri(), fmt, meta, status, detail)
 
 
 def _inspect_remote(uri: str, expected_sha256: str | None, cache_root: Path | None) -> _Inspected:
@@ -324,7 +323,7 @@ def _inspect_remote(uri: str, expected_sha256: str | None, cache_root: Path | No
         return _Inspected(uri, "gguf" if not uri.endswith("/") else "hf", None, "failed", str(e))
     except (FetchError, ValueError) as e:
         raise InvalidInput(f"cannot fetch {uri}: {e}") from None
-    inspected, _, _ = _inspect_local(fetched.path, expected_sha256)
+    inspected = _inspect_local(fetched.path, expected_sha256)
     return _Inspected(uri, inspected.format, inspected.meta, inspected.status, inspected.detail)
 
 
@@ -366,7 +365,6 @@ def register_model(
         if not SHA256_RE.match(expected_sha256):
             raise InvalidInput("expected sha256 must be 64 hex digits")
     scheme = uri_scheme(source)
-    alias = None
     if scheme == "file":
         path, alias = resolve_source(source)
         default_name = alias or (path.stem if path.is_file() else path.name)
@@ -397,7 +395,7 @@ def register_model(
         raise Conflict(f"model {name}:{version} already exists")
 
     if scheme == "file":
-        inspected, _, _ = _inspect_local(source, expected_sha256)
+        inspected = _inspect_local(path, expected_sha256)
     elif scheme == "pvc":
         inspected = _pvc_entry(str(source), expected_sha256, model_format)
     else:

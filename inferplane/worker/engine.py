@@ -71,10 +71,11 @@ class Engine:
         self.kv = build_kv_manager(options, num_blocks)
         self.scheduler = build_scheduler(options, self.kv)
         self._grammars = None  # structured.GrammarCompiler, made when a request first needs it
-        self.runner = ModelRunner(loaded.model, self.cache, device, eos_ids=frozenset(config.eos_token_ids))
         self.eos_ids = set(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
+        # The same EOS set that ends a request is what min_tokens holds back.
+        self.runner = ModelRunner(loaded.model, self.cache, device, eos_ids=frozenset(self.eos_ids))
         self.requests: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()

@@ -118,11 +118,10 @@ class _TextShape(_Shape):
 
     def __init__(self, body: CompletionRequest, prepared: PreparedRequest) -> None:
         super().__init__(body, prepared)
-        self.offset = 0  # characters of text already returned: text_offset counts from the start
         # echo: the prompt comes first, in the whole answer or the first chunk.
         self.echo = (body.prompt_text if body.prompt_text is not None else
                      prepared.model.tokenizer.decode(prepared.token_ids)) if body.echo else ""
-        self.offset = len(self.echo)
+        self.offset = len(self.echo)  # characters returned so far: text_offset counts from the start
 
     def logprobs(self, ids, values, top) -> dict | None:
         if self.body.logprobs is None:
@@ -132,9 +131,8 @@ class _TextShape(_Shape):
         for text in texts:
             offsets.append(self.offset)
             self.offset += len(text)
-        alternatives = self.alternatives(top) if self.body.logprobs else []
-        return {"tokens": texts, "token_logprobs": list(values),
-                "top_logprobs": [dict(a) for a in alternatives] if self.body.logprobs else None,
+        top_logprobs = [dict(a) for a in self.alternatives(top)] if self.body.logprobs else None
+        return {"tokens": texts, "token_logprobs": list(values), "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
     def whole_choice(self, result: _Collected) -> dict:
