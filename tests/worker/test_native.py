@@ -1,4 +1,5 @@
-"""The C kernels (worker/native): built here, and each equal to the PyTorch path it replaces."""
+"""The C kernels (worker/native): built here, and each equal to the PyTorch path it replaces, on
+every ISA build this CPU can run (so an AVX-512 machine tests the AVX2 code too)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,51 @@ from inferplane.worker.attention import AttentionBatch, paged_attention
 from inferplane.worker.quant.int8_linear import Int8Linear
 
 KERNELS = native.kernels()
+HAS_TOOLCHAIN = platform.machine() == "x86_64" and shutil.which("cc") is not None
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler or not x86-64 here")
-needs_int8 = pytest.mark.skipif(KERNELS is None or not KERNELS.has_int8_linear, reason="no AVX-512 VNNI here")
+# Every build this CPU runs; none (so the tests below are not collected) only without a toolchain.
+ISAS = native.supported_isas() if HAS_TOOLCHAIN else []
+
+
+@pytest.fixture(params=ISAS)
+def isa_kernels(request, monkeypatch) -> native.NativeKernels:
+    """One ISA's build, also installed as `native.kernels()` so model code calls it."""
+    loaded = native.kernels_for(request.param)
+    assert loaded is not None and loaded.isa == request.param
+    monkeypatch.setattr(native, "kernels", lambda: loaded)
+    return loaded
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("cc") is None, reason="no x86-64 C toolchain")
 def test_the_kernels_build_wherever_a_compiler_is():
-    """Without this, a broken build would only show as every other test here being skipped."""
+    """Without this, a broken build would only show as every other test here being skipped. Every
+    x86-64 CPU this project runs on has at least AVX2 + FMA, and every build gets the int8 kernel."""
     assert KERNELS is not None
     assert KERNELS.path.exists()
+    assert "avx2" in ISAS, f"this CPU runs none of the AVX2 builds: {sorted(native.cpu_flags())}"
+    assert KERNELS.isa == ISAS[0]
+    for isa in ISAS:
+        built = native.kernels_for(isa)
+        assert built is not None and built.isa == isa and built.has_int8_linear and built.has_f32_linear
+
+
+@pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no x86-64 C toolchain")
+def test_the_isa_can_be_forced_and_an_unavailable_one_is_refused(monkeypatch, caplog):
+    """INFERPLANE_NATIVE_ISA=avx2 runs the AVX2 code on an AVX-512 machine; a name the CPU cannot
+    run falls back to the best build, with a warning naming it."""
+    native.kernels.cache_clear()
+    try:
+        monkeypatch.setenv("INFERPLANE_NATIVE_ISA", "avx2")
+        assert native.kernels().isa == "avx2"
+        assert set(native.kernel_isas().values()) == {"avx2"}
+        native.kernels.cache_clear()
+        monkeypatch.setenv("INFERPLANE_NATIVE_ISA", "sse2")
+        with caplog.at_level(logging.WARNING, logger="inferplane.worker.native"):
+            assert native.kernels().isa == ISAS[0]
+        assert "INFERPLANE_NATIVE_ISA=sse2" in caplog.text
+        assert native.supported_isas(frozenset({"avx", "avx2", "fma"})) == []  # no BMI2/F16C: no build
+    finally:
+        native.kernels.cache_clear()
 
 
 def test_pack_and_unpack_are_inverse():
@@ -33,28 +70,41 @@ def test_pack_and_unpack_are_inverse():
     assert torch.equal(native.unpack_int8_weight(packed), q)
 
 
-@needs_int8
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 15, 16, 17, 33])
 @pytest.mark.parametrize("out_features", [48, 128])  # 3 blocks of 16 (one at a time) and 8 (four at a time)
-def test_int8_linear_equals_the_dynamic_kernel(rows, out_features):
+def test_int8_linear_equals_the_dynamic_kernel(isa_kernels, rows, out_features):
     torch.manual_seed(rows)
-    linear = torch.nn.Linear(72, out_features, bias=True)
+    linear = torch.nn.Linear(76, out_features, bias=True)  # 76 inputs: vector loops and scalar tails
     layer = Int8Linear.from_linear(linear)
-    x = torch.randn(rows, 72) * torch.linspace(0.1, 4, 72)
+    x = torch.randn(rows, 76) * torch.linspace(0.1, 4, 76)
     expected = layer.forward_dynamic(x)
     packed = native.pack_int8_weight(layer.qweight)
-    got = KERNELS.int8_linear(x, packed, layer.scale, layer.bias)
+    got = isa_kernels.int8_linear(x, packed, layer.scale, layer.bias)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
-@needs_int8
-def test_int8_linear_reads_strided_rows_and_zero_rows():
+def test_int8_linear_is_exact_at_the_extremes_of_int8(isa_kernels):
+    """Weights of -128 and 127 against inputs of +-127: the AVX2 path's int16 pair sums are at their
+    largest here (2 * 128 * 127), and must neither saturate nor lose a sign."""
+    n, k = 32, 64
+    q = torch.full((n, k), 127, dtype=torch.int8)
+    q[::2] = -128
+    q[:, ::3] = -127
+    x = torch.where(torch.arange(k) % 2 == 0, 5.0, -5.0).repeat(3, 1)  # quantizes to +-127
+    x[1] = -x[1]
+    scale = torch.ones(n)
+    got = isa_kernels.int8_linear(x, native.pack_int8_weight(q), scale, None)
+    expected = (torch.round(x / (5.0 / 127)).to(torch.int64) @ q.to(torch.int64).t()).float() * (5.0 / 127)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-3)
+
+
+def test_int8_linear_reads_strided_rows_and_zero_rows(isa_kernels):
     layer = Int8Linear.from_linear(torch.nn.Linear(64, 32, bias=False))
     wide = torch.randn(6, 100)
     x = wide[:, 10:74]  # rows 100 floats apart
     x[2] = 0.0  # an all-zero row must not divide by zero
     packed = native.pack_int8_weight(layer.qweight)
-    got = KERNELS.int8_linear(x, packed, layer.scale, None)
+    got = isa_kernels.int8_linear(x, packed, layer.scale, None)
     torch.testing.assert_close(got, layer.forward_dynamic(x.contiguous()), rtol=1e-6, atol=1e-6)
     assert torch.equal(got[2], torch.zeros(32))
 
@@ -80,9 +130,8 @@ def _decode_case(lengths: list[int], heads: int, kv_heads: int, dim: int = 32, b
     return qkv[:, :heads], k_cache, v_cache, batch
 
 
-@needs_kernels
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (9, 3)])
-def test_paged_decode_attention_equals_gather_and_sdpa(heads, kv_heads, monkeypatch):
+def test_paged_decode_attention_equals_gather_and_sdpa(isa_kernels, heads, kv_heads, monkeypatch):
     q, k_cache, v_cache, batch = _decode_case([1, 4, 5, 13, 40], heads, kv_heads)
     kv = q[:, :kv_heads]  # this step's k, v: only prefills read them
     scale = 32**-0.5
@@ -92,8 +141,7 @@ def test_paged_decode_attention_equals_gather_and_sdpa(heads, kv_heads, monkeypa
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@needs_kernels
-def test_paged_decode_attention_handles_long_contexts_and_extreme_scores(monkeypatch):
+def test_paged_decode_attention_handles_long_contexts_and_extreme_scores(isa_kernels, monkeypatch):
     """A softmax over 700 tokens with scores hundreds apart: the kernel's exp must neither overflow
     nor lose the few keys that matter."""
     q, k_cache, v_cache, batch = _decode_case([700, 3], 4, 2, dim=16, block_size=16)
@@ -137,9 +185,8 @@ def test_a_failed_build_is_reported_with_the_compiler_message(monkeypatch, tmp_p
         native.kernels.cache_clear()
 
 
-@needs_kernels
 @pytest.mark.parametrize("rows", [1, 3, 9])
-def test_rms_norm_and_the_residual_add_before_it(rows):
+def test_rms_norm_and_the_residual_add_before_it(isa_kernels, rows):
     from inferplane.worker.model.llama import RMSNorm
 
     torch.manual_seed(rows)
@@ -149,24 +196,22 @@ def test_rms_norm_and_the_residual_add_before_it(rows):
     x, delta = torch.randn(rows, 40) * 3, torch.randn(rows, 40)
     expected_sum = x + delta
     expected = norm.weight * (expected_sum * torch.rsqrt(expected_sum.pow(2).mean(-1, keepdim=True) + 1e-5))
-    torch.testing.assert_close(KERNELS.rms_norm(x.clone(), norm.weight.detach(), 1e-5), norm.weight.detach() * (
+    torch.testing.assert_close(isa_kernels.rms_norm(x.clone(), norm.weight.detach(), 1e-5), norm.weight.detach() * (
         x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)), rtol=1e-5, atol=1e-6)
     summed, normed = norm.add_and_norm(x, delta)
     torch.testing.assert_close(summed, expected_sum)
     torch.testing.assert_close(normed, expected.detach(), rtol=1e-5, atol=1e-6)
 
 
-@needs_kernels
-def test_silu_mul_matches_pytorch_including_saturated_gates():
+def test_silu_mul_matches_pytorch_including_saturated_gates(isa_kernels):
     gate = torch.cat([torch.randn(3, 20) * 4, torch.tensor([[-120.0, 120.0, -88.0, 95.0] * 5])])
     up = torch.randn(4, 20)
-    got = KERNELS.silu_mul(torch.cat([gate, up], dim=1))
+    got = isa_kernels.silu_mul(torch.cat([gate, up], dim=1))
     torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
     assert torch.isfinite(got).all()
 
 
-@needs_kernels
-def test_rope_and_kv_store_in_one_pass_match_the_pytorch_ops():
+def test_rope_and_kv_store_in_one_pass_match_the_pytorch_ops(isa_kernels):
     from inferplane.worker.attention import store_kv
     from inferplane.worker.model.llama import rope
 
@@ -182,7 +227,7 @@ def test_rope_and_kv_store_in_one_pass_match_the_pytorch_ops():
     qk = rope(qkv[:, : heads + kv_heads], cos, signed_sin)
     store_kv(caches[2], caches[3], qk[:, heads:], qkv[:, heads + kv_heads:], slots)
     fused = qkv.clone()
-    KERNELS.rope_store_kv(fused, heads, kv_heads, cos, signed_sin, slots, caches[0], caches[1])
+    isa_kernels.rope_store_kv(fused, heads, kv_heads, cos, signed_sin, slots, caches[0], caches[1])
     torch.testing.assert_close(fused[:, : heads + kv_heads], qk, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(caches[0], caches[2], rtol=1e-6, atol=1e-6)
     assert torch.equal(caches[1], caches[3]) and caches[1].abs().sum() > 0
@@ -195,3 +240,13 @@ def test_a_cpu_engine_says_it_runs_on_the_kernels(tiny_llama, monkeypatch):
     assert LLM(tiny_llama, device="cpu", num_kv_blocks=16).stats()["native_kernels"] == 1.0
     monkeypatch.setattr(native, "kernels", lambda: None)
     assert LLM(tiny_llama, device="cpu", num_kv_blocks=16).stats()["native_kernels"] == 0.0
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 9, 17])
+def test_f32_linear_equals_pytorch_with_a_ragged_inner_dimension(isa_kernels, rows):
+    """76 inputs: whole vectors then a masked tail on both ISAs (16 + 12 lanes, 8 + 4 lanes)."""
+    torch.manual_seed(rows)
+    x, weight, bias = torch.randn(rows, 76), torch.randn(40, 76), torch.randn(40)
+    torch.testing.assert_close(isa_kernels.f32_linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(isa_kernels.f32_linear(x, weight, None), x @ weight.t(), rtol=1e-5, atol=1e-5)

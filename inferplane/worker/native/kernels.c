@@ -2,17 +2,26 @@
  *
  * Two jobs that PyTorch's eager CPU ops do poorly at decode sizes:
  *  - ip_int8_linear: y = x @ W.T for int8 W, with each row of x quantized to int8 inside the call.
- *    The weight is stored once, at load time, in a layout the AVX-512 VNNI loop reads front to back
- *    (16 output channels x 4 inputs per 64-byte vector, shifted to uint8 by +128), so no call pays
- *    for a reorder; `torch._int_mm` reorders on every call and the row quantization alone took five
- *    eager ops.
+ *    The weight is stored once, at load time, in one layout every ISA reads front to back (16 output
+ *    channels x 4 inputs per 64-byte block, shifted to uint8 by +128), so no call pays for a
+ *    reorder; `torch._int_mm` reorders on every call and the row quantization alone took five eager
+ *    ops (and on CPUs without VNNI it ran 10x slower than float32).
  *  - ip_paged_decode_attention: one query token per sequence against its KV blocks read where they
  *    lie in the paged cache, so no gather copies the context first.
+ *
+ * One source, built once per instruction set (native/__init__.py picks the best the CPU has, or the
+ * one INFERPLANE_NATIVE_ISA names):
+ *  - avx512-vnni (-march=x86-64-v4 -mavx512vnni): 16 floats a vector, vpdpbusd for int8.
+ *  - avx2-vnni (-march=x86-64-v3 -mavxvnni): 8 floats a vector, the 256-bit vpdpbusd.
+ *  - avx2 (-march=x86-64-v3: AVX2 + FMA, as on AMD Zen 2/3 and older Intel): 8 floats a vector;
+ *    int8 products by vpmaddubsw/vpmaddwd with the sign moved onto the input (|w| * sign(x, w)),
+ *    which keeps every pair sum within int16 (2 * 128 * 127 < 32768), so no product saturates.
+ * The float kernels are written once over a small vector layer (vf_*) that each ISA defines.
  *
  * Threads: OpenMP. PyTorch's wheel carries its own libgomp.so.1; loaded after torch, this library
  * binds to that same runtime, so it shares torch's thread pool and torch.set_num_threads().
  * Everything is float32 in and out; integer accumulation is exact, so ip_int8_linear returns what
- * `torch._int_mm` of the same quantized operands, scaled the same way, returns.
+ * `torch._int_mm` of the same quantized operands, scaled the same way, returns, on every ISA.
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,36 +29,120 @@
 #include <string.h>
 #include <omp.h>
 
-#if defined(__x86_64__) && defined(__AVX512F__)
-#define IP_HAVE_AVX512 1
+#if defined(__x86_64__) && (defined(__AVX512F__) || defined(__AVX2__))
 #include <immintrin.h>
-#else
-#define IP_HAVE_AVX512 0
 #endif
 
-#if IP_HAVE_AVX512 && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define IP_HAVE_VNNI 1
+#if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define IP_AVX512 1
+#define IP_AVX2 0
+#elif defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
+#define IP_AVX512 0
+#define IP_AVX2 1
 #else
-#define IP_HAVE_VNNI 0
+#define IP_AVX512 0
+#define IP_AVX2 0
+#endif
+#define IP_VECTOR (IP_AVX512 || IP_AVX2)
+
+#if IP_AVX512 && defined(__AVX512VNNI__)
+#define IP_INT8 1
+#elif IP_AVX2
+#define IP_INT8 1
+#else
+#define IP_INT8 0
 #endif
 
-#if IP_HAVE_AVX512
-/* exp of 16 floats: Cephes-style range reduction and polynomial, about 1 ulp. libm's expf is scalar
+#if IP_AVX2 && defined(__AVXVNNI__)
+#define IP_AVX2_VNNI 1
+#else
+#define IP_AVX2_VNNI 0
+#endif
+
+/* ---------------------------------------------------------------- the float vector layer */
+
+#if IP_AVX512
+typedef __m512 vf;
+typedef __m512i vi;
+#define VF_WIDTH 16
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_set1(float a) { return _mm512_set1_ps(a); }
+static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+/* the first n (< VF_WIDTH) floats at p, zeros after them; reads nothing past p + n */
+static inline vf vf_load_tail(const float *p, int64_t n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vf_abs(vf a) { return _mm512_abs_ps(a); }
+static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }   /* a * b + c */
+static inline vf vf_fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a * b */
+static inline vf vf_round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vf_scale2(vf p, vf k) { return _mm512_scalef_ps(p, k); } /* p * 2^k, k integral */
+static inline float vf_reduce_add(vf a) { return _mm512_reduce_add_ps(a); }
+static inline float vf_reduce_max(vf a) { return _mm512_reduce_max_ps(a); }
+static inline vi vf_to_int(vf a) { return _mm512_cvtps_epi32(a); } /* round half to even */
+#elif IP_AVX2
+typedef __m256 vf;
+typedef __m256i vi;
+#define VF_WIDTH 8
+static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vf vf_set1(float a) { return _mm256_set1_ps(a); }
+static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf vf_load_tail(const float *p, int64_t n) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lanes));
+}
+static inline void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vf_min(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vf_abs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vf_fnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline vf vf_round(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* k within [-126, 127] here (exp clamps its input), so 2^k is a normal float built from its bits */
+static inline vf vf_scale2(vf p, vf k) {
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+static inline float vf_reduce_add(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline float vf_reduce_max(vf a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline vi vf_to_int(vf a) { return _mm256_cvtps_epi32(a); }
+#endif
+
+#if IP_VECTOR
+/* exp of a vector: Cephes-style range reduction and polynomial, about 1 ulp. libm's expf is scalar
  * without -ffast-math (which this file avoids: it would also change the quantization's rounding). */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, k);
+static inline vf vf_exp(vf x) {
+    x = vf_min(vf_max(x, vf_set1(-87.3f)), vf_set1(88.3f));
+    const vf k = vf_round(vf_mul(x, vf_set1(1.44269504f)));
+    vf r = vf_fnmadd(k, vf_set1(0.693359375f), x);
+    r = vf_fnmadd(k, vf_set1(-2.12194440e-4f), r);
+    vf p = vf_set1(1.9875691500e-4f);
+    p = vf_fmadd(p, r, vf_set1(1.3981999507e-3f));
+    p = vf_fmadd(p, r, vf_set1(8.3334519073e-3f));
+    p = vf_fmadd(p, r, vf_set1(4.1665795894e-2f));
+    p = vf_fmadd(p, r, vf_set1(1.6666665459e-1f));
+    p = vf_fmadd(p, r, vf_set1(5.0000001201e-1f));
+    p = vf_fmadd(p, vf_mul(r, r), vf_add(r, vf_set1(1.0f)));
+    return vf_scale2(p, k);
 }
 #endif
 
@@ -57,27 +150,48 @@ static inline __m512 exp512(__m512 x) {
 
 /* ---------------------------------------------------------------- int8 linear */
 
-#if IP_HAVE_VNNI
+#if IP_INT8
+
+static inline int32_t load_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
 
 /* Row m of x -> int8 q[m, :] with scale[m] = max|x[m, :]| / 127 and comp[m] = 128 * sum(q[m, :]).
  * The division (not a multiply by the reciprocal) and round-half-even match quantize_rows in Python. */
 static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale, int32_t *comp) {
-    __m512 amax = _mm512_setzero_ps();
+    vf amax = vf_zero();
     int64_t i = 0;
-    for (; i + 16 <= k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
-    float m = _mm512_reduce_max_ps(amax);
+    for (; i + VF_WIDTH <= k; i += VF_WIDTH) amax = vf_max(amax, vf_abs(vf_load(x + i)));
+    float m = vf_reduce_max(amax);
     for (; i < k; i++) m = fmaxf(m, fabsf(x[i]));
-    float s = fmaxf(m, 1e-12f) / 127.0f;
-    __m512 sv = _mm512_set1_ps(s);
+    const float s = fmaxf(m, 1e-12f) / 127.0f;
+    const vf sv = vf_set1(s);
+    int32_t total = 0;
+    i = 0;
+#if IP_AVX512
     __m512i sum = _mm512_setzero_si512();
-    for (i = 0; i + 16 <= k; i += 16) {
-        __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(x + i), sv));  /* nearest-even */
+    for (; i + 16 <= k; i += 16) {
+        const __m512i v = vf_to_int(vf_div(vf_load(x + i), sv));
         sum = _mm512_add_epi32(sum, v);
         _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtsepi32_epi8(v));
     }
-    int32_t total = _mm512_reduce_add_epi32(sum);
+    total = _mm512_reduce_add_epi32(sum);
+#else
+    __m256i sum = _mm256_setzero_si256();
+    for (; i + 8 <= k; i += 8) {
+        const __m256i v = vf_to_int(vf_div(vf_load(x + i), sv));
+        sum = _mm256_add_epi32(sum, v);
+        const __m128i halves = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64((__m128i *)(q + i), _mm_packs_epi16(halves, halves));
+    }
+    int32_t lanes[8];
+    _mm256_storeu_si256((__m256i *)lanes, sum);
+    for (int j = 0; j < 8; j++) total += lanes[j];
+#endif
     for (; i < k; i++) {
-        int32_t v = (int32_t)nearbyintf(x[i] / s);
+        const int32_t v = (int32_t)nearbyintf(x[i] / s);
         q[i] = (int8_t)v;
         total += v;
     }
@@ -85,6 +199,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale, int
     *comp = 128 * total;
 }
 
+#if IP_AVX512
 /* One tile: MR rows of x against NR blocks of 16 output channels. The weight blocks are consecutive
  * in the packed layout, each 16 * k bytes: [k / 4][16 channels][4 inputs], as uint8 (w + 128).
  * vpdpbusd multiplies unsigned by signed bytes; (w + 128) * q summed over k is w.q + comp[m]. */
@@ -103,15 +218,15 @@ static inline __attribute__((always_inline)) void int8_tile(
         for (int c = 0; c < nr; c++) wv[c] = _mm512_loadu_si512((const void *)(w + c * 16 * k + kk * 64));
 #pragma GCC unroll 16
         for (int r = 0; r < mr; r++) {
-            __m512i xv = _mm512_set1_epi32(*(const int32_t *)(q + r * k + kk * 4));
+            const __m512i xv = _mm512_set1_epi32(load_i32(q + r * k + kk * 4));
 #pragma GCC unroll 4
             for (int c = 0; c < nr; c++) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], wv[c], xv);
         }
     }
 #pragma GCC unroll 4
     for (int c = 0; c < nr; c++) {
-        __m512 sv = _mm512_loadu_ps(wscale + c * 16);
-        __m512 bv = bias ? _mm512_loadu_ps(bias + c * 16) : _mm512_setzero_ps();
+        const __m512 sv = _mm512_loadu_ps(wscale + c * 16);
+        const __m512 bv = bias ? _mm512_loadu_ps(bias + c * 16) : _mm512_setzero_ps();
 #pragma GCC unroll 16
         for (int r = 0; r < mr; r++) {
             __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], _mm512_set1_epi32(xcomp[r])));
@@ -161,14 +276,108 @@ static void int8_column_group(const int8_t *q, int64_t m, int64_t k, const float
 #undef IP_SMALL_TILE
 }
 
-#endif /* IP_HAVE_VNNI */
+#else /* AVX2 */
+
+/* One tile: MR rows of x against NB blocks of 16 output channels, each block read as two 32-byte
+ * halves (channels 0-7, then 8-15, four inputs each) of the same packed layout as AVX-512's.
+ * With AVX-VNNI, vpdpbusd as above (w + 128 unsigned, comp subtracted). Without it, the signed
+ * weight w = (w + 128) ^ 0x80 is split into |w| (unsigned) and its sign, which moves onto x:
+ * vpmaddubsw(|w|, sign(x, w)) = w * x summed in pairs, then vpmaddwd by 1 widens to int32. */
+static inline __attribute__((always_inline)) void int8_tile(
+        const int8_t *q, int64_t k, const float *xscale, const int32_t *xcomp, int mr,
+        const uint8_t *w, const float *wscale, const float *bias, int nb, float *out, int64_t ldo) {
+    __m256i acc[4][4];
+    const int nv = 2 * nb;
+    const int64_t k4 = k / 4;
+#if !IP_AVX2_VNNI
+    (void)xcomp; /* signed products need no correction */
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+#endif
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < nv; c++) acc[r][c] = _mm256_setzero_si256();
+    for (int64_t kk = 0; kk < k4; kk++) {
+        __m256i wv[4];
+#if !IP_AVX2_VNNI
+        __m256i aw[4];
+#endif
+#pragma GCC unroll 4
+        for (int c = 0; c < nv; c++) {
+            wv[c] = _mm256_loadu_si256((const __m256i *)(w + (c / 2) * 16 * k + kk * 64 + (c % 2) * 32));
+#if !IP_AVX2_VNNI
+            wv[c] = _mm256_xor_si256(wv[c], flip);
+            aw[c] = _mm256_abs_epi8(wv[c]);
+#endif
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) {
+            const __m256i xv = _mm256_set1_epi32(load_i32(q + r * k + kk * 4));
+#pragma GCC unroll 4
+            for (int c = 0; c < nv; c++) {
+#if IP_AVX2_VNNI
+                acc[r][c] = _mm256_dpbusd_avx_epi32(acc[r][c], wv[c], xv);
+#else
+                const __m256i pairs = _mm256_maddubs_epi16(aw[c], _mm256_sign_epi8(xv, wv[c]));
+                acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(pairs, ones));
+#endif
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < nv; c++) {
+        const __m256 sv = _mm256_loadu_ps(wscale + c * 8);
+        const __m256 bv = bias ? _mm256_loadu_ps(bias + c * 8) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) {
+#if IP_AVX2_VNNI
+            const __m256i exact = _mm256_sub_epi32(acc[r][c], _mm256_set1_epi32(xcomp[r]));
+#else
+            const __m256i exact = acc[r][c];
+#endif
+            __m256 y = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(exact), _mm256_set1_ps(xscale[r])), sv);
+            if (bias) y = _mm256_add_ps(y, bv);
+            _mm256_storeu_ps(out + r * ldo + c * 8, y);
+        }
+    }
+}
+
+/* Rows of one column group (nr blocks): four rows one block at a time (16 accumulators of the 16
+ * registers AVX2 has would spill), then two, then a last row two blocks at a time. */
+static void int8_column_group(const int8_t *q, int64_t m, int64_t k, const float *xscale, const int32_t *xcomp,
+                              const uint8_t *w, const float *wscale, const float *bias, int nr,
+                              float *out, int64_t ldo) {
+    const int64_t wblock = 16 * k;
+    int64_t r = 0;
+#define IP_ROWS_ONE_BLOCK(MR)                                                                       \
+    for (; r + MR <= m; r += MR)                                                                    \
+        for (int c = 0; c < nr; c++)                                                                \
+            int8_tile(q + r * k, k, xscale + r, xcomp + r, MR, w + c * wblock, wscale + c * 16,     \
+                      bias ? bias + c * 16 : NULL, 1, out + r * ldo + c * 16, ldo);
+    IP_ROWS_ONE_BLOCK(4)
+    IP_ROWS_ONE_BLOCK(2)
+#undef IP_ROWS_ONE_BLOCK
+    if (r < m)
+        for (int c = 0; c < nr; c += 2) {
+            if (c + 2 <= nr)
+                int8_tile(q + r * k, k, xscale + r, xcomp + r, 1, w + c * wblock, wscale + c * 16,
+                          bias ? bias + c * 16 : NULL, 2, out + r * ldo + c * 16, ldo);
+            else
+                int8_tile(q + r * k, k, xscale + r, xcomp + r, 1, w + c * wblock, wscale + c * 16,
+                          bias ? bias + c * 16 : NULL, 1, out + r * ldo + c * 16, ldo);
+        }
+}
+
+#endif /* AVX-512 or AVX2 */
+#endif /* IP_INT8 */
 
 /* x [m, k] float32 (rows ldx apart) -> out [m, n] float32 (rows ldo apart).
  * w: the packed weight (pack_int8_weight in Python), wscale [n] per-channel scales, bias [n] or NULL.
  * Needs k % 4 == 0 and n % 16 == 0. Returns 0, or -1 where this build has no such kernel. */
 int ip_int8_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, const float *wscale,
                    const float *bias, int64_t n, float *out, int64_t ldo) {
-#if IP_HAVE_VNNI
+#if IP_INT8
     int8_t *q = (int8_t *)malloc((size_t)(m * k + 64));
     float *xscale = (float *)malloc(sizeof(float) * (size_t)m);
     int32_t *xcomp = (int32_t *)malloc(sizeof(int32_t) * (size_t)m);
@@ -202,55 +411,55 @@ int ip_int8_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const uint
 
 #define IP_FEATURE_F32_LINEAR 2
 
-#if IP_HAVE_AVX512
+#if IP_VECTOR
 /* MR rows of x against NR weight rows, each output a dot product over k: the weight is read in its
  * own row-major layout (no packed copy: a tied head shares its bytes with the embedding), each
- * 64-byte vector of it used by MR rows of x while in a register. */
+ * vector of it used by MR rows of x while in a register. */
 static inline __attribute__((always_inline)) void f32_tile(const float *x, int64_t ldx, int mr, const float *w,
                                                            int64_t k, int nr, const float *bias, float *out,
                                                            int64_t ldo) {
-    __m512 acc[8][8];
+    vf acc[8][8];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++)
 #pragma GCC unroll 8
-        for (int c = 0; c < nr; c++) acc[r][c] = _mm512_setzero_ps();
+        for (int c = 0; c < nr; c++) acc[r][c] = vf_zero();
     int64_t j = 0;
-    for (; j + 16 <= k; j += 16) {
-        __m512 wv[8];
+    for (; j + VF_WIDTH <= k; j += VF_WIDTH) {
+        vf wv[8];
 #pragma GCC unroll 8
-        for (int c = 0; c < nr; c++) wv[c] = _mm512_loadu_ps(w + c * k + j);
+        for (int c = 0; c < nr; c++) wv[c] = vf_load(w + c * k + j);
 #pragma GCC unroll 8
         for (int r = 0; r < mr; r++) {
-            __m512 xv = _mm512_loadu_ps(x + r * ldx + j);
+            const vf xv = vf_load(x + r * ldx + j);
 #pragma GCC unroll 8
-            for (int c = 0; c < nr; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+            for (int c = 0; c < nr; c++) acc[r][c] = vf_fmadd(xv, wv[c], acc[r][c]);
         }
     }
     if (j < k) {
-        const __mmask16 tail = (__mmask16)((1u << (k - j)) - 1);
-        __m512 wv[8];
+        vf wv[8];
 #pragma GCC unroll 8
-        for (int c = 0; c < nr; c++) wv[c] = _mm512_maskz_loadu_ps(tail, w + c * k + j);
+        for (int c = 0; c < nr; c++) wv[c] = vf_load_tail(w + c * k + j, k - j);
 #pragma GCC unroll 8
         for (int r = 0; r < mr; r++) {
-            __m512 xv = _mm512_maskz_loadu_ps(tail, x + r * ldx + j);
+            const vf xv = vf_load_tail(x + r * ldx + j, k - j);
 #pragma GCC unroll 8
-            for (int c = 0; c < nr; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+            for (int c = 0; c < nr; c++) acc[r][c] = vf_fmadd(xv, wv[c], acc[r][c]);
         }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++)
 #pragma GCC unroll 8
-        for (int c = 0; c < nr; c++) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]) + (bias ? bias[c] : 0.0f);
+        for (int c = 0; c < nr; c++) out[r * ldo + c] = vf_reduce_add(acc[r][c]) + (bias ? bias[c] : 0.0f);
 }
 #endif
 
 /* out [m, n] (rows ldo apart) = x [m, k] (rows ldx apart) @ w[n, k].T + bias. Meant for few rows
  * and a tall weight (an output head), where the GEMM libraries block poorly. Needs n % 8 == 0.
+ * Tiles keep the accumulators in registers: 32 vector registers with AVX-512, 16 with AVX2.
  * Returns 0, or -1 where this build has no such kernel. */
 int ip_f32_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const float *w, const float *bias, int64_t n,
                   float *out, int64_t ldo) {
-#if IP_HAVE_AVX512
+#if IP_VECTOR
     const int64_t groups = n / 8;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
@@ -258,19 +467,25 @@ int ip_f32_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const float
         const float *wg = w + col * k;
         const float *bg = bias ? bias + col : NULL;
         int64_t r = 0;
+#if IP_AVX512
         for (; r + 8 <= m; r += 8)
             for (int c = 0; c < 8; c += 2)
                 f32_tile(x + r * ldx, ldx, 8, wg + c * k, k, 2, bg ? bg + c : NULL, out + r * ldo + col + c, ldo);
-        if (r + 4 <= m) {
-            for (int c = 0; c < 8; c += 4)
-                f32_tile(x + r * ldx, ldx, 4, wg + c * k, k, 4, bg ? bg + c : NULL, out + r * ldo + col + c, ldo);
-            r += 4;
-        }
+#endif
+        for (; r + 4 <= m; r += 4)
+            for (int c = 0; c < 8; c += (IP_AVX512 ? 4 : 2))
+                f32_tile(x + r * ldx, ldx, 4, wg + c * k, k, IP_AVX512 ? 4 : 2, bg ? bg + c : NULL,
+                         out + r * ldo + col + c, ldo);
         if (r + 2 <= m) {
-            f32_tile(x + r * ldx, ldx, 2, wg, k, 8, bg, out + r * ldo + col, ldo);
+            for (int c = 0; c < 8; c += (IP_AVX512 ? 8 : 4))
+                f32_tile(x + r * ldx, ldx, 2, wg + c * k, k, IP_AVX512 ? 8 : 4, bg ? bg + c : NULL,
+                         out + r * ldo + col + c, ldo);
             r += 2;
         }
-        if (r < m) f32_tile(x + r * ldx, ldx, 1, wg, k, 8, bg, out + r * ldo + col, ldo);
+        if (r < m)
+            for (int c = 0; c < 8; c += (IP_AVX512 ? 8 : 4))
+                f32_tile(x + r * ldx, ldx, 1, wg + c * k, k, IP_AVX512 ? 8 : 4, bg ? bg + c : NULL,
+                         out + r * ldo + col + c, ldo);
     }
     return 0;
 #else
@@ -285,15 +500,15 @@ int ip_f32_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const float
 static float exp_shifted(float *s, int64_t n, float top) {
     float total = 0.0f;
     int64_t t = 0;
-#if IP_HAVE_AVX512
-    const __m512 vtop = _mm512_set1_ps(top);
-    __m512 sum = _mm512_setzero_ps();
-    for (; t + 16 <= n; t += 16) {
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), vtop));
-        _mm512_storeu_ps(s + t, e);
-        sum = _mm512_add_ps(sum, e);
+#if IP_VECTOR
+    const vf vtop = vf_set1(top);
+    vf sum = vf_zero();
+    for (; t + VF_WIDTH <= n; t += VF_WIDTH) {
+        const vf e = vf_exp(vf_sub(vf_load(s + t), vtop));
+        vf_store(s + t, e);
+        sum = vf_add(sum, e);
     }
-    total = _mm512_reduce_add_ps(sum);
+    total = vf_reduce_add(sum);
 #endif
     for (; t < n; t++) {
         s[t] = expf(s[t] - top);
@@ -303,11 +518,11 @@ static float exp_shifted(float *s, int64_t n, float top) {
 }
 
 static inline float dot(const float *a, const float *b, int64_t d) {
-#if IP_HAVE_AVX512
-    if (d % 16 == 0) {
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
-        for (int64_t j = 16; j < d; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc);
-        return _mm512_reduce_add_ps(acc);
+#if IP_VECTOR
+    if (d % VF_WIDTH == 0) {
+        vf acc = vf_mul(vf_load(a), vf_load(b));
+        for (int64_t j = VF_WIDTH; j < d; j += VF_WIDTH) acc = vf_fmadd(vf_load(a + j), vf_load(b + j), acc);
+        return vf_reduce_add(acc);
     }
 #endif
     float total = 0.0f;
@@ -420,12 +635,11 @@ void ip_silu_mul(const float *gate_up, int64_t m, int64_t inter, float *out) {
         const float *g = gate_up + i * 2 * inter, *u = g + inter;
         float *o = out + i * inter;
         int64_t j = 0;
-#if IP_HAVE_AVX512
-        for (; j + 16 <= inter; j += 16) {
-            const __m512 gv = _mm512_loadu_ps(g + j);
-            const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(
-                _mm512_setzero_ps(), gv))));
-            _mm512_storeu_ps(o + j, _mm512_mul_ps(sig, _mm512_loadu_ps(u + j)));
+#if IP_VECTOR
+        for (; j + VF_WIDTH <= inter; j += VF_WIDTH) {
+            const vf gv = vf_load(g + j);
+            const vf sig = vf_div(gv, vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), gv))));
+            vf_store(o + j, vf_mul(sig, vf_load(u + j)));
         }
 #endif
         for (; j < inter; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
@@ -458,5 +672,21 @@ void ip_rope_store_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, in
 
 /* Which of the kernels above this build has (the others return -1). */
 int ip_features(void) {
-    return (IP_HAVE_VNNI ? IP_FEATURE_INT8_LINEAR : 0) | (IP_HAVE_AVX512 ? IP_FEATURE_F32_LINEAR : 0);
+    return (IP_INT8 ? IP_FEATURE_INT8_LINEAR : 0) | (IP_VECTOR ? IP_FEATURE_F32_LINEAR : 0);
+}
+
+/* The instruction set this build's vector code uses: what the library was compiled for, so the
+ * Python side can check it loaded what it asked for, and stats can say which kernels ran. */
+const char *ip_isa(void) {
+#if IP_AVX512 && IP_INT8
+    return "avx512-vnni";
+#elif IP_AVX512
+    return "avx512";
+#elif IP_AVX2_VNNI
+    return "avx2-vnni";
+#elif IP_AVX2
+    return "avx2";
+#else
+    return "generic";
+#endif
 }
