@@ -27,7 +27,8 @@ WORKER_KV_CAPACITY = "inferplane_worker_kv_blocks_capacity"
 WORKER_KV_CACHED = "inferplane_worker_kv_blocks_cached"
 WORKER_KV_PEAK = "inferplane_worker_kv_blocks_peak_used"
 WORKER_TREE_NODES = "inferplane_worker_prefix_cache_tree_nodes"
-WORKER_NATIVE_KERNELS = "inferplane_worker_native_kernels"
+WORKER_NATIVE_KERNELS = "inferplane_worker_native_kernels"  # how many of the kernels run in C
+WORKER_NATIVE_KERNEL = "inferplane_worker_native_kernel"  # 1 per {kernel, isa}; isa="torch": PyTorch's op
 WORKER_WEIGHTS_INFO = "inferplane_worker_weights_info"
 # prometheus_client's process collector, which every worker registers: a restart moves it.
 PROCESS_START_TIME = "process_start_time_seconds"

@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from inferplane.api.tokenizer import IncrementalDetokenizer
-from inferplane.worker import native
 from inferplane.worker.attention import PagedKVCache
 from inferplane.worker.kv.paged import blocks_for
 from inferplane.worker.model.loader import LoadedModel
 from inferplane.worker.model_runner import ModelRunner
 from inferplane.worker.options import EngineOptions, parse_memory
-from inferplane.worker.runtimes import build_kv_manager, build_scheduler
+from inferplane.worker.runtimes import build_kv_manager, build_scheduler, kernel_isas
 from inferplane.worker.sampling import SamplingParams
 from inferplane.worker.sequence import Sequence
 
@@ -70,6 +69,7 @@ class Engine:
                                   config.head_dim, dtype, device)
         self.kv = build_kv_manager(options, num_blocks)
         self.scheduler = build_scheduler(options, self.kv)
+        self.kernel_isas = kernel_isas(loaded.model) if device.type == "cpu" else {}
         self._grammars = None  # structured.GrammarCompiler, made when a request first needs it
         self.eos_ids = set(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -297,6 +297,7 @@ class Engine:
             max_model_len=self.max_model_len,
             max_num_seqs=self.options.max_num_seqs,  # the slots an autoscaler measures concurrency against
         )
-        if self.device.type == "cpu":  # whether decode runs on the C kernels or the slower PyTorch ops
-            stats["native_kernels"] = 1.0 if native.kernels() is not None else 0.0
+        if self.device.type == "cpu":  # which jobs run on the C kernels (and which ISA), which on PyTorch ops
+            stats["native_kernels"] = float(sum(isa != "torch" for isa in self.kernel_isas.values()))
+            stats.update({f"native_kernel:{name}:{isa}": 1.0 for name, isa in self.kernel_isas.items()})
         return stats

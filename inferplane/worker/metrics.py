@@ -59,6 +59,13 @@ class _EngineStatsCollector:
                 family = GaugeMetricFamily(metric, f"engine stat {key}", labels=names)
                 family.add_metric(values, float(stats[key]))
                 yield family
+        kernels = [key.split(":")[1:] for key in stats if key.startswith("native_kernel:")]
+        if kernels:
+            family = GaugeMetricFamily(m.WORKER_NATIVE_KERNEL, "which ISA each C kernel runs on (torch: PyTorch's op)",
+                                       labels=[*names, "kernel", "isa"])
+            for kernel, isa in kernels:
+                family.add_metric([*values, kernel, isa], 1.0)
+            yield family
         gate = {k: v for k, v in stats.items() if k.startswith(("gate_", "weight_bytes"))}
         if gate:
             family = GaugeMetricFamily(m.WORKER_WEIGHTS_INFO, "weight format and int8 quality gate figures",

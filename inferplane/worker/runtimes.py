@@ -14,8 +14,13 @@ from __future__ import annotations
 
 import importlib.util
 
+import torch
+from torch import nn
+
 from inferplane.api.resolve import PRESETS
+from inferplane.worker import native
 from inferplane.worker.kv.paged import PagedKV
+from inferplane.worker.native.choice import NEVER
 from inferplane.worker.options import EngineOptions
 from inferplane.worker.scheduler import Scheduler
 
@@ -71,9 +76,32 @@ def build_scheduler(options: EngineOptions, kv) -> Scheduler:
 
 def prepare_weights(options: EngineOptions, loaded) -> dict[str, float]:
     """Converts the loaded model's weights to the runtime's format in place; returns figures to
-    report (weight bytes, quality-gate results), empty for dense runtimes."""
-    if PRESETS[options.runtime].weights != "int8":
-        return {}
-    from inferplane.worker.quant.convert import quantize_loaded_model
+    report (weight bytes, quality-gate results, the measured head-kernel crossover). On the CPU,
+    it also times the float head's C kernel against PyTorch (model.measure_head_kernel)."""
+    figures: dict[str, float] = {}
+    if PRESETS[options.runtime].weights == "int8":
+        from inferplane.worker.quant.convert import quantize_loaded_model
 
-    return quantize_loaded_model(loaded, options)
+        figures.update(quantize_loaded_model(loaded, options))
+    measure = getattr(loaded.model, "measure_head_kernel", None)
+    if measure is not None:
+        crossover = measure()
+        if crossover < NEVER:
+            figures["head_kernel_torch_from_rows"] = float(crossover)
+    return figures
+
+
+def kernel_isas(model: nn.Module) -> dict[str, str]:
+    """Kernel name -> the ISA it runs on for this model ("torch": PyTorch's op does that job):
+    what the C kernels cover, less what this model or the start-up measurements left to PyTorch."""
+    isas = native.kernel_isas()
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cpu" or param.dtype != torch.float32:
+        return dict.fromkeys(isas, "torch")
+    int8_layers = [m for m in model.modules() if type(m).__name__ == "Int8Linear"]
+    if not any(getattr(m, "is_packed", False) for m in int8_layers):
+        isas["int8_linear"] = "torch"
+    head = getattr(model, "lm_head", None)
+    if type(head) is not nn.Linear or getattr(model, "head_torch_from_rows", NEVER) <= 1:
+        isas["f32_linear"] = "torch"
+    return isas

@@ -233,13 +233,26 @@ def test_rope_and_kv_store_in_one_pass_match_the_pytorch_ops(isa_kernels):
     assert torch.equal(caches[1], caches[3]) and caches[1].abs().sum() > 0
 
 
-@needs_kernels
-def test_a_cpu_engine_says_it_runs_on_the_kernels(tiny_llama, monkeypatch):
-    from inferplane.worker.llm import LLM
+def test_a_cpu_engine_says_which_isa_each_kernel_runs_on(tiny_llama, isa_kernels, monkeypatch):
+    from prometheus_client import generate_latest
 
-    assert LLM(tiny_llama, device="cpu", num_kv_blocks=16).stats()["native_kernels"] == 1.0
+    from inferplane.worker.llm import LLM
+    from inferplane.worker.metrics import WorkerMetrics
+
+    stats = LLM(tiny_llama, device="cpu", num_kv_blocks=16).stats()
+    on_kernels = {key.split(":")[1]: key.split(":")[2] for key in stats if key.startswith("native_kernel:")}
+    assert on_kernels["decode_attention"] == on_kernels["rms_norm"] == isa_kernels.isa
+    assert on_kernels["int8_linear"] == "torch"  # a dense runtime has no int8 layers
+    assert stats["native_kernels"] == sum(isa != "torch" for isa in on_kernels.values()) >= 4
+    exposition = generate_latest(WorkerMetrics("tiny", "paged", lambda: stats).registry).decode()
+    assert f'inferplane_worker_native_kernel{{isa="{isa_kernels.isa}",kernel="decode_attention",' in exposition
+
+    int8 = LLM(tiny_llama, runtime="cpu-int8", device="cpu", num_kv_blocks=16, skip_quality_gate=True).stats()
+    assert int8[f"native_kernel:int8_linear:{isa_kernels.isa}"] == 1.0
+
     monkeypatch.setattr(native, "kernels", lambda: None)
-    assert LLM(tiny_llama, device="cpu", num_kv_blocks=16).stats()["native_kernels"] == 0.0
+    stats = LLM(tiny_llama, device="cpu", num_kv_blocks=16).stats()
+    assert stats["native_kernels"] == 0.0 and stats["native_kernel:decode_attention:torch"] == 1.0
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 9, 17])
@@ -250,3 +263,10 @@ def test_f32_linear_equals_pytorch_with_a_ragged_inner_dimension(isa_kernels, ro
     torch.testing.assert_close(isa_kernels.f32_linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias),
                                rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(isa_kernels.f32_linear(x, weight, None), x @ weight.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_dequantize_inverts_the_packing_and_applies_the_scales(isa_kernels):
+    q = torch.randint(-128, 128, (48, 20), dtype=torch.int8)
+    scale = torch.rand(48) + 0.5
+    got = isa_kernels.int8_dequantize(native.pack_int8_weight(q), scale)
+    assert torch.equal(got, q.float() * scale[:, None])

@@ -16,6 +16,7 @@ from torch import nn
 from inferplane.worker import native
 from inferplane.worker.attention import AttentionBatch, PagedKVCache, paged_attention, store_kv
 from inferplane.worker.model.config import ModelConfig, ModelLoadError
+from inferplane.worker.native.choice import NEVER, crossover
 
 
 class RMSNorm(nn.Module):
@@ -184,6 +185,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
+        self.head_torch_from_rows = NEVER  # set by measure_head_kernel: PyTorch's head from here on
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                 batch: AttentionBatch) -> torch.Tensor:
@@ -198,12 +200,36 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_head
         if type(head) is nn.Linear and hidden.device.type == "cpu":
             # The head is the biggest weight and sampled rows are few: the C kernel reads the tall
-            # weight in place at 2.2x PyTorch's speed for one row and 1.4x for 16 (SmolLM2's head).
+            # weight in place (2.2x PyTorch's speed for one row of SmolLM2's head on AVX-512), up to
+            # the row count where PyTorch measured faster at start-up (measure_head_kernel).
             kernels = native.kernels()
-            if kernels is not None and kernels.f32_linear_applies(hidden, head.weight):
+            if (kernels is not None and hidden.shape[0] < self.head_torch_from_rows
+                    and kernels.f32_linear_applies(hidden, head.weight)):
                 return kernels.f32_linear(hidden, head.weight, head.bias)
-            if head.bias is None and hidden.shape[0] > 1:
-                # [V, H] @ [H, M] rather than [M, H] @ [H, V]: the same product, but the CPU's GEMM
-                # blocks the tall weight better (16 rows of SmolLM2's head: 14.7 against 20.3 ms).
-                return torch.mm(head.weight, hidden.t()).t().float()
+            return self._torch_logits(hidden)
         return head(hidden).float()
+
+    def _torch_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.lm_head
+        if head.bias is None and hidden.shape[0] > 1:
+            # [V, H] @ [H, M] rather than [M, H] @ [H, V]: the same product, but the CPU's GEMM
+            # blocks the tall weight better (16 rows of SmolLM2's head: 14.7 against 20.3 ms).
+            return torch.mm(head.weight, hidden.t()).t().float()
+        return head(hidden).float()
+
+    def measure_head_kernel(self, max_rows: int = 16) -> int:
+        """Times the C head kernel against PyTorch's product on this CPU and keeps the kernel below
+        the measured crossover; returns it (choice.NEVER: the kernel won throughout)."""
+        head = self.lm_head
+        kernels = native.kernels()
+        self.head_torch_from_rows = NEVER
+        if type(head) is not nn.Linear or head.weight.device.type != "cpu" or kernels is None:
+            return NEVER
+        probe = torch.zeros(1, head.in_features, dtype=head.weight.dtype)
+        if not kernels.f32_linear_applies(probe, head.weight):
+            return NEVER
+        rows = [r for r in (1, 2, 4, 8, 16, 32) if r <= max_rows]
+        self.head_torch_from_rows = crossover(lambda x: kernels.f32_linear(x, head.weight, head.bias),
+                                              self._torch_logits,
+                                              lambda n: torch.randn(n, head.in_features), rows)
+        return self.head_torch_from_rows

@@ -66,6 +66,8 @@ class NativeKernels:
         self.isa: str = lib.ip_isa().decode()
         lib.ip_int8_linear.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _P, _I]
         lib.ip_int8_linear.restype = ctypes.c_int
+        lib.ip_int8_dequantize.argtypes = [_P, _I, _I, _P, _P]
+        lib.ip_int8_dequantize.restype = None
         lib.ip_paged_decode_attention.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P,
                                                   ctypes.c_float, _P, _I]
         lib.ip_paged_decode_attention.restype = ctypes.c_int
@@ -98,6 +100,13 @@ class NativeKernels:
         rc = self._lib.ip_int8_linear(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), scale.data_ptr(),
                                       None if bias is None else bias.data_ptr(), n, out.data_ptr(), n)
         _check(rc, "ip_int8_linear")
+        return out
+
+    def int8_dequantize(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The packed weight as float32 [N, K], each row times its scale (for a float GEMM)."""
+        nb, k4, _, _ = packed.shape
+        out = torch.empty(nb * 16, k4 * 4, dtype=torch.float32)
+        self._lib.ip_int8_dequantize(packed.data_ptr(), nb * 16, k4 * 4, scale.data_ptr(), out.data_ptr())
         return out
 
     def f32_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -407,6 +407,21 @@ int ip_int8_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const uint
 #endif
 }
 
+/* The packed weight back to float32 out [n, k], row-major: out[i, j] = (w[i, j] - 128) * wscale[i]. Where
+ * a CPU's float32 GEMM beats ip_int8_linear for many rows (prefill; measured at start-up), the
+ * layer multiplies by this instead: writing n * k floats costs far less than such a product. */
+void ip_int8_dequantize(const uint8_t *w, int64_t n, int64_t k, const float *wscale, float *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *block = w + (i / 16) * 16 * k + (i % 16) * 4;
+        const float s = wscale[i];
+        float *o = out + i * k;
+        for (int64_t kk = 0; kk < k / 4; kk++)
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) o[kk * 4 + j] = (float)((int)block[kk * 64 + j] - 128) * s;
+    }
+}
+
 /* ---------------------------------------------------------------- float32 linear (few rows) */
 
 #define IP_FEATURE_F32_LINEAR 2

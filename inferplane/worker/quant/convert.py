@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from inferplane.worker.native.choice import NEVER
 from inferplane.worker.quant import gate
-from inferplane.worker.quant.dispatch import calibrate, default_min_rows
+from inferplane.worker.quant.dispatch import calibrate, calibrate_packed, default_min_rows
 from inferplane.worker.quant.int8_linear import Int8Dispatch, Int8Linear, quantize_per_channel
 from inferplane.worker.quant.smooth import (
     CALIBRATION_TOKENS,
@@ -106,7 +107,8 @@ def convert_model(model: nn.Module, *, quantize_head: bool = False, scale_multip
     `scale_multiplier` != 1 stores deliberately wrong scales: a test hook proving the gate can fail.
     With `pack`, every layer whose shape fits moves to the C kernel's layout (Int8Linear.pack)
     where this machine can build it; the start-up measurement of the PyTorch kernels then only
-    matters for the layers left over.
+    matters for the layers left over, and for packed ones it finds from how many rows float32
+    GEMM over the dequantized weight is faster (dispatch.calibrate_packed).
     """
     smoothed = False
     if calibration_ids and smooth_alpha and _is_llama_shaped(model):
@@ -149,6 +151,7 @@ def convert_model(model: nn.Module, *, quantize_head: bool = False, scale_multip
         report.packed = sum(layer.pack() for layer in report.layers)
     if measure_dispatch:
         calibrate([layer for layer in report.layers if not layer.is_packed], report.dispatch)
+        calibrate_packed(report.layers, report.dispatch)
     return report
 
 
@@ -213,12 +216,16 @@ def quantize_loaded_model(loaded, options) -> dict[str, float]:
         "int8_layers": float(len(report.layers)),
         "int8_layers_from_q8_0": float(report.from_q8_0),
         "int8_layers_packed": float(report.packed),
+        # from how many rows some packed layer multiplies in float32 instead (0: none does)
+        "int8_float_gemm_from_rows": float(min((r for r in report.dispatch.float_from.values() if r < NEVER),
+                                               default=0)),
         "gate_skipped": 1.0 if skip else 0.0,
     }
     if skip:
         return figures
     acc = gate.GateAccumulator()
-    acc.add(reference, gate.sequence_logits(model, slice_ids), slice_ids)
+    with report.dispatch.int8_only():  # the gate scores int8 activations, the path decode takes
+        acc.add(reference, gate.sequence_logits(model, slice_ids), slice_ids)
     result = acc.result(gate.DEFAULT_THRESHOLD_PCT)
     figures.update(result.figures())
     if not result.passed:

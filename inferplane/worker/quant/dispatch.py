@@ -8,12 +8,12 @@ default. Only speed depends on the choice; both kernels are exact up to their er
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Iterable
 
 import torch
 
+from inferplane.worker import native
+from inferplane.worker.native.choice import NEVER, crossover
 from inferplane.worker.quant.int8_linear import Int8Dispatch, Int8Linear
 
 # Beyond the largest measured row count the dynamic kernel is taken as the winner: GEMM there is
@@ -41,40 +41,48 @@ def default_min_rows(flags: set[str] | None = None) -> int:
     return ROW_COUNTS[-1] * 2
 
 
-def _median_seconds(fn, reps: int) -> float:
-    fn()  # warm-up: first calls pay for packing buffers and thread start
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure_crossover(layer: Int8Linear, reps: int = 3) -> int:
     """The smallest measured row count from which the dynamic kernel is faster at every larger
     measured count; past the last one it is assumed faster."""
-    wins = []
-    with torch.inference_mode():
-        for rows in ROW_COUNTS:
-            x = torch.randn(rows, layer.in_features)
-            dynamic = _median_seconds(lambda x=x: layer.forward_dynamic(x), reps)
-            weight_only = _median_seconds(lambda x=x: layer.forward_weight_only(x), reps)
-            wins.append(dynamic < weight_only)
-    threshold = ROW_COUNTS[-1] * 2
-    for rows, dynamic_wins in zip(reversed(ROW_COUNTS), reversed(wins), strict=True):
-        if not dynamic_wins:
-            break
-        threshold = rows
-    return threshold
+    found = crossover(layer.forward_weight_only, layer.forward_dynamic,
+                      lambda rows: torch.randn(rows, layer.in_features), ROW_COUNTS, reps)
+    return ROW_COUNTS[-1] * 2 if found == NEVER else found
+
+
+# Row counts at which a packed layer's kernel is timed against float32 GEMM over its dequantized
+# weight: prefill sizes (below 16 rows the kernel reads a quarter of float32's bytes and wins).
+PACKED_ROW_COUNTS = (16, 64, 256)
+
+
+def measure_float_crossover(layer: Int8Linear, reps: int = 3) -> int:
+    """From how many rows a packed layer is faster as dequantize + float32 GEMM (NEVER: not here)."""
+    def float_path(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, layer.forward_dequantized_weight(), layer.bias)
+
+    return crossover(layer.forward_packed, float_path, lambda rows: torch.randn(rows, layer.in_features),
+                     PACKED_ROW_COUNTS, reps)
+
+
+def _one_per_shape(layers: Iterable[Int8Linear]) -> dict[tuple[int, int], Int8Linear]:
+    seen: dict[tuple[int, int], Int8Linear] = {}
+    for layer in layers:
+        seen.setdefault((layer.in_features, layer.out_features), layer)
+    return seen
 
 
 def calibrate(layers: Iterable[Int8Linear], dispatch: Int8Dispatch,
               reps: int = 3) -> dict[tuple[int, int], int]:
-    """Measures one layer of each distinct shape and stores its threshold in `dispatch`."""
-    seen: dict[tuple[int, int], Int8Linear] = {}
-    for layer in layers:
-        seen.setdefault((layer.in_features, layer.out_features), layer)
-    for (k, n), layer in seen.items():
+    """Measures one unpacked layer of each distinct shape and stores its threshold in `dispatch`."""
+    for (k, n), layer in _one_per_shape(layers).items():
         dispatch.set(k, n, measure_crossover(layer, reps))
     return dict(dispatch.thresholds)
+
+
+def calibrate_packed(layers: Iterable[Int8Linear], dispatch: Int8Dispatch,
+                     reps: int = 3) -> dict[tuple[int, int], int]:
+    """Measures one packed layer of each distinct shape against float32 GEMM; stores the crossovers."""
+    if native.kernels() is None:
+        return {}
+    for (k, n), layer in _one_per_shape(x for x in layers if x.is_packed).items():
+        dispatch.set_float_from(k, n, measure_float_crossover(layer, reps))
+    return dict(dispatch.float_from)

@@ -10,7 +10,10 @@
   load time, in the order its AVX-512 VNNI loop reads; each input row is quantized inside the call
   exactly as for the dynamic kernel, and integer accumulation is exact, so the result equals the
   dynamic kernel's. It beat both others at every row count measured (1 to 64) for SmolLM2's shapes,
-  so a packed layer uses it for all inputs; the plain copy of the weight is dropped.
+  so a packed layer uses it for all inputs; the plain copy of the weight is dropped. Except: from
+  the row count where float32 GEMM over the dequantized weight measured faster at start-up (it
+  can, for prefill-sized inputs, on a CPU whose int8 path is AVX2 but whose float GEMM is not
+  slower), a packed layer dequantizes (a C kernel, a fraction of the GEMM's time) and uses that.
 
 Without the C kernels (no compiler, another CPU), the choice between the first two for a given row
 count is a per-shape threshold held in a shared `Int8Dispatch`, set at start-up by a measurement
@@ -20,10 +23,14 @@ Activations stay float32 between layers; only the inside of each product uses na
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 from inferplane.worker import native
+from inferplane.worker.native.choice import NEVER
 
 QMAX = 127  # symmetric: -127..127, so that negating a weight never overflows
 
@@ -62,12 +69,30 @@ class Int8Dispatch:
     def __init__(self, default_min_rows: int = 4):
         self.default_min_rows = default_min_rows
         self.thresholds: dict[tuple[int, int], int] = {}
+        # packed layers: from how many rows float32 GEMM over the dequantized weight is faster
+        self.float_from: dict[tuple[int, int], int] = {}
 
     def min_rows(self, in_features: int, out_features: int) -> int:
         return self.thresholds.get((in_features, out_features), self.default_min_rows)
 
     def set(self, in_features: int, out_features: int, min_rows: int) -> None:
         self.thresholds[(in_features, out_features)] = min_rows
+
+    def float_min_rows(self, in_features: int, out_features: int) -> int:
+        return self.float_from.get((in_features, out_features), NEVER)
+
+    def set_float_from(self, in_features: int, out_features: int, rows: int) -> None:
+        self.float_from[(in_features, out_features)] = rows
+
+    @contextlib.contextmanager
+    def int8_only(self) -> Iterator[None]:
+        """Packed layers use the int8 kernel for every row count inside (the quality gate measures
+        that path: decode always takes it)."""
+        saved, self.float_from = self.float_from, {}
+        try:
+            yield
+        finally:
+            self.float_from = saved
 
 
 class Int8Linear(nn.Module):
@@ -129,7 +154,10 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.is_packed:
-            y = self.forward_packed(x2)
+            if x2.shape[0] >= self.dispatch.float_min_rows(self.in_features, self.out_features):
+                y = torch.nn.functional.linear(x2.float(), self.forward_dequantized_weight(), self.bias)
+            else:
+                y = self.forward_packed(x2)
         elif x2.shape[0] >= self.dispatch.min_rows(self.in_features, self.out_features):
             y = self.forward_dynamic(x2)
         else:
@@ -146,6 +174,10 @@ class Int8Linear(nn.Module):
 
     def forward_packed(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernels.int8_linear(x.float(), self.packed_weight, self.scale, self.bias)
+
+    def forward_dequantized_weight(self) -> torch.Tensor:
+        """The packed weight as float32 (scales applied), for a float GEMM."""
+        return self._kernels.int8_dequantize(self.packed_weight, self.scale)
 
     def forward_weight_only(self, x: torch.Tensor) -> torch.Tensor:
         acc = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.unit_scale)
