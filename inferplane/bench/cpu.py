@@ -1,12 +1,16 @@
-"""`inferplane bench cpu`: decode speed of cpu-int8 against our float32 engine and HF transformers'
-float32 `generate`, at batch 1 and 16, plus the perplexity cost of int8, in one run.
+"""`inferplane bench cpu`: decode and prefill speed of cpu-int8 against our float32 engine, HF
+transformers' float32 `generate` and (with `--peer llama.cpp`) llama.cpp on the same GGUF file,
+plus load time and perplexity, in one run.
 
-Decode tokens/s is measured the same way for all three: generate 1 token and G tokens for the same
-batch of prompts, and divide the B*(G-1) extra tokens by the extra time, so prefill cancels out.
-The contenders take turns, one timing each per round, and each keeps its fastest: on a shared
-machine whose speed drifts by 10-20% over minutes, measuring one contender after the other would
-let the drift decide the ratios.
-Every figure printed is measured in this run; the targets are the issue's, compared at the end.
+Decode tokens/s is measured the same way for all: generate 1 token and G tokens for the same batch
+of prompts, and divide the B*(G-1) extra tokens by the extra time, so prefill cancels out. Prefill
+tokens/s is one prompt of --prefill-len tokens generating 1 token. The contenders take turns, one
+timing each per round, and each keeps its fastest: on a shared machine whose speed drifts by
+10-20% over minutes, measuring one contender after the other would let the drift decide the ratios.
+llama.cpp runs with as many threads as torch, on the model's own GGUF file and on a Q8_0 copy made
+by its own quantizer (the format closest to our int8). Every figure printed is measured in this
+run; the targets are the issue's, compared at the end, with the CPU flags that decide which
+kernels ran (`--isa avx2` runs our AVX2 kernels on an AVX-512 machine).
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 TARGET_VS_HF = 3.0
 TARGET_VS_OURS_AT_16 = 2.0
 TARGET_PPL_RISE_PCT = 2.0
+TARGET_VS_LLAMA_CPP = {1: 1.0, 16: 1.5}  # against llama.cpp Q8_0, by batch size
+_FLAGS_SHOWN = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "amx_int8")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -34,6 +41,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ppl-tokens", type=int, default=1024,
                    help="evaluation tokens for the perplexity rise (0: skip)")
     p.add_argument("--skip-hf", action="store_true", help="leave out HF transformers")
+    p.add_argument("--peer", choices=["llama.cpp"], action="append", default=[],
+                   help="add a peer engine (needs the optional dependency llama-cpp-python)")
+    p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens for the prefill figure (0: skip)")
+    p.add_argument("--isa", default=None,
+                   help="our kernels' ISA (avx512-vnni, avx2-vnni, avx2); default: the best this CPU has")
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "inferplane" / "bench"),
+                   help="where llama.cpp's Q8_0 copy of the model is kept")
     return p.parse_args(argv)
 
 
@@ -70,6 +84,13 @@ def _hf(model, prompts):
     return generate
 
 
+def _llama_cpp(peer, prompts):
+    def generate(n: int) -> None:
+        peer.generate(prompts, n)
+
+    return generate
+
+
 def decode_rates(generators: dict[str, object], batch: int, new_tokens: int, repeats: int) -> dict[str, float]:
     """Decode tokens/s per contender: batch * (G - 1) tokens over the fastest t(G) - t(1), with the
     contenders' timings interleaved round by round."""
@@ -84,6 +105,31 @@ def decode_rates(generators: dict[str, object], batch: int, new_tokens: int, rep
     return {name: batch * (new_tokens - 1) / max(t_all[name] - t_one[name], 1e-9) for name in generators}
 
 
+def prefill_rates(generators: dict[str, object], prompt_len: int, repeats: int) -> dict[str, float]:
+    """Prompt tokens/s: one prompt generating one token, fastest of `repeats` interleaved rounds."""
+    best = {name: float("inf") for name in generators}
+    for generate in generators.values():
+        generate(1)  # warm-up
+    for _ in range(repeats):
+        for name, generate in generators.items():
+            best[name] = min(best[name], _timed(lambda g=generate: g(1)))
+    return {name: prompt_len / seconds for name, seconds in best.items()}
+
+
+def _cpu_summary() -> str:
+    from inferplane.worker import native
+
+    flags = native.cpu_flags()
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    shown = " ".join(f for f in _FLAGS_SHOWN if f in flags) or "none of " + ",".join(_FLAGS_SHOWN)
+    return f"CPU {model or 'unknown'}; flags: {shown}"
+
+
 def _load_hf(path: str):
     import torch
     from transformers import AutoModelForCausalLM
@@ -93,40 +139,79 @@ def _load_hf(path: str):
     return model.eval()
 
 
+def _load_peers(args, gguf: Path, threads: int, max_seqs: int, seq_len: int) -> dict[str, object]:
+    from inferplane.bench import llama_cpp_peer
+
+    if "llama.cpp" not in args.peer:
+        return {}
+    why = llama_cpp_peer.available()
+    if why is not None:
+        print(f"llama.cpp: left out: {why}")
+        return {}
+    peers: dict[str, object] = {}
+    q8 = llama_cpp_peer.quantized_copy(gguf, "Q8_0", Path(args.cache_dir), threads)
+    own = gguf.stem.rsplit(".", 1)[-1] if "." in gguf.stem else "file"
+    for label, path in (("llama.cpp Q8_0", q8), (f"llama.cpp {own}", gguf)):
+        peer = llama_cpp_peer.LlamaCpp(path, threads, max_seqs, seq_len)
+        print(f"{label} loaded in {peer.load_seconds:.1f}s ({path.name}, {path.stat().st_size / 2**20:.0f} MiB)")
+        peers[label] = peer
+    return peers
+
+
+def _print_table(title: str, rows: list[str], columns: list[str], value) -> None:
+    print(f"\n{title}")
+    print(f"{'':26}" + "".join(f"{c:>12}" for c in columns))
+    for name in rows:
+        print(f"{name:26}" + "".join(f"{value(name, c):>12}" for c in columns))
+
+
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.isa:
+        os.environ["INFERPLANE_NATIVE_ISA"] = args.isa
     import torch
 
+    from inferplane.worker import native
     from inferplane.worker.kv.paged import blocks_for
     from inferplane.worker.llm import LLM
     from inferplane.worker.quant import gate
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    blocks = max(batches) * blocks_for(args.prompt_len + args.new_tokens, 16) + 8
-    print(f"model {args.model}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{os.cpu_count()} CPUs; prompt {args.prompt_len} tokens, "
-          f"{args.new_tokens} new tokens per sequence")
+    seq_len = max(args.prompt_len + args.new_tokens, args.prefill_len + 1)
+    blocks = max(batches) * blocks_for(seq_len, 16) + 8
+    print(f"model {args.model}; torch {torch.__version__}, {threads} threads, {os.cpu_count()} CPUs; "
+          f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens per sequence")
+    print(_cpu_summary())
 
+    loads: dict[str, float] = {}
     start = time.perf_counter()
     dense = LLM(args.model, runtime="paged", device="cpu", num_kv_blocks=blocks)
-    print(f"float32 engine loaded in {time.perf_counter() - start:.1f}s")
+    loads["float32 engine"] = time.perf_counter() - start
     variants: dict[str, object] = {}
     for head in (["float", "int8"] if args.head == "both" else [args.head]):
         name = "cpu-int8" if head == "float" else "cpu-int8, int8 head"
         start = time.perf_counter()
         variants[name] = LLM(args.model, runtime="cpu-int8", device="cpu", num_kv_blocks=blocks,
                              kv_manager=args.kv_manager, quantize_head=head == "int8")
-        print(f"{name} loaded in {time.perf_counter() - start:.1f}s (conversion and start-up gate included)")
+        loads[name] = time.perf_counter() - start
+    for name, llm in [*variants.items(), ("float32 engine", dense)]:
+        isas = {k.split(":")[1]: k.split(":")[2] for k in llm.stats() if k.startswith("native_kernel:")}
+        print(f"{name}: loaded in {loads[name]:.1f}s; kernels: " + ", ".join(f"{k} {v}" for k, v in isas.items()))
     hf = None
     if not args.skip_hf:
         start = time.perf_counter()
         hf = _load_hf(dense.engine.loaded.path)
-        print(f"HF transformers loaded in {time.perf_counter() - start:.1f}s")
+        loads["HF float32 generate"] = time.perf_counter() - start
+        print(f"HF transformers loaded in {loads['HF float32 generate']:.1f}s")
+    peers = _load_peers(args, Path(dense.engine.loaded.path), threads, max(batches), seq_len)
+    loads.update({name: peer.load_seconds for name, peer in peers.items()})
 
     tokens = gate.eval_tokens(dense.tokenizer)
+    names = [*variants, "float32 engine"] + ([] if hf is None else ["HF float32 generate"]) + list(peers)
     rates: dict[tuple[str, int], float] = {}
     for batch in batches:
         prompts = _prompts(tokens, batch, args.prompt_len)
@@ -134,14 +219,27 @@ def main(argv: list[str]) -> int:
         generators["float32 engine"] = _ours(dense, prompts)
         if hf is not None:
             generators["HF float32 generate"] = _hf(hf, prompts)
+        generators.update({name: _llama_cpp(peer, prompts) for name, peer in peers.items()})
         for name, rate in decode_rates(generators, batch, args.new_tokens, args.repeats).items():
             rates[(name, batch)] = rate
+    prefill: dict[str, float] = {}
+    if args.prefill_len:
+        prompt = _prompts(tokens, 1, args.prefill_len)
+        generators = {name: _ours(llm, prompt) for name, llm in [*variants.items(), ("float32 engine", dense)]}
+        generators.update({name: _llama_cpp(peer, prompt) for name, peer in peers.items()})
+        prefill = prefill_rates(generators, args.prefill_len, args.repeats)
 
-    print("\ndecode tokens/s")
-    names = [*variants, "float32 engine"] + ([] if hf is None else ["HF float32 generate"])
-    print(f"{'':22}" + "".join(f"{'batch ' + str(b):>12}" for b in batches))
-    for name in names:
-        print(f"{name:22}" + "".join(f"{rates[(name, b)]:12.1f}" for b in batches))
+    columns = [f"batch {b}" for b in batches] + (["prefill"] if prefill else []) + ["load s"]
+
+    def cell(name: str, column: str) -> str:
+        if column == "prefill":
+            return f"{prefill[name]:.1f}" if name in prefill else "-"
+        if column == "load s":
+            return f"{loads[name]:.1f}" if name in loads else "-"
+        return f"{rates[(name, int(column.split()[1]))]:.1f}"
+
+    _print_table("tokens/s (decode by batch size; prefill of one prompt of "
+                 f"{args.prefill_len} tokens) and load time", names, columns, cell)
 
     print("\nratios (target)")
     ok = {name: True for name in variants}
@@ -159,6 +257,17 @@ def main(argv: list[str]) -> int:
                 met = "met" if r >= TARGET_VS_OURS_AT_16 else "MISSED"
                 verdict = f" (>= {TARGET_VS_OURS_AT_16:.0f}x: {met})"
             print(f"  {name:20} batch {b:>2}: / our float32 = {r:5.2f}x{verdict}")
+            for peer in peers:
+                r = rates[(name, b)] / rates[(peer, b)]
+                target = TARGET_VS_LLAMA_CPP.get(b) if peer.endswith("Q8_0") else None
+                verdict = ""
+                if target is not None:
+                    ok[name] &= r >= target
+                    verdict = f" (>= {target:.1f}x: {'met' if r >= target else 'MISSED'})"
+                print(f"  {name:20} batch {b:>2}: / {peer} = {r:5.2f}x{verdict}")
+        for peer in peers:
+            if name in prefill and peer in prefill:
+                print(f"  {name:20} prefill : / {peer} = {prefill[name] / prefill[peer]:5.2f}x")
 
     for name, llm in variants.items():
         report = llm.weight_report
@@ -174,9 +283,15 @@ def main(argv: list[str]) -> int:
                                          tokens[: args.ppl_tokens])
             ok[name] &= result.ppl_rise_pct <= TARGET_PPL_RISE_PCT
             print(f"  evaluation text: {result.summary()}")
+    if args.ppl_tokens:
+        for name, peer in peers.items():
+            ppl = peer.perplexity(tokens[: args.ppl_tokens], gate.DEFAULT_WINDOW)
+            print(f"{name}: perplexity {ppl:.3f} on the same {min(args.ppl_tokens, len(tokens))} tokens")
     complete = hf is not None and {1, 16} <= set(batches) and args.ppl_tokens > 0
     for name, met in ok.items():
         verdict = "NOT met" if not met else ("met" if complete else "met where measured (not all were)")
         print(f"\n{name}: all targets {verdict}", end="")
-    print("\n(timings on a shared, busy 2-core machine are noisy)")
+    print(f"\n(kernels: {native.chosen_isa() or 'none'}; timings on a shared, busy 2-core machine are noisy)")
+    for peer in peers.values():
+        peer.close()
     return 0

@@ -78,3 +78,53 @@ def test_incremental_detokenizer_never_splits_a_character(tiny_llama):
     deltas = [detok.add(i) for i in ids]
     assert "".join(deltas) == "a€b日"
     assert all("\ufffd" not in d for d in deltas)
+
+
+def _assert_same_reading(ours, stock) -> None:
+    import numpy as np
+
+    assert list(ours.fields) == list(stock.fields)
+    for key, field in stock.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+        assert ours.fields[key].types == field.types and len(ours.fields[key].data) == len(field.data), key
+    assert ours.data_offset == stock.data_offset
+    assert [(t.name, t.tensor_type, t.shape.tolist()) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.shape.tolist()) for t in stock.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, stock.tensors, strict=True))
+
+
+def test_the_fast_metadata_reader_reads_what_gguf_reads(tmp_path):
+    """Arrays of strings (non-ASCII too), ints, floats and bools, scalars and an aligned tensor:
+    every field and tensor as gguf.GGUFReader has it."""
+    import gguf
+    import numpy as np
+
+    from inferplane.worker.model.gguf_file import open_gguf
+
+    path = tmp_path / "fields.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("test.strings", ["a", "", "héllo ✓", "<|im_end|>"])
+    writer.add_array("test.ints", [3, -1, 7])
+    writer.add_array("test.floats", [0.5, 2.25])
+    writer.add_array("test.bools", [True, False])
+    writer.add_uint32("test.scalar", 42)
+    writer.add_string("test.text", "plain")
+    writer.add_tensor("w", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours = open_gguf(str(path))
+    _assert_same_reading(ours, gguf.GGUFReader(str(path)))
+    assert ours.fields["test.strings"].contents() == ["a", "", "héllo ✓", "<|im_end|>"]
+    assert ours.fields["test.strings"].contents(2) == "héllo ✓"
+
+
+def test_the_fast_metadata_reader_reads_smollm2_as_gguf_does():
+    import gguf
+
+    from inferplane.worker.model.gguf_file import open_gguf
+    from inferplane.worker.model.loader import resolve_model_path
+
+    path = resolve_model_path("smollm2-135m")
+    _assert_same_reading(open_gguf(path), gguf.GGUFReader(path))
