@@ -28,3 +28,11 @@ def helm() -> Path:
 @pytest.fixture(scope="session")
 def kubectl() -> Path:
     return kube_tool("kubectl")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_quant_cache(tmp_path_factory):
+    """cpu-int8 start-up caches go to a folder of this run's (workers started by tests inherit it)."""
+    import os
+
+    os.environ.setdefault("INFERPLANE_QUANT_CACHE", str(tmp_path_factory.mktemp("quant-cache")))

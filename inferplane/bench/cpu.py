@@ -116,6 +116,16 @@ def prefill_rates(generators: dict[str, object], prompt_len: int, repeats: int) 
     return {name: prompt_len / seconds for name, seconds in best.items()}
 
 
+def _int8_only(model):
+    """The int8 kernel for every row count while scoring (what decode runs; see Int8Dispatch)."""
+    import contextlib
+
+    from inferplane.worker.quant.int8_linear import Int8Linear
+
+    layer = next((m for m in model.modules() if isinstance(m, Int8Linear)), None)
+    return layer.dispatch.int8_only() if layer is not None else contextlib.nullcontext()
+
+
 def _cpu_summary() -> str:
     from inferplane.worker import native
 
@@ -279,8 +289,9 @@ def main(argv: list[str]) -> int:
             print(f"  start-up gate ({int(report['gate_tokens'])} tokens): perplexity "
                   f"{report['gate_ppl_rise_pct']:+.2f}%, top-1 agreement {report['gate_top1_agreement']:.2%}")
         if args.ppl_tokens:
-            result = gate.compare_models(dense.engine.loaded.model, llm.engine.loaded.model,
-                                         tokens[: args.ppl_tokens])
+            with _int8_only(llm.engine.loaded.model):
+                result = gate.compare_models(dense.engine.loaded.model, llm.engine.loaded.model,
+                                             tokens[: args.ppl_tokens])
             ok[name] &= result.ppl_rise_pct <= TARGET_PPL_RISE_PCT
             print(f"  evaluation text: {result.summary()}")
     if args.ppl_tokens:

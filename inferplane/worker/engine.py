@@ -176,7 +176,11 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        started = time.perf_counter()
         result = self.runner.execute(plan.scheduled)
+        total = sum(item.num_new_tokens for item in plan.scheduled)
+        prefill = sum(item.num_new_tokens for item in plan.scheduled if item.num_new_tokens > 1)
+        self.scheduler.step_budget.observe(prefill, total, time.perf_counter() - started)
         tokens, logprobs, top = result.tokens, result.logprobs, result.top
         outputs = []
         sampled = 0

@@ -58,7 +58,9 @@ class EngineOptions:
     dtype: str | None = option(None, "compute dtype (default: bfloat16 on CUDA, float32 on CPU)", choices=DTYPES)
     block_size: int = option(16, "tokens per KV block")
     max_num_seqs: int = option(256, "sequences scheduled together")
-    max_num_batched_tokens: int = option(2048, "tokens per engine step (prefill chunks included)")
+    max_num_batched_tokens: int = option(2048, "tokens per engine step (prefill chunks included), at most")
+    step_target_ms: int = option(500, "size prefill chunks so a step takes about this long, measured "
+                                      "(decodes wait no longer behind a long prompt); 0: always the maximum")
     kv_cache_memory: int | float | str | None = option(
         None, "KV pool size: bytes like 2GiB, or a fraction of free GPU memory like 0.9")
     num_kv_blocks: int | None = option(None, "exact KV pool size; overrides kv_cache_memory (tests)", hidden=True)
@@ -103,3 +105,5 @@ class EngineOptions:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
+        if self.step_target_ms < 0:
+            raise ValueError("step_target_ms: must be 0 (off) or positive")

@@ -70,8 +70,8 @@ def build_scheduler(options: EngineOptions, kv) -> Scheduler:
     if kv_manager_kind(options) == "radix":
         from inferplane.worker.kv.radix import RadixScheduler
 
-        return RadixScheduler(kv, options.max_num_seqs, options.max_num_batched_tokens)
-    return Scheduler(kv, options.max_num_seqs, options.max_num_batched_tokens)
+        return RadixScheduler(kv, options.max_num_seqs, options.max_num_batched_tokens, options.step_target_ms / 1000)
+    return Scheduler(kv, options.max_num_seqs, options.max_num_batched_tokens, options.step_target_ms / 1000)
 
 
 def prepare_weights(options: EngineOptions, loaded) -> dict[str, float]:

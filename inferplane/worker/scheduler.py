@@ -1,6 +1,7 @@
 """Continuous batching with chunked prefill and recompute preemption.
 
-Each step fills a token budget: running sequences first, oldest first (decodes cost one token,
+Each step fills a token budget (step_budget.py: sized by measured step time, at most
+max_num_batched_tokens): running sequences first, oldest first (decodes cost one token,
 prefills in progress take a chunk), then waiting ones. When blocks run out the newest running
 sequence is preempted: its blocks are freed and it goes back to the front of the queue to be
 recomputed. The oldest sequence is always served first and, alone, always fits (requests that
@@ -13,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from inferplane.worker.sequence import Sequence, SequenceStatus
+from inferplane.worker.step_budget import StepBudget
 
 
 @dataclass
@@ -32,10 +34,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv, max_num_seqs: int, max_num_batched_tokens: int, step_target_s: float = 0.0):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.step_budget = StepBudget(max_num_batched_tokens, step_target_s)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -59,7 +62,7 @@ class Scheduler:
         """Hook for the radix runtime's cache-aware ordering; paged serves first come, first served."""
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
+        budget = self.step_budget.tokens_for(len(self.running))
         scheduled: list[ScheduledSequence] = []
         preempted = 0
         queue = list(self.running)  # oldest first

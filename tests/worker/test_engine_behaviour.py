@@ -105,3 +105,42 @@ def test_missing_and_corrupt_models_fail_with_a_reason(tmp_path):
 def test_unknown_engine_option_is_named(tiny_llama):
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(tiny_llama, max_num_seq=4)
+
+
+def test_step_budget_follows_measured_step_time_and_never_starves_decodes():
+    from inferplane.worker.step_budget import INITIAL_TOKENS, MIN_TOKENS, StepBudget
+
+    budget = StepBudget(max_tokens=2048, target_s=0.5)
+    assert budget.tokens() == INITIAL_TOKENS  # nothing measured yet
+    budget.observe(prefill_tokens=0, total_tokens=8, seconds=5.0)  # a decode step: not a measurement
+    assert budget.tokens() == INITIAL_TOKENS
+    budget.observe(prefill_tokens=256, total_tokens=256, seconds=2.56)  # 10 ms a token
+    assert budget.tokens() == 50
+    budget.observe(prefill_tokens=256, total_tokens=256, seconds=0.0256)  # much faster now: grows
+    assert 50 < budget.tokens() <= 2048
+    budget.seconds_per_token = 1.0  # a very slow CPU
+    assert budget.tokens() == MIN_TOKENS
+    assert budget.tokens_for(running=100) == 100 + MIN_TOKENS  # every decode still fits
+    assert StepBudget(max_tokens=2048, target_s=0).tokens() == 2048  # sizing off: the fixed maximum
+
+
+def test_a_long_prompt_is_chunked_while_running_sequences_keep_decoding(tiny_llama):
+    """A step target far below what a step takes: the long prompt arrives in MIN_TOKENS-sized
+    chunks and the sequence already running gets a token at every one of those steps."""
+    from inferplane.worker.step_budget import MIN_TOKENS
+
+    llm = LLM(tiny_llama, device="cpu", num_kv_blocks=128, step_target_ms=1)
+    engine = llm.engine
+    short = engine.add_request(list(range(5, 45)), SamplingParams(max_tokens=60, ignore_eos=True))
+    for _ in range(3):
+        engine.step()  # prefill (40 tokens: measured), then decoding
+    long_prompt = [(i * 7) % 200 + 3 for i in range(400)]
+    long = engine.add_request(long_prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    steps = 0
+    while long.num_computed_tokens < len(long_prompt):
+        before_short, before_long = len(short.output_token_ids), long.num_computed_tokens
+        engine.step()
+        steps += 1
+        assert len(short.output_token_ids) == before_short + 1  # never held back by the prompt
+        assert long.num_computed_tokens - before_long <= MIN_TOKENS + 1
+    assert steps >= len(long_prompt) // (MIN_TOKENS + 1)

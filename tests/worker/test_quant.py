@@ -233,6 +233,45 @@ def test_convert_fuses_and_replaces_every_linear(tiny_llama):
     assert isinstance(head.model.model.embed_tokens, nn.Embedding)
 
 
+def test_a_snapshot_restores_the_same_model_and_a_wrong_one_changes_nothing(tiny_llama):
+    from inferplane.worker.quant.convert import calibration_tokens, convert_model, restore, snapshot
+    from inferplane.worker.quant.gate import sequence_logits
+
+    converted = _tiny(tiny_llama)
+    report = convert_model(converted.model, calibration_ids=calibration_tokens(converted), measure_dispatch=False)
+    saved = snapshot(converted.model, report)
+    ids = prompts_of_lengths([30], converted.config.vocab_size)[0]
+
+    fresh = _tiny(tiny_llama)
+    wrong = {**saved, "layers": saved["layers"][:-1]}
+    float_logits = sequence_logits(fresh.model, ids)
+    with pytest.raises(ValueError, match="int8 layers"):
+        restore(fresh.model, wrong)
+    torch.testing.assert_close(sequence_logits(fresh.model, ids), float_logits, rtol=0, atol=0)  # untouched
+    restored = restore(fresh.model, saved, measure_dispatch=False)
+    assert len(restored.layers) == len(report.layers) and restored.source_layers == report.source_layers
+    torch.testing.assert_close(sequence_logits(fresh.model, ids), sequence_logits(converted.model, ids),
+                               rtol=0, atol=0)
+
+
+def test_the_conversion_cache_key_follows_the_file_the_settings_and_the_switch(tmp_path, monkeypatch):
+    from inferplane.worker.quant.startup_cache import ConversionCache
+
+    monkeypatch.setenv("INFERPLANE_QUANT_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"one")
+    a = ConversionCache.for_model(str(model), {"quantize_head": False})
+    assert a.path == ConversionCache.for_model(str(model), {"quantize_head": False}).path
+    assert a.path != ConversionCache.for_model(str(model), {"quantize_head": True}).path
+    model.write_bytes(b"two!")  # new bytes (and size): a new digest
+    assert a.path != ConversionCache.for_model(str(model), {"quantize_head": False}).path
+    assert ConversionCache.for_model(str(tmp_path), {}) is None  # a folder (HF checkpoint) is not hashed
+    a.save({"conversion": {"x": torch.ones(2)}})
+    assert torch.equal(a.load()["conversion"]["x"], torch.ones(2))
+    monkeypatch.setenv("INFERPLANE_QUANT_CACHE", "off")
+    assert ConversionCache.for_model(str(model), {}) is None
+
+
 def test_cpu_int8_llm_follows_float32_on_the_tiny_model(tiny_llama):
     from inferplane.worker.llm import LLM
     from inferplane.worker.sampling import SamplingParams

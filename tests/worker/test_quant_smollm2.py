@@ -107,3 +107,43 @@ def test_quant_check_exit_status(corrupt, status, capsys):
     print(out)
     assert code == status
     assert "perplexity rise" in out and "top-1 agreement" in out and "mean KL" in out
+
+
+def test_a_second_start_restores_the_conversion_from_disk(tmp_path, monkeypatch, caplog):
+    """The same file and settings: the second start restores the int8 weights, smoothed norms and
+    gate figures instead of computing them, and serves the same tokens. Other settings, or a
+    damaged cache file, convert again."""
+    import logging
+
+    import torch
+
+    from inferplane.worker.llm import LLM
+    from inferplane.worker.quant.int8_linear import Int8Linear
+    from inferplane.worker.sampling import SamplingParams
+
+    monkeypatch.setenv("INFERPLANE_QUANT_CACHE", str(tmp_path))
+    first = LLM(MODEL, runtime="cpu-int8", device="cpu", num_kv_blocks=32)
+    second = LLM(MODEL, runtime="cpu-int8", device="cpu", num_kv_blocks=32)
+    s1, s2 = first.stats(), second.stats()
+    assert (s1["startup_cache_hit"], s2["startup_cache_hit"]) == (0.0, 1.0)
+    assert {k: v for k, v in s1.items() if k.startswith("gate_")} == {k: v for k, v in s2.items()
+                                                                       if k.startswith("gate_")}
+    m1, m2 = first.engine.loaded.model, second.engine.loaded.model
+    layers = [(a, b) for a, b in zip(m1.modules(), m2.modules(), strict=True) if isinstance(a, Int8Linear)]
+    assert len(layers) == s1["int8_layers"]
+    assert all(torch.equal(a.int8_weight(), b.int8_weight()) and torch.equal(a.scale, b.scale) for a, b in layers)
+    assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters(), strict=True))
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    assert first.generate("The capital of France is", params)[0].token_ids == \
+        second.generate("The capital of France is", params)[0].token_ids
+    del first, second
+
+    other = LLM(MODEL, runtime="cpu-int8", device="cpu", num_kv_blocks=16, quantize_head=True)
+    assert other.stats()["startup_cache_hit"] == 0.0
+    del other
+    for stored in tmp_path.glob("*.pt"):
+        stored.write_bytes(stored.read_bytes()[:1000])  # truncated, as by a full disk
+    with caplog.at_level(logging.WARNING, logger="inferplane.worker.quant.startup_cache"):
+        again = LLM(MODEL, runtime="cpu-int8", device="cpu", num_kv_blocks=16)
+    assert again.stats()["startup_cache_hit"] == 0.0 and "unreadable" in caplog.text
+    assert LLM(MODEL, runtime="cpu-int8", device="cpu", num_kv_blocks=16).stats()["startup_cache_hit"] == 1.0

@@ -27,9 +27,9 @@ from inferplane.worker.sequence import Sequence, SequenceStatus
 
 
 class RadixScheduler(Scheduler):
-    def __init__(self, kv, max_num_seqs: int, max_num_batched_tokens: int, *, fcfs_threshold: int = 128,
-                 aging_tokens_per_step: float = 16.0):
-        super().__init__(kv, max_num_seqs, max_num_batched_tokens)
+    def __init__(self, kv, max_num_seqs: int, max_num_batched_tokens: int, step_target_s: float = 0.0, *,
+                 fcfs_threshold: int = 128, aging_tokens_per_step: float = 16.0):
+        super().__init__(kv, max_num_seqs, max_num_batched_tokens, step_target_s)
         self.fcfs_threshold = fcfs_threshold
         self.aging_tokens_per_step = aging_tokens_per_step
         self.num_held_back = 0  # admission rounds in which a request waited for a shared prefix

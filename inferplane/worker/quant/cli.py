@@ -42,8 +42,9 @@ def run(args: argparse.Namespace) -> int:
     int8_model = copy.deepcopy(loaded.model)
     report = convert_model(int8_model, quantize_head=args.quantize_head, scale_multiplier=args.corrupt_scales,
                            gguf_path=loaded.path, calibration_ids=calibration_tokens(loaded))
-    result = gate.compare_models(loaded.model, int8_model, token_ids, window=args.window,
-                                 threshold_pct=args.threshold_pct)
+    with report.dispatch.int8_only():  # score the int8 kernel (decode's path), not float GEMM for prefill
+        result = gate.compare_models(loaded.model, int8_model, token_ids, window=args.window,
+                                     threshold_pct=args.threshold_pct)
     from_blocks = f", {report.from_q8_0} straight from Q8_0 blocks" if report.from_q8_0 else ""
     print(f"model {loaded.name}: {report.source_layers} linear layers in int8 as {len(report.layers)} "
           f"(q/k/v and gate/up fused){from_blocks}")

@@ -9,6 +9,7 @@ quantization broke. Embeddings and the output head stay float32 unless `quantize
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,9 @@ from inferplane.worker.quant.smooth import (
     load_calibration_text,
     smooth_llama,
 )
+from inferplane.worker.quant.startup_cache import ConversionCache
+
+log = logging.getLogger(__name__)
 
 
 class QualityGateFailed(Exception):
@@ -142,16 +146,61 @@ def convert_model(model: nn.Module, *, quantize_head: bool = False, scale_multip
         if any(b is not None for b in biases):
             bias = torch.cat([b.detach().float() if b is not None else torch.zeros(len(q))
                               for b, q in zip(biases, qs, strict=True)])
-        layer = Int8Linear(torch.cat(qs), torch.cat(scales), bias, report.dispatch)
-        for _, attr, _ in group.members:
-            delattr(group.parent, attr)
-        setattr(group.parent, group.attr, layer)
-        report.layers.append(layer)
+        report.layers.append(_install(group, Int8Linear(torch.cat(qs), torch.cat(scales), bias, report.dispatch)))
+    _finish(report, pack, measure_dispatch)
+    return report
+
+
+def _install(group: _Group, layer: Int8Linear) -> Int8Linear:
+    for _, attr, _ in group.members:
+        delattr(group.parent, attr)
+    setattr(group.parent, group.attr, layer)
+    return layer
+
+
+def _finish(report: ConversionReport, pack: bool, measure_dispatch: bool) -> None:
     if pack:
         report.packed = sum(layer.pack() for layer in report.layers)
     if measure_dispatch:
         calibrate([layer for layer in report.layers if not layer.is_packed], report.dispatch)
         calibrate_packed(report.layers, report.dispatch)
+
+
+def snapshot(model: nn.Module, report: ConversionReport) -> dict:
+    """What convert_model computed, in a form any CPU can restore: each int8 layer's plain int8
+    weight, scales and bias in conversion order, and the RMSNorm weights (smoothing divided them)."""
+    return {
+        "layers": [{"qweight": layer.int8_weight(), "scale": layer.scale, "bias": layer.bias}
+                   for layer in report.layers],
+        "norms": {name: module.weight.detach().clone() for name, module in model.named_modules()
+                  if type(module).__name__ == "RMSNorm"},
+        "source_layers": report.source_layers, "from_q8_0": report.from_q8_0, "float_bytes": report.float_bytes,
+    }
+
+
+def restore(model: nn.Module, saved: dict, *, quantize_head: bool = False, fuse: bool = True,
+            measure_dispatch: bool = True, pack: bool = True) -> ConversionReport:
+    """convert_model's result from a snapshot of the same model file and settings, without
+    calibrating, smoothing or quantizing again. Raises ValueError where the snapshot does not fit."""
+    groups = _groups(model, quantize_head, fuse)
+    if len(groups) != len(saved["layers"]):
+        raise ValueError(f"snapshot has {len(saved['layers'])} int8 layers, the model {len(groups)}")
+    norms = dict(model.named_modules())
+    for name, weight in saved["norms"].items():
+        if name not in norms or norms[name].weight.shape != weight.shape:
+            raise ValueError(f"snapshot norm {name} does not fit the model")
+    report = ConversionReport(dispatch=Int8Dispatch(default_min_rows()), source_layers=saved["source_layers"],
+                              from_q8_0=saved["from_q8_0"], float_bytes=saved["float_bytes"])
+    for group, entry in zip(groups, saved["layers"], strict=True):
+        rows = sum(linear.out_features for _, _, linear in group.members)
+        if tuple(entry["qweight"].shape) != (rows, group.members[0][2].in_features):
+            raise ValueError(f"snapshot layer {group.members[0][0]} has shape {tuple(entry['qweight'].shape)}")
+        report.layers.append(_install(group, Int8Linear(entry["qweight"], entry["scale"], entry["bias"],
+                                                        report.dispatch)))
+    with torch.no_grad():
+        for name, weight in saved["norms"].items():
+            norms[name].weight.copy_(weight)
+    _finish(report, pack, measure_dispatch)
     return report
 
 
@@ -196,17 +245,31 @@ def quantize_loaded_model(loaded, options) -> dict[str, float]:
     multiplier = float(getattr(options, "quant_scale_multiplier", 1.0))
     bytes_before = model_bytes(model)
 
+    settings = {"quantize_head": quantize_head, "scale_multiplier": multiplier, "gate": not skip,
+                "gate_tokens": gate.STARTUP_TOKENS, "threshold_pct": gate.DEFAULT_THRESHOLD_PCT}
+    cache = ConversionCache.for_model(loaded.path, settings)
+    saved = cache.load() if cache is not None else None
+    report = None
+    if saved is not None and "conversion" in saved and (skip or "gate" in saved):
+        try:
+            report = restore(model, saved["conversion"], quantize_head=quantize_head)
+        except (KeyError, ValueError) as exc:  # restore checks before it changes the model
+            log.warning("int8 start-up cache %s does not fit %s, converting again: %s", cache.path, loaded.name, exc)
+    restored = report is not None
+    gate_figures = saved.get("gate") if restored else None
+
     slice_ids: list[int] = []
     reference: torch.Tensor | None = None
-    if not skip:
+    if not skip and gate_figures is None:
         if loaded.tokenizer is None:
             raise ValueError(f"{loaded.name}: the int8 quality gate needs the model's tokenizer to read its "
                              "evaluation text; start with --skip-quality-gate to serve without the gate")
         slice_ids = gate.eval_tokens(loaded.tokenizer, gate.STARTUP_TOKENS)
         reference = gate.sequence_logits(model, slice_ids)
 
-    report = convert_model(model, quantize_head=quantize_head, scale_multiplier=multiplier,
-                           gguf_path=loaded.path, calibration_ids=calibration_tokens(loaded))
+    if report is None:
+        report = convert_model(model, quantize_head=quantize_head, scale_multiplier=multiplier,
+                               gguf_path=loaded.path, calibration_ids=calibration_tokens(loaded))
     figures: dict[str, float] = {
         "weight_bytes_int8": float(report.int8_bytes),
         "weight_bytes_float32": float(report.float_bytes),
@@ -220,18 +283,25 @@ def quantize_loaded_model(loaded, options) -> dict[str, float]:
         "int8_float_gemm_from_rows": float(min((r for r in report.dispatch.float_from.values() if r < NEVER),
                                                default=0)),
         "gate_skipped": 1.0 if skip else 0.0,
+        "startup_cache_hit": 1.0 if restored else 0.0,
     }
     if skip:
+        if cache is not None and not restored:
+            cache.save({"conversion": snapshot(model, report)})
         return figures
-    acc = gate.GateAccumulator()
-    with report.dispatch.int8_only():  # the gate scores int8 activations, the path decode takes
-        acc.add(reference, gate.sequence_logits(model, slice_ids), slice_ids)
-    result = acc.result(gate.DEFAULT_THRESHOLD_PCT)
-    figures.update(result.figures())
-    if not result.passed:
+    if gate_figures is None:
+        acc = gate.GateAccumulator()
+        with report.dispatch.int8_only():  # the gate scores int8 activations, the path decode takes
+            acc.add(reference, gate.sequence_logits(model, slice_ids), slice_ids)
+        result = acc.result(gate.DEFAULT_THRESHOLD_PCT)
+        gate_figures = result.figures()
+        if result.passed and cache is not None:  # a failed conversion is not kept: the next start retries
+            cache.save({"conversion": snapshot(model, report), "gate": gate_figures})
+    figures.update(gate_figures)
+    if figures["gate_ppl_rise_pct"] > figures["gate_threshold_pct"]:
         raise QualityGateFailed(
-            f"int8 quality gate failed for {loaded.name}: perplexity rose {result.ppl_rise_pct:.2f}% "
-            f"(> {result.threshold_pct:.2f}%) on {result.tokens} tokens; refusing to serve "
+            f"int8 quality gate failed for {loaded.name}: perplexity rose {figures['gate_ppl_rise_pct']:.2f}% "
+            f"(> {figures['gate_threshold_pct']:.2f}%) on {int(figures['gate_tokens'])} tokens; refusing to serve "
             "(start with --skip-quality-gate to serve anyway)"
         )
     return figures
