@@ -270,3 +270,20 @@ def test_int8_dequantize_inverts_the_packing_and_applies_the_scales(isa_kernels)
     scale = torch.rand(48) + 0.5
     got = isa_kernels.int8_dequantize(native.pack_int8_weight(q), scale)
     assert torch.equal(got, q.float() * scale[:, None])
+
+
+def test_every_isa_generates_what_pytorch_generates(tiny_llama, isa_kernels, monkeypatch):
+    """Whole cpu-int8 forwards (prefill and decode, 1 to 3 rows) on this ISA's kernels give the
+    tokens PyTorch's ops give: the int8 products are exact on every build."""
+    from inferplane.worker.llm import LLM
+    from inferplane.worker.sampling import SamplingParams
+    from tests.worker.conftest import prompts_of_lengths
+
+    prompts = prompts_of_lengths([5, 12, 30], 320, seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    options = dict(runtime="cpu-int8", device="cpu", num_kv_blocks=64, skip_quality_gate=True, quantize_head=True)
+    on_kernels = LLM(tiny_llama, **options)
+    assert on_kernels.stats()[f"native_kernel:int8_linear:{isa_kernels.isa}"] == 1.0
+    tokens = [o.token_ids for o in on_kernels.generate(prompts, params)]
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    assert tokens == [o.token_ids for o in LLM(tiny_llama, **options).generate(prompts, params)]

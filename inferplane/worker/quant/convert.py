@@ -258,14 +258,13 @@ def quantize_loaded_model(loaded, options) -> dict[str, float]:
     restored = report is not None
     gate_figures = saved.get("gate") if restored else None
 
-    slice_ids: list[int] = []
-    reference: torch.Tensor | None = None
+    references: list[tuple[list[int], torch.Tensor]] = []
     if not skip and gate_figures is None:
         if loaded.tokenizer is None:
             raise ValueError(f"{loaded.name}: the int8 quality gate needs the model's tokenizer to read its "
                              "evaluation text; start with --skip-quality-gate to serve without the gate")
         slice_ids = gate.eval_tokens(loaded.tokenizer, gate.STARTUP_TOKENS)
-        reference = gate.sequence_logits(model, slice_ids)
+        references = [(ids, gate.sequence_logits(model, ids)) for ids in gate.windows(slice_ids, gate.DEFAULT_WINDOW)]
 
     if report is None:
         report = convert_model(model, quantize_head=quantize_head, scale_multiplier=multiplier,
@@ -292,7 +291,8 @@ def quantize_loaded_model(loaded, options) -> dict[str, float]:
     if gate_figures is None:
         acc = gate.GateAccumulator()
         with report.dispatch.int8_only():  # the gate scores int8 activations, the path decode takes
-            acc.add(reference, gate.sequence_logits(model, slice_ids), slice_ids)
+            for ids, reference in references:
+                acc.add(reference, gate.sequence_logits(model, ids), ids)
         result = acc.result(gate.DEFAULT_THRESHOLD_PCT)
         gate_figures = result.figures()
         if result.passed and cache is not None:  # a failed conversion is not kept: the next start retries
