@@ -287,3 +287,25 @@ def test_every_isa_generates_what_pytorch_generates(tiny_llama, isa_kernels, mon
     tokens = [o.token_ids for o in on_kernels.generate(prompts, params)]
     monkeypatch.setattr(native, "kernels", lambda: None)
     assert tokens == [o.token_ids for o in LLM(tiny_llama, **options).generate(prompts, params)]
+
+
+def test_the_fused_decoder_layer_gives_the_op_by_op_results(tiny_llama, isa_kernels, monkeypatch):
+    """ip_decode_layer runs the same kernels in the same order as the layer's Python: the same tokens
+    and the same logprobs, for decode batches of sequences with different context lengths."""
+    from inferplane.worker.llm import LLM
+    from inferplane.worker.model import llama
+    from inferplane.worker.sampling import SamplingParams
+    from tests.worker.conftest import prompts_of_lengths
+
+    prompts = prompts_of_lengths([3, 17, 40, 9], 320, seed=5)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True)
+    # paged: a radix cache would serve the second run's prompts from the first run's KV
+    llm = LLM(tiny_llama, runtime="cpu-int8", device="cpu", num_kv_blocks=64, skip_quality_gate=True,
+              kv_manager="paged")
+    calls = []
+    real = isa_kernels.decode_layer
+    monkeypatch.setattr(isa_kernels, "decode_layer", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k)))
+    fused = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+    assert calls and max(calls) == len(prompts)  # decode steps of the whole batch took the fused path
+    monkeypatch.setattr(llama.DecoderLayer, "_fused_decode", lambda *a, **k: None)
+    assert fused == [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]

@@ -163,9 +163,43 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, rope_tables, cache, batch):
+        fused = self._fused_decode(x, rope_tables, cache, batch)
+        if fused is not None:
+            return fused
         x, h = self.post_attention_layernorm.add_and_norm(
             x, self.self_attn(self.input_layernorm(x), rope_tables, cache, batch))
         return x + self.mlp(h)
+
+    def _fused_decode(self, x, rope_tables, cache, batch) -> torch.Tensor | None:
+        """The whole layer in one C call (native ip_decode_layer), for a step of decode rows only
+        whose four linear layers are packed int8 and use the int8 kernel at this row count; None
+        where any of that does not hold (the layer then runs op by op, with the same kernels)."""
+        attn, mlp = self.self_attn, self.mlp
+        if batch.num_decodes != x.shape[0] or batch.prefills or x.dim() != 2:
+            return None
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        rows = x.shape[0]
+        for layer in linears:
+            if (getattr(layer, "packed_weight", None) is None
+                    or rows >= layer.dispatch.float_min_rows(layer.in_features, layer.out_features)):
+                return None
+        kernels = native.kernels()
+        k_cache, v_cache = cache.layer(attn.layer_index)
+        if (kernels is None or not kernels.has_int8_linear or attn.head_dim > 512
+                or not native.float32_rows(x, *rope_tables, k_cache, v_cache,
+                                           self.input_layernorm.weight, self.post_attention_layernorm.weight)
+                # (x stands in for q here: the check is on the caches' and tables' dtypes and layout)
+                or not kernels.decode_attention_applies(x.view(rows, 1, -1), k_cache, batch.decode_block_tables,
+                                                        batch.decode_context_lens)):
+            return None
+        x = x.contiguous()
+        kernels.decode_layer(
+            x, (self.input_layernorm.weight, self.post_attention_layernorm.weight), self.input_layernorm.eps,
+            tuple((layer.packed_weight, layer.scale, layer.bias) for layer in linears),
+            (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.gate_up_proj.out_features // 2),
+            rope_tables, batch.slot_mapping, k_cache, v_cache, batch.decode_block_tables,
+            batch.decode_context_lens, attn.scale)
+        return x
 
 
 class LlamaBody(nn.Module):

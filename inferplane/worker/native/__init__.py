@@ -79,6 +79,9 @@ class NativeKernels:
         lib.ip_silu_mul.restype = None
         lib.ip_rope_store_kv.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P]
         lib.ip_rope_store_kv.restype = None
+        lib.ip_decode_layer.argtypes = [_P, _I, _I, _P, _P, ctypes.c_float, *([_P] * 12), _I, _I, _I, _I,
+                                        _P, _P, _P, _P, _P, _I, _P, _I, _P, ctypes.c_float]
+        lib.ip_decode_layer.restype = ctypes.c_int
         features = lib.ip_features()
         self.has_int8_linear = bool(features & _FEATURE_INT8_LINEAR)
         self.has_f32_linear = bool(features & _FEATURE_F32_LINEAR)
@@ -164,6 +167,24 @@ class NativeKernels:
             out.stride(0))
         _check(rc, "ip_paged_decode_attention")
         return out
+
+    def decode_layer(self, x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps: float,
+                     linears: tuple, shape: tuple[int, int, int, int], rope_tables: tuple[torch.Tensor, torch.Tensor],
+                     slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float) -> None:
+        """A whole decoder layer for decode rows, x [B, hidden] updated in place (ip_decode_layer).
+        `linears`: (packed weight, scale, bias or None) for qkv, o, gate_up and down;
+        `shape`: (heads, kv_heads, head_dim, intermediate)."""
+        b, hidden = x.shape
+        heads, kv_heads, d, inter = shape
+        flat = [t for packed, scale, bias in linears
+                for t in (packed.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr())]
+        rc = self._lib.ip_decode_layer(
+            x.data_ptr(), b, hidden, norms[0].data_ptr(), norms[1].data_ptr(), eps, *flat, heads, kv_heads, d, inter,
+            rope_tables[0].data_ptr(), rope_tables[1].data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), k_cache.shape[1], block_tables.data_ptr(), block_tables.shape[1],
+            context_lens.data_ptr(), scale)
+        _check(rc, "ip_decode_layer")
 
     def decode_attention_applies(self, q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
                                  context_lens: torch.Tensor) -> bool:
