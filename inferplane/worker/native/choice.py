@@ -32,17 +32,16 @@ def crossover(first: Callable[[torch.Tensor], object], second: Callable[[torch.T
               make_input: Callable[[int], torch.Tensor], row_counts: Sequence[int], reps: int = 3) -> int:
     """The smallest measured row count from which `second` is faster there and at every larger
     measured count; NEVER where `first` wins at the largest. Past the last count the winner there
-    is assumed to keep winning (both are GEMMs; their ratio settles as rows grow)."""
-    second_wins = []
+    is assumed to keep winning (both are GEMMs; their ratio settles as rows grow). Counts are timed
+    from the largest down and the first loss ends it: smaller counts cannot change the answer, and
+    start-up pays for fewer timings (one, where the kernel wins at the largest count)."""
+    threshold = NEVER
     with torch.inference_mode():
-        for rows in row_counts:
+        for rows in sorted(row_counts, reverse=True):
             x = make_input(rows)
             t_first = median_seconds(lambda x=x: first(x), reps)
             t_second = median_seconds(lambda x=x: second(x), reps)
-            second_wins.append(t_second < t_first)
-    threshold = NEVER
-    for rows, wins in zip(reversed(row_counts), reversed(second_wins), strict=True):
-        if not wins:
-            break
-        threshold = rows
+            if t_second >= t_first:
+                break
+            threshold = rows
     return threshold
