@@ -55,7 +55,8 @@ class WorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams text deltas and token ids; the last message has finished=true, the reason and usage.
+        """Streams text deltas and token ids; each choice's last message has finished=true, the reason
+        and usage (prompt tokens on every choice's, once per request in fact).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

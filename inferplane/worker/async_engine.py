@@ -27,15 +27,18 @@ class _Submit:
     cache_salt: str
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    unfinished: int = 1  # choices still running (n > 1 streams them all on one queue)
 
 
 class RequestStream:
-    """The caller's side of one request: iterate to get StepOutputs until one is finished."""
+    """The caller's side of one request: iterate to get StepOutputs until every choice (`index`)
+    has sent its finished one."""
 
-    def __init__(self, request_id: str, queue: asyncio.Queue, abort: Callable[[str], None]):
+    def __init__(self, request_id: str, queue: asyncio.Queue, abort: Callable[[str], None], choices: int = 1):
         self.request_id = request_id
         self._queue = queue
         self._abort = abort
+        self._unfinished = choices
         self.finished = False
 
     def __aiter__(self) -> AsyncIterator[StepOutput]:
@@ -48,7 +51,8 @@ class RequestStream:
                 self.finished = True
                 raise item
             if item.finished:
-                self.finished = True
+                self._unfinished -= 1
+                self.finished = self._unfinished <= 0
             yield item
 
     def abort(self) -> None:
@@ -81,9 +85,9 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._wake:
-            self._submits.append(_Submit(request_id, prompt, params, cache_salt, queue, loop))
+            self._submits.append(_Submit(request_id, prompt, params, cache_salt, queue, loop, params.n))
             self._wake.notify()
-        return RequestStream(request_id, queue, self.abort)
+        return RequestStream(request_id, queue, self.abort, params.n)
 
     def abort(self, request_id: str) -> None:
         with self._wake:
@@ -120,20 +124,18 @@ class AsyncEngine:
                 except ValueError as exc:
                     self._deliver(sub, exc)
             for request_id in aborts:
-                out = self.engine.abort(request_id)
                 sub = self._streams.pop(request_id, None)
-                if out is not None:
+                for out in self.engine.abort(request_id):
                     self._finished(out)
-                if sub is not None and out is not None:
-                    self._deliver(sub, out)
+                    if sub is not None:
+                        self._deliver(sub, out)
             try:
                 outputs = self.engine.step() if self.engine.has_unfinished() else []
             except Exception as exc:  # a failed step must fail its requests, not hang them
                 log.exception("engine step failed")
                 outputs = []
                 for request_id, sub in list(self._streams.items()):
-                    out = self.engine.abort(request_id)
-                    if out is not None:
+                    for out in self.engine.abort(request_id):
                         out.finish_reason = "error"
                         self._finished(out)
                     self._deliver(sub, RuntimeError(f"engine step failed: {exc}"))
@@ -141,8 +143,11 @@ class AsyncEngine:
             for out in outputs:
                 sub = self._streams.get(out.request_id)
                 if out.finished:
-                    self._streams.pop(out.request_id, None)
                     self._finished(out)
+                    if sub is not None:
+                        sub.unfinished -= 1
+                        if sub.unfinished <= 0:
+                            self._streams.pop(out.request_id, None)
                 if sub is not None:
                     self._deliver(sub, out)
             self.last_stats = self.engine.stats()  # a snapshot Stats can read without a lock

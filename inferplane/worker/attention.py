@@ -134,6 +134,10 @@ class PagedKVCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[index, 0], self.data[index, 1]
 
+    def copy_block(self, source: int, destination: int) -> None:
+        """Every layer's K and V of one block into another (a fork's copy of a partly filled block)."""
+        self.data[:, :, destination].copy_(self.data[:, :, source])
+
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:

@@ -43,6 +43,7 @@ class StepOutput:
     ttft: float | None = None  # seconds, on the finished output
     latency: float | None = None  # seconds from arrival to finish, on the finished output
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per new token
+    index: int = 0  # the choice (n > 1); request_id is the request's, shared by its choices
 
 
 @dataclass
@@ -50,6 +51,9 @@ class EngineCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)
+    forked_sequences: int = 0  # n > 1 choices that got the prompt's KV by fork
+    forked_shared_blocks: int = 0  # prompt blocks those forks shared instead of computing
+    fork_fallbacks: int = 0  # choices that found no slot or block at fork time and were queued instead
 
 
 class Engine:
@@ -76,7 +80,8 @@ class Engine:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         # The same EOS set that ends a request is what min_tokens holds back.
         self.runner = ModelRunner(loaded.model, self.cache, device, eos_ids=frozenset(self.eos_ids))
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence] = {}  # by each sequence's own id
+        self._groups: dict[str, list[Sequence]] = {}  # request id -> its choices (n > 1), unfinished
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.counters = EngineCounters()
@@ -145,27 +150,45 @@ class Engine:
                 f"blocks but the pool has {self.kv.num_blocks}; lower max_tokens or raise kv_cache_memory"
             )
         request_id = request_id or self.new_request_id()
-        if request_id in self.requests:
+        if request_id in self._groups or request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
-        grammar = self._grammar_state(params.constraint) if params.constraint is not None else None
-        seq = Sequence(request_id=request_id, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
-                       generator=generator, cache_salt=cache_salt, grammar=grammar)
-        self.requests[request_id] = seq
-        if self.tokenizer is not None:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
-        self.scheduler.add(seq)
+        choices = [self._new_sequence(request_id, index, token_ids, params, max_tokens, cache_salt)
+                   for index in range(params.n)]
+        leader = choices[0]
+        leader.forks = choices[1:]
+        self._groups[request_id] = choices
+        for seq in choices:
+            self.requests[seq.request_id] = seq
+            if self.tokenizer is not None:
+                self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
+        self.scheduler.add(leader)
         self.counters.prompt_tokens += len(token_ids)
-        return seq
+        return leader
 
-    def abort(self, request_id: str) -> StepOutput | None:
-        """Frees the request's blocks at once. Returns its final output, or None if unknown."""
-        seq = self.requests.get(request_id)
-        if seq is None:
-            return None
-        self._finish(seq, "abort")
-        return self._output(seq, [], [], "")
+    def _new_sequence(self, request_id: str, index: int, token_ids: list[int], params: SamplingParams,
+                      max_tokens: int, cache_salt: str) -> Sequence:
+        """Choice `index` of a request. With a seed, choice i samples with seed + i (vLLM's rule),
+        so that the choices differ and each is reproducible."""
+        generator = torch.Generator(device=self.device)
+        seed = params.seed + index if params.seed is not None else random.getrandbits(63)
+        generator.manual_seed(seed % (1 << 64))
+        grammar = self._grammar_state(params.constraint) if params.constraint is not None else None
+        return Sequence(request_id=request_id if index == 0 else f"{request_id}#{index}", group_id=request_id,
+                        index=index, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
+                        generator=generator, cache_salt=cache_salt, grammar=grammar)
+
+    def group(self, request_id: str) -> list[Sequence]:
+        """A request's unfinished choices."""
+        return [seq for seq in self._groups.get(request_id, []) if not seq.is_finished]
+
+    def abort(self, request_id: str) -> list[StepOutput]:
+        """Frees the request's blocks (every choice's) at once. Returns the final output of each
+        choice that was still running; empty if the request is unknown or already done."""
+        outputs = []
+        for seq in self.group(request_id):
+            self._finish(seq, "abort")
+            outputs.append(self._output(seq, [], [], ""))
+        return outputs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -188,6 +211,8 @@ class Engine:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
             self.kv.on_computed(seq)
+            if seq.forks and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self._fork(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that is not the last one
             token = tokens[sampled]
@@ -196,6 +221,28 @@ class Engine:
             sampled += 1
             outputs.append(self._append_token(seq, token, logprob, alternatives))
         return outputs
+
+    def _fork(self, leader: Sequence) -> None:
+        """Gives the leader's other choices its prompt KV (n > 1): whole blocks shared, the partly
+        filled one copied; each then computes only the last prompt token and samples on its own.
+        A choice that finds no free slot or block is queued instead, and computes its prompt like
+        any request (the radix runtime still finds it in the prefix cache)."""
+        for child in leader.forks:
+            if child.is_finished:
+                continue
+            copies = None
+            if len(self.scheduler.running) < self.options.max_num_seqs:
+                copies = self.kv.fork(leader, child)
+            if copies is None:
+                self.scheduler.add(child)
+                self.counters.fork_fallbacks += 1
+                continue
+            for source, destination in copies:
+                self.cache.copy_block(source, destination)
+            self.scheduler.admit_forked(child)
+            self.counters.forked_sequences += 1
+            self.counters.forked_shared_blocks += len(child.block_table) - len(copies)
+        leader.forks = []
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None,
                       alternatives: list[tuple[int, float]] | None = None) -> StepOutput:
@@ -265,6 +312,8 @@ class Engine:
         self.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
         self._detok.pop(seq.request_id, None)
+        if not self.group(seq.group_id):
+            self._groups.pop(seq.group_id, None)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
 
     def _output(self, seq: Sequence, tokens: list[int], logprobs: list[float], delta: str) -> StepOutput:
@@ -274,7 +323,8 @@ class Engine:
             if seq.first_token_time is not None:
                 ttft = seq.first_token_time - seq.arrival_time
         return StepOutput(
-            request_id=seq.request_id,
+            request_id=seq.group_id,
+            index=seq.index,
             new_token_ids=tokens,
             new_logprobs=logprobs,
             text_delta=delta,
@@ -300,6 +350,10 @@ class Engine:
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             max_num_seqs=self.options.max_num_seqs,  # the slots an autoscaler measures concurrency against
+            forked_sequences=self.counters.forked_sequences,
+            forked_shared_blocks=self.counters.forked_shared_blocks,
+            fork_fallbacks=self.counters.fork_fallbacks,
+            blocks_allocated_total=self.kv.pool.allocations,
         )
         if self.device.type == "cpu":  # which jobs run on the C kernels (and which ISA), which on PyTorch ops
             stats["native_kernels"] = float(sum(isa != "torch" for isa in self.kernel_isas.values()))

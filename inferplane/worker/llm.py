@@ -56,6 +56,7 @@ class LLM:
     def generate(self, prompts: Prompt | SequenceABC[Prompt],
                  params: SamplingParams | SequenceABC[SamplingParams] | None = None,
                  cache_salt: str = "") -> list[RequestOutput]:
+        """One output per prompt, or n per prompt (in order) where its params ask for n > 1."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -74,9 +75,10 @@ class LLM:
             for seq in seqs:
                 self.engine.abort(seq.request_id)
             raise
+        choices = [self.engine.group(seq.request_id) for seq in seqs]  # n > 1: n outputs per prompt, in order
         while self.engine.has_unfinished():
             self.engine.step()
-        return [self._result(s) for s in seqs]
+        return [self._result(s) for group in choices for s in group]
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              params: SamplingParams | SequenceABC[SamplingParams] | None = None,

@@ -100,9 +100,11 @@ class WorkerMetrics:
     def observe_finished(self, out: StepOutput) -> None:
         labels = self._labels
         reason = out.finish_reason or "unknown"
+        self.generation_tokens.labels(**labels).inc(out.num_output_tokens)
+        if out.index:  # choice 0 counts the request and its prompt once (n > 1)
+            return
         self.requests.labels(**labels, outcome=_OUTCOMES.get(reason, "error"), finish_reason=reason).inc()
         self.prompt_tokens.labels(**labels).inc(out.num_prompt_tokens)
-        self.generation_tokens.labels(**labels).inc(out.num_output_tokens)
         if out.latency is not None:
             self.e2e.labels(**labels).observe(out.latency)
         if out.ttft is not None:

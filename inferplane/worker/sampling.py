@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+MAX_N = 128  # OpenAI's bound on choices per request
+
 
 @dataclass
 class SamplingParams:
@@ -40,6 +42,8 @@ class SamplingParams:
     # Structured output (inferplane.worker.structured.Constraint): the engine keeps a grammar state
     # per sequence and masks what the grammar does not allow.
     constraint: Any = None
+    # Choices per request: the engine computes the prompt once and forks its KV blocks to the others.
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +78,8 @@ class SamplingParams:
             raise ValueError("logit_bias: each bias must be in [-100, 100]")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens: must be >= 0, got {self.min_tokens}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n: must be in [1, {MAX_N}], got {self.n}")
         room = max_model_len - prompt_len
         if self.max_tokens is None:
             return room

@@ -46,6 +46,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def admit_forked(self, seq: Sequence) -> None:
+        """A choice that already holds its prompt's KV (forked, n > 1) joins the running batch."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -42,6 +42,14 @@ class Sequence:
     locked_nodes: list = field(default_factory=list)
     # Structured output: the grammar state (worker/structured.py) that has accepted every output token.
     grammar: Any = None
+    # n > 1: the request id callers know (request_id is unique per sequence) and this choice's index.
+    group_id: str = ""
+    index: int = 0
+    # The group's other choices, waiting for this sequence's prompt KV to be forked to them.
+    forks: list[Sequence] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.group_id = self.group_id or self.request_id
 
     @property
     def all_token_ids(self) -> list[int]:

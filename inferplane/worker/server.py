@@ -49,6 +49,7 @@ def params_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
         logit_bias=dict(p.logit_bias),
         min_tokens=p.min_tokens,
         constraint=_constraint(p.constraint_kind, p.constraint_spec) if p.constraint_kind else None,
+        n=p.n or 1,
     )
 
 
@@ -69,7 +70,7 @@ def _constraint(kind: str, spec: str):
 def _response(out: StepOutput) -> worker_pb2.GenerateResponse:
     msg = worker_pb2.GenerateResponse(text=out.text_delta, token_ids=out.new_token_ids,
                                       logprobs=out.new_logprobs, finished=out.finished,
-                                      finish_reason=out.finish_reason or "")
+                                      finish_reason=out.finish_reason or "", index=out.index)
     for alternatives in out.new_top_logprobs:
         msg.top_logprobs.add(token_ids=[t for t, _ in alternatives], logprobs=[lp for _, lp in alternatives])
     if out.finished:

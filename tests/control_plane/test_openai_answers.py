@@ -30,7 +30,9 @@ from tests.control_plane.test_hardening import _post, gateway  # noqa: F401 (the
     ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
-    ("/v1/chat/completions", {"n": 2}, "n"),
+    ("/v1/chat/completions", {"n": 129}, "n"),
+    ("/v1/completions", {"prompt": ["a"] * 65, "n": 2}, "n"),  # 130 choices
+    ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),
     ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/completions", {"max_tokens": "5"}, "max_tokens"),  # strict types: no coercion
     ("/v1/chat/completions", {"temperature": "0.5"}, "temperature"),

@@ -24,7 +24,7 @@ CARRIED: dict[str, Any] = {
     "seed": 3, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.3,
     "logit_bias": {"1": 2.0}, "min_tokens": 2, "logprobs": None, "top_logprobs": 2,
     "response_format": {"type": "json_object"},
-    "tool_choice": "required",
+    "tool_choice": "required", "n": 3,
 }
 # Fields that shape the answer rather than the sampling, and where that is tested.
 SHAPING = {
@@ -36,10 +36,9 @@ SHAPING = {
     "tools": "the functions tool_choice may force (tests/e2e/test_structured_outputs.py)",
     "parallel_tool_calls": "one call per answer either way (README: differs from OpenAI)",
     "user": "OpenAI's end-user id for abuse monitoring; no effect on the output in OpenAI either",
-    "n": "only 1 (anything else is refused, below)",
     "echo": "the prompt first in the answer (tests/e2e/test_openai_sampling.py); with logprobs refused",
 }
-REFUSED: dict[str, Any] = {"n": 2, **{name: "x" for name in UNSERVED}}
+REFUSED: dict[str, Any] = {name: "x" for name in UNSERVED}
 
 
 def worker_view(model: type, body: dict) -> tuple:

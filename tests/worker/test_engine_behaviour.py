@@ -88,7 +88,7 @@ def test_abort_frees_blocks_at_once(llm):
     engine.step()
     engine.step()
     assert engine.stats()["blocks_used"] > 0
-    out = engine.abort(seq.request_id)
+    [out] = engine.abort(seq.request_id)
     assert out.finished and out.finish_reason == "abort"
     assert engine.stats()["blocks_used"] == 0 and not engine.has_unfinished()
 

@@ -32,7 +32,7 @@ Message = worker_pb2.GenerateResponse
 
 
 class _Collected:
-    """A whole (non-streamed) generation gathered from the worker stream."""
+    """One whole (non-streamed) choice gathered from the worker stream."""
 
     def __init__(self) -> None:
         self.text: list[str] = []
@@ -57,7 +57,8 @@ def _reason(msg: Message | None) -> str | None:
 
 
 class _Shape:
-    """What one endpoint's responses look like: the whole answer, stream chunks, the usage chunk."""
+    """What one endpoint's responses look like: the whole answer, stream chunks, the usage chunk.
+    A request has `prepared.choices` choices (n per prompt); every message names its `index`."""
 
     prefix = ""
     whole_object = chunk_object = ""
@@ -68,16 +69,18 @@ class _Shape:
         self.id = f"{self.prefix}-{prepared.request_id}"
         self.created = int(time.time())
 
-    def envelope(self, kind: str, choices: list[dict], final: Message | None = None, with_usage: bool = False) -> dict:
+    def envelope(self, kind: str, choices: list[dict], finals: dict[int, Message] | None = None,
+                 with_usage: bool = False) -> dict:
         out = {"id": self.id, "object": kind, "created": self.created, "model": self.body.model, "choices": choices}
         if with_usage:
-            out["usage"] = self.usage(final)
+            out["usage"] = self.usage(finals or {})
         return out
 
-    def usage(self, final: Message | None) -> dict:
-        prompt = final.usage.prompt_tokens if final is not None else self.prepared.prompt_tokens
-        completion = final.usage.completion_tokens if final is not None else 0
-        cached = final.usage.cached_tokens if final is not None else 0
+    def usage(self, finals: dict[int, Message]) -> dict:
+        """Each prompt counted once (however many choices), every choice's completion tokens."""
+        prompt = self.prepared.prompt_tokens
+        completion = sum(f.usage.completion_tokens for f in finals.values())
+        cached = sum(f.usage.cached_tokens for i, f in finals.items() if i % self.prepared.n == 0)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -88,8 +91,10 @@ class _Shape:
         """Per token: its best alternatives as (text, logprob), best first."""
         return [list(zip(self.token_texts(t.token_ids), t.logprobs, strict=True)) for t in top]
 
-    def whole(self, result: _Collected) -> dict:
-        return self.envelope(self.whole_object, [self.whole_choice(result)], result.final, with_usage=True)
+    def whole(self, results: dict[int, _Collected]) -> dict:
+        finals = {i: r.final for i, r in results.items() if r.final is not None}
+        choices = [self.whole_choice(i, results[i]) for i in sorted(results)]
+        return self.envelope(self.whole_object, choices, finals, with_usage=True)
 
     def chunk(self, msg: Message) -> dict | None:
         """A stream chunk for `msg`, or None when the shape holds it back."""
@@ -98,10 +103,10 @@ class _Shape:
     def final_chunk(self, msg: Message) -> dict:
         return self.envelope(self.chunk_object, [self.final_choice(msg)])
 
-    def usage_chunk(self, final: Message | None) -> dict:
-        return self.envelope(self.chunk_object, [], final, with_usage=True)
+    def usage_chunk(self, finals: dict[int, Message]) -> dict:
+        return self.envelope(self.chunk_object, [], finals, with_usage=True)
 
-    def whole_choice(self, result: _Collected) -> dict:
+    def whole_choice(self, index: int, result: _Collected) -> dict:
         raise NotImplementedError
 
     def chunk_choice(self, msg: Message) -> dict:
@@ -118,34 +123,46 @@ class _TextShape(_Shape):
 
     def __init__(self, body: CompletionRequest, prepared: PreparedRequest) -> None:
         super().__init__(body, prepared)
-        # echo: the prompt comes first, in the whole answer or the first chunk.
-        self.echo = (body.prompt_text if body.prompt_text is not None else
-                     prepared.model.tokenizer.decode(prepared.token_ids)) if body.echo else ""
-        self.offset = len(self.echo)  # characters returned so far: text_offset counts from the start
+        # echo: each choice's prompt comes first, in the whole answer or the choice's first chunk.
+        self.echoes = [prompt if isinstance(prompt, str) else prepared.model.tokenizer.decode(ids)
+                       for prompt, ids in zip(body.prompts, prepared.prompts, strict=True)] if body.echo else []
+        self.unechoed = set(range(prepared.choices)) if body.echo else set()
+        # Characters returned so far per choice: text_offset counts from the start of its text.
+        self.offsets = {i: len(self._echo(i)) for i in range(prepared.choices)}
 
-    def logprobs(self, ids, values, top) -> dict | None:
+    def _echo(self, index: int) -> str:
+        return self.echoes[index // self.prepared.n] if self.echoes else ""
+
+    def _take_echo(self, index: int) -> str:
+        if index not in self.unechoed:
+            return ""
+        self.unechoed.discard(index)
+        return self._echo(index)
+
+    def logprobs(self, index: int, ids, values, top) -> dict | None:
         if self.body.logprobs is None:
             return None
         texts = self.token_texts(ids)
         offsets = []
         for text in texts:
-            offsets.append(self.offset)
-            self.offset += len(text)
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(text)
         top_logprobs = [dict(a) for a in self.alternatives(top)] if self.body.logprobs else None
         return {"tokens": texts, "token_logprobs": list(values), "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
-    def whole_choice(self, result: _Collected) -> dict:
-        return {"index": 0, "text": self.echo + "".join(result.text), "finish_reason": _reason(result.final),
-                "logprobs": self.logprobs(result.token_ids, result.logprobs, result.top)}
+    def whole_choice(self, index: int, result: _Collected) -> dict:
+        return {"index": index, "text": self._take_echo(index) + "".join(result.text),
+                "finish_reason": _reason(result.final),
+                "logprobs": self.logprobs(index, result.token_ids, result.logprobs, result.top)}
 
     def chunk_choice(self, msg: Message) -> dict:
-        text, self.echo = self.echo + msg.text, ""
-        return {"index": 0, "text": text, "finish_reason": None,
-                "logprobs": self.logprobs(msg.token_ids, msg.logprobs, msg.top_logprobs)}
+        return {"index": msg.index, "text": self._take_echo(msg.index) + msg.text, "finish_reason": None,
+                "logprobs": self.logprobs(msg.index, msg.token_ids, msg.logprobs, msg.top_logprobs)}
 
     def final_choice(self, msg: Message) -> dict:
-        return {"index": 0, "text": "", "finish_reason": _reason(msg), "logprobs": None}
+        return {"index": msg.index, "text": self._take_echo(msg.index), "finish_reason": _reason(msg),
+                "logprobs": None}
 
 
 def _entry(token: str, logprob: float) -> dict:
@@ -159,11 +176,11 @@ class _ChatShape(_Shape):
 
     def __init__(self, body: ChatCompletionRequest, prepared: PreparedRequest) -> None:
         super().__init__(body, prepared)
-        self.sent_role = False
+        self.sent_role: set[int] = set()
         # A forced tool call streams as one delta once its JSON is complete: arguments are only
         # useful whole, and the call's id and name come with it.
         self.calling = body.forced_tools is not None
-        self.call_text: list[str] = []
+        self.call_text: dict[int, list[str]] = {}
 
     def logprobs(self, ids, values, top) -> dict | None:
         if not self.body.logprobs:
@@ -172,40 +189,40 @@ class _ChatShape(_Shape):
         return {"content": [{**_entry(t, lp), "top_logprobs": [_entry(a, alp) for a, alp in alt]}
                             for t, lp, alt in zip(self.token_texts(ids), values, alternatives, strict=False)]}
 
-    def whole_choice(self, result: _Collected) -> dict:
+    def whole_choice(self, index: int, result: _Collected) -> dict:
         text, reason = "".join(result.text), _reason(result.final)
         message: dict = {"role": "assistant", "content": text}
         calls = tool_calls(text) if self.calling and reason == "stop" else None
         if calls:
             message, reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-        return {"index": 0, "message": message, "finish_reason": reason,
+        return {"index": index, "message": message, "finish_reason": reason,
                 "logprobs": self.logprobs(result.token_ids, result.logprobs, result.top)}
 
     def chunk(self, msg: Message) -> dict | None:
         if self.calling:
-            self.call_text.append(msg.text)
+            self.call_text.setdefault(msg.index, []).append(msg.text)
             return None
         return super().chunk(msg)
 
     def chunk_choice(self, msg: Message) -> dict:
         delta = {"content": msg.text}
-        if not self.sent_role:
+        if msg.index not in self.sent_role:
             delta["role"] = "assistant"
-            self.sent_role = True
-        return {"index": 0, "delta": delta, "finish_reason": None,
+            self.sent_role.add(msg.index)
+        return {"index": msg.index, "delta": delta, "finish_reason": None,
                 "logprobs": self.logprobs(msg.token_ids, msg.logprobs, msg.top_logprobs)}
 
     def final_choice(self, msg: Message) -> dict:
-        reason = _reason(msg)
-        calls = tool_calls("".join(self.call_text)) if self.calling and reason == "stop" else None
+        reason, index = _reason(msg), msg.index
+        written = "".join(self.call_text.get(index, []))
+        calls = tool_calls(written) if self.calling and reason == "stop" else None
         if calls:
-            return {"index": 0, "delta": {"role": "assistant", "content": None,
-                                          "tool_calls": [{"index": 0, **call} for call in calls]},
+            return {"index": index, "delta": {"role": "assistant", "content": None,
+                                              "tool_calls": [{"index": 0, **call} for call in calls]},
                     "finish_reason": "tool_calls"}
         if self.calling:  # cut off before the call closed: what was written, as text
-            return {"index": 0, "delta": {"role": "assistant", "content": "".join(self.call_text)},
-                    "finish_reason": reason}
-        return {"index": 0, "delta": {}, "finish_reason": reason}
+            return {"index": index, "delta": {"role": "assistant", "content": written}, "finish_reason": reason}
+        return {"index": index, "delta": {}, "finish_reason": reason}
 
 
 async def _opened(first: Message, stream: AsyncIterator[Message]) -> AsyncIterator[Message | str]:
@@ -240,8 +257,8 @@ class Completions:
         self.ctx = ctx
 
     async def text(self, body: CompletionRequest, principal: Principal) -> Response:
-        prepared = await self.ctx.inference.prepare(principal, body.model, prompt=body.prompt_text,
-                                                    prompt_ids=body.prompt_ids, max_tokens=body.default_max_tokens())
+        prepared = await self.ctx.inference.prepare(principal, body.model, prompts=body.prompts, n=body.n,
+                                                    max_tokens=body.default_max_tokens())
         with self.ctx.inference.settled_on_error(prepared):
             params = body.sampling_params(prepared.max_tokens, want_logprobs=body.logprobs is not None)
             return await self._respond(_TextShape(body, prepared), params)
@@ -251,7 +268,7 @@ class Completions:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         except ValueError as exc:
             return error_response(400, str(exc), "invalid_value", "messages")
-        prepared = await self.ctx.inference.prepare(principal, body.model, messages=messages,
+        prepared = await self.ctx.inference.prepare(principal, body.model, messages=messages, n=body.n,
                                                     max_tokens=body.default_max_tokens())
         with self.ctx.inference.settled_on_error(prepared):
             params = body.sampling_params(prepared.max_tokens, want_logprobs=body.logprobs)
@@ -261,12 +278,12 @@ class Completions:
         if shape.body.stream:
             return await self._respond_streaming(shape, params)
         first, stream = await self._open(shape.prepared, params)
-        result = _Collected()
-        result.add(first)
+        results = {i: _Collected() for i in range(shape.prepared.choices)}
+        results[first.index].add(first)
         async for msg in stream:
-            result.add(msg)
-        self._count_tokens(shape.prepared, result.final)
-        return JSONResponse(shape.whole(result))
+            results[msg.index].add(msg)
+        self._count_tokens(shape.prepared, {i: r.final for i, r in results.items() if r.final is not None})
+        return JSONResponse(shape.whole(results))
 
     async def _respond_streaming(self, shape: _Shape, params: worker_pb2.SamplingParams) -> Response:
         """A failure in the first moments (no replica, bad input) is still a proper HTTP status; a
@@ -292,14 +309,15 @@ class Completions:
         self.ctx.metrics.ttft.labels(prepared.model.name).observe(time.perf_counter() - start)
         return first, stream
 
-    def _count_tokens(self, prepared: PreparedRequest, final: Message | None) -> None:
-        if final is not None:
-            self.ctx.metrics.tokens.labels(prepared.model.name, "prompt").inc(final.usage.prompt_tokens)
-            self.ctx.metrics.tokens.labels(prepared.model.name, "completion").inc(final.usage.completion_tokens)
+    def _count_tokens(self, prepared: PreparedRequest, finals: dict[int, Message]) -> None:
+        if finals:
+            self.ctx.metrics.tokens.labels(prepared.model.name, "prompt").inc(prepared.prompt_tokens)
+            self.ctx.metrics.tokens.labels(prepared.model.name, "completion").inc(
+                sum(f.usage.completion_tokens for f in finals.values()))
 
     def _sse(self, shape: _Shape, messages: AsyncIterator[Message | str]) -> StreamingResponse:
         async def events() -> AsyncIterator[str]:
-            final = None
+            finals: dict[int, Message] = {}
             try:
                 async for msg in messages:
                     if isinstance(msg, str):  # a keep-alive comment while queued
@@ -308,18 +326,17 @@ class Completions:
                     chunk = shape.chunk(msg) if msg.text or msg.token_ids else None
                     if chunk is not None:
                         yield f"data: {json.dumps(chunk)}\n\n"
-                    if msg.finished:
-                        final = msg
+                    if msg.finished:  # this choice is done; the stream ends when all are
+                        finals[msg.index] = msg
                         yield f"data: {json.dumps(shape.final_chunk(msg))}\n\n"
-                        break
             except Exception as exc:  # broken after the headers went out: a clean error event
                 yield sse_error(exc)
                 return
             finally:
                 await messages.aclose()
-            self._count_tokens(shape.prepared, final)
+            self._count_tokens(shape.prepared, finals)
             if shape.body.include_usage:
-                yield f"data: {json.dumps(shape.usage_chunk(final))}\n\n"
+                yield f"data: {json.dumps(shape.usage_chunk(finals))}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",

@@ -34,7 +34,8 @@ def rest_body(model: str, params: worker_pb2.SamplingParams, *, prompt: str | No
                               "stop": list(params.stop) or None, "presence_penalty": params.presence_penalty,
                               "frequency_penalty": params.frequency_penalty,
                               "repetition_penalty": params.repetition_penalty or 1.0, "min_tokens": params.min_tokens,
-                              "logit_bias": {str(k): v for k, v in params.logit_bias.items()} or None}
+                              "logit_bias": {str(k): v for k, v in params.logit_bias.items()} or None,
+                              "n": params.n or 1}
     if params.HasField("seed"):
         fields["seed"] = params.seed
     if messages is not None:

@@ -35,17 +35,31 @@ from inferplane.v1 import worker_pb2
 
 @dataclass
 class PreparedRequest:
+    """One request: one prompt, or several (`/v1/completions` takes a list), each answered with
+    `n` choices; choice `index` is prompt `index // n`'s."""
+
     request_id: str
     principal: Principal
     model: ServedModel
-    token_ids: list[int]
+    prompts: list[list[int]]
     max_tokens: int
+    n: int = 1
     reserved: int = 0  # tokens held against the key's limit and the tenant's quota until settled
     settled: bool = False
 
     @property
+    def token_ids(self) -> list[int]:
+        """The first prompt's tokens (the only one, except on a batched `/v1/completions`)."""
+        return self.prompts[0]
+
+    @property
     def prompt_tokens(self) -> int:
-        return len(self.token_ids)
+        """Each prompt once, however many choices it has (OpenAI's usage)."""
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
 
 
 def _limits(principal: Principal) -> KeyLimits:
@@ -71,9 +85,10 @@ class InferenceService:
 
     async def prepare(self, principal: Principal, model_name: str, *, prompt: str | None = None,
                       messages: list[dict[str, str]] | None = None, max_tokens: int | None = None,
-                      prompt_ids: list[int] | None = None) -> PreparedRequest:
-        """`prompt` (text), `messages` (through the chat template) or `prompt_ids` (token ids the
-        worker checks against its vocabulary)."""
+                      prompt_ids: list[int] | None = None, prompts: list[str | list[int]] | None = None,
+                      n: int = 1) -> PreparedRequest:
+        """`prompt` (text), `messages` (through the chat template), `prompt_ids` (token ids the
+        worker checks against its vocabulary) or `prompts` (several of either); `n` choices each."""
         principal.require(SCOPE_INFER)
         model = self.catalog.get(model_name, principal.tenant_id)
         if messages is not None:
@@ -81,25 +96,20 @@ class InferenceService:
                 prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             except ValueError as exc:
                 raise GatewayError(400, str(exc), "invalid_messages", "messages") from exc
-        token_ids = list(prompt_ids) if prompt_ids is not None else model.tokenizer.encode(prompt or "")
+        if prompts is None:
+            prompts = [list(prompt_ids) if prompt_ids is not None else prompt or ""]
         param = "messages" if messages is not None else "prompt"
-        if not token_ids:
-            raise GatewayError(400, f"{param} must not be empty", "invalid_value", param)
-        room = model.max_model_len - len(token_ids)
-        if room < 1:
-            raise GatewayError(400, f"This model's maximum context length is {model.max_model_len} tokens; "
-                               f"the {param} has {len(token_ids)} tokens.", "context_length_exceeded", param)
-        if max_tokens is not None and max_tokens > room:
-            raise GatewayError(400, f"This model's maximum context length is {model.max_model_len} tokens; "
-                               f"the {param} has {len(token_ids)} tokens and max_tokens is {max_tokens}.",
-                               "context_length_exceeded", "max_tokens")
+        token_lists = [list(p) if isinstance(p, list) else model.tokenizer.encode(p) for p in prompts]
+        room = min(self._room(model, token_ids, max_tokens, param) for token_ids in token_lists)
         limits = _limits(principal)
         tenant = principal.tenant_id
+        prompt_tokens = sum(len(t) for t in token_lists)
+        choices = len(token_lists) * n
         try:
             max_tokens = max_tokens if max_tokens is not None else self._implicit_max_tokens(
-                principal, limits, len(token_ids), room)
-            prepared = PreparedRequest(uuid.uuid4().hex, principal, model, token_ids, max_tokens,
-                                       reserved=len(token_ids) + max_tokens)
+                principal, limits, prompt_tokens, room, choices)
+            prepared = PreparedRequest(uuid.uuid4().hex, principal, model, token_lists, max_tokens, n=n,
+                                       reserved=prompt_tokens + choices * max_tokens)
             if self.quota is not None and tenant is not None:
                 self.quota.reserve(tenant, prepared.reserved)
             if principal.key_id is not None:
@@ -118,22 +128,39 @@ class InferenceService:
         self._count_admission(principal, "admitted")
         return prepared
 
+    @staticmethod
+    def _room(model: ServedModel, token_ids: list[int], max_tokens: int | None, param: str) -> int:
+        """Tokens a prompt leaves to generate in the context (400 if none, or fewer than max_tokens)."""
+        if not token_ids:
+            raise GatewayError(400, f"{param} must not be empty", "invalid_value", param)
+        room = model.max_model_len - len(token_ids)
+        if room < 1:
+            raise GatewayError(400, f"This model's maximum context length is {model.max_model_len} tokens; "
+                               f"the {param} has {len(token_ids)} tokens.", "context_length_exceeded", param)
+        if max_tokens is not None and max_tokens > room:
+            raise GatewayError(400, f"This model's maximum context length is {model.max_model_len} tokens; "
+                               f"the {param} has {len(token_ids)} tokens and max_tokens is {max_tokens}.",
+                               "context_length_exceeded", "max_tokens")
+        return room
+
     def _count_admission(self, principal: Principal, result: str) -> None:
         if self.metrics is not None and principal.key_id is not None:
             self.metrics.key_admission(principal.tenant_id, principal.key_id, result)
 
-    def _implicit_max_tokens(self, principal: Principal, limits: KeyLimits, prompt_tokens: int, room: int) -> int:
-        """The context room, capped by what the key may spend per minute and the tenant has left."""
+    def _implicit_max_tokens(self, principal: Principal, limits: KeyLimits, prompt_tokens: int, room: int,
+                             choices: int = 1) -> int:
+        """The context room, capped by what the key may spend per minute and the tenant has left
+        (shared among the choices)."""
         cap = room
         if limits.tokens_per_minute is not None:
-            cap = min(cap, limits.tokens_per_minute - prompt_tokens)
+            cap = min(cap, (limits.tokens_per_minute - prompt_tokens) // choices)
             if cap < 1:
                 raise RequestTooLarge(f"the prompt has {prompt_tokens} tokens; this key allows "
                                       f"{limits.tokens_per_minute} tokens per minute, prompt and completion together")
         if self.quota is not None and principal.tenant_id is not None:
             remaining = self.quota.remaining(principal.tenant_id)
             if remaining is not None:
-                cap = min(cap, remaining - prompt_tokens)
+                cap = min(cap, (remaining - prompt_tokens) // choices)
                 if cap < 1:
                     raise self.quota.exceeded(principal.tenant_id, f"the prompt has {prompt_tokens} tokens and "
                                               f"{remaining} tokens of this month's quota are left")
@@ -156,19 +183,28 @@ class InferenceService:
         if model.cache_isolation == "tenant" and tenant is not None:
             salt = tenant_cache_salt(tenant, self.salt_secret)
         params.max_tokens = prepared.max_tokens
-        request = worker_pb2.GenerateRequest(request_id=prepared.request_id, params=params, cache_salt=salt,
-                                             token_ids=worker_pb2.TokenIds(ids=prepared.token_ids))
-        route = RouteRequest(model.name, token_ids=prepared.token_ids, cache_salt=salt)
+        params.n = prepared.n
         completion_tokens = 0
         served = False  # a worker answered: only then is there anything to bill
 
-        def call(endpoint):
-            return self.channels.stub(endpoint.address).Generate(request, timeout=self.request_timeout)
+        def replica_stream(token_ids: list[int], part: int) -> AsyncIterator[worker_pb2.GenerateResponse]:
+            request_id = prepared.request_id if len(prepared.prompts) == 1 else f"{prepared.request_id}-{part}"
+            request = worker_pb2.GenerateRequest(request_id=request_id, params=params, cache_salt=salt,
+                                                 token_ids=worker_pb2.TokenIds(ids=token_ids))
+
+            def call(endpoint):
+                return self.channels.stub(endpoint.address).Generate(request, timeout=self.request_timeout)
+
+            return route_and_stream(self.router, RouteRequest(model.name, token_ids=token_ids, cache_salt=salt), call)
 
         try:
             # A model scaled to zero: wait (bounded) for the replica the autoscaler starts.
             await self.activator.wait_for_replica(model.name, lambda: self.router.has_replicas(model.name))
-            async for message in route_and_stream(self.router, route, call):
+            if len(prepared.prompts) == 1:
+                messages = replica_stream(prepared.token_ids, 0)
+            else:  # each prompt routed on its own (its own prefix), answers merged as they come
+                messages = merged([replica_stream(p, i) for i, p in enumerate(prepared.prompts)], prepared.n)
+            async for message in messages:
                 served = True
                 completion_tokens += len(message.token_ids)
                 yield message
@@ -203,6 +239,39 @@ class InferenceService:
                 self.limiter.adjust(principal.key_id, _limits(principal), used - prepared.reserved))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
+
+
+async def merged(streams: list[AsyncIterator[worker_pb2.GenerateResponse]],
+                 n: int) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    """Several prompts' worker streams as one, each message's `index` made the request's: prompt
+    i's choice j is choice i * n + j (OpenAI's order). The first failure ends all of them."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(part: int, stream: AsyncIterator[worker_pb2.GenerateResponse]) -> None:
+        try:
+            async for message in stream:
+                message.index += part * n
+                await queue.put(message)
+            await queue.put(done)
+        except Exception as exc:  # handed to the reader, which raises it (cancellation is not)
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _worker_error(exc: grpc.aio.AioRpcError) -> GatewayError:

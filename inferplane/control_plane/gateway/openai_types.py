@@ -1,7 +1,7 @@
 """OpenAI-compatible request bodies, validated by pydantic, and their mapping to sampling params.
 
 Unknown fields are ignored (clients send assorted extras). OpenAI parameters this server does not
-serve yet (n > 1, several prompts, echo with logprobs, the deprecated functions, audio, ...) are refused
+serve yet (echo with logprobs, the deprecated functions, audio, ...) are refused
 with a 400 naming them when they ask for something, never silently dropped; their neutral values
 (`tool_choice: "none"`, `response_format: {"type": "text"}`, ...) are accepted. Types are strict, as
 OpenAI's: `"5"` is not a number.
@@ -67,6 +67,9 @@ UNSERVED: dict[str, tuple[Any, ...]] = {
 }
 
 
+MAX_CHOICES = 128  # OpenAI's bound on n; also on prompts x n in one /v1/completions request
+
+
 class StreamOptions(_Base):
     include_usage: bool = False
 
@@ -77,7 +80,7 @@ class _Sampling(_Base):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
-    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices; the prompt is computed once and forked")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -146,7 +149,7 @@ class _Sampling(_Base):
             top_logprobs=self.top_logprobs_wanted() if want_logprobs else 0,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
-            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()}, n=self.n,
         )
         if self.seed is not None:
             params.seed = self.seed
@@ -159,7 +162,7 @@ class _Sampling(_Base):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="a string or token ids (a list must hold exactly one prompt)")
+        description="a string, token ids, or a list of either (each prompt gets n choices)")
     max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
@@ -169,18 +172,26 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value):
+    def _prompts(cls, value):
         if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
             value = [value]  # one prompt as token ids
-        if isinstance(value, list):
-            if len(value) != 1:
-                raise ValueError("send one prompt per request")
-            value = value[0]
-        if not value:
+        prompts = value if isinstance(value, list) else [value]
+        if not prompts:
             raise ValueError("prompt must not be empty")
-        if isinstance(value, list) and any(not 0 <= t <= UINT32_MAX for t in value):
-            raise ValueError("token ids must be in [0, 2**32)")
+        for i, prompt in enumerate(prompts):
+            where = f"prompt {i}" if len(prompts) > 1 else "prompt"
+            if not prompt:
+                raise ValueError(f"{where} must not be empty")
+            if isinstance(prompt, list) and any(not 0 <= t <= UINT32_MAX for t in prompt):
+                raise ValueError(f"{where}: token ids must be in [0, 2**32)")
         return value
+
+    @model_validator(mode="after")
+    def _choices_bounded(self) -> CompletionRequest:
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise PydanticCustomError("invalid_value", "{prompts} prompts x n={n} is more than {most} choices",
+                                      {"prompts": len(self.prompts), "n": self.n, "most": MAX_CHOICES, "param": "n"})
+        return self
 
     @model_validator(mode="after")
     def _echo_without_logprobs(self) -> CompletionRequest:
@@ -190,12 +201,12 @@ class CompletionRequest(_Sampling):
         return self
 
     @property
-    def prompt_ids(self) -> list[int] | None:
-        return self.prompt if isinstance(self.prompt, list) else None
-
-    @property
-    def prompt_text(self) -> str | None:
-        return self.prompt if isinstance(self.prompt, str) else None
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt, as text or token ids, in order."""
+        value = self.prompt
+        if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+            return [value]
+        return list(value) if isinstance(value, list) else [value]
 
 
 class ChatMessage(_Base):

@@ -20,6 +20,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self.allocations = 0  # blocks handed out since start: what a shared (forked, cached) prefix saves
 
     @property
     def num_free(self) -> int:
@@ -33,6 +34,7 @@ class BlockPool:
         if count > len(self._free):
             raise OutOfBlocks(f"need {count} blocks, {len(self._free)} free")
         blocks = [self._free.popleft() for _ in range(count)]
+        self.allocations += count
         for b in blocks:
             self.ref_counts[b] = 1
         return blocks

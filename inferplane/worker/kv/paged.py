@@ -10,6 +10,33 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
+def fork_layout(prompt_len: int, block_size: int) -> tuple[int, bool]:
+    """How a fork shares a computed prompt: (whole blocks before the last prompt token, which the
+    child shares read-only; whether the block holding that token is partly filled, so the child
+    needs its own copy of it). The child then recomputes only the last prompt token, whose logits
+    it samples its first token from with its own generator."""
+    return (prompt_len - 1) // block_size, (prompt_len - 1) % block_size != 0
+
+
+def fork_blocks(pool: BlockPool, parent: Sequence, child: Sequence, block_size: int) -> list[tuple[int, int]] | None:
+    """Gives `child` the parent's prompt KV: shared whole blocks (reference counted) that it already
+    holds in `child.block_table`, plus a copy of the partly filled block. Returns the (source,
+    destination) block copies the KV cache must make, or None (nothing changed) if no block is free.
+    """
+    shared, partial = fork_layout(child.num_prompt_tokens, block_size)
+    if len(child.block_table) != shared:  # the prefix was not all there: the child computes the rest
+        return []
+    copies = []
+    if partial:
+        if pool.num_free < 1:
+            return None
+        block = pool.allocate(1)[0]
+        copies.append((parent.block_table[shared], block))
+        child.block_table.append(block)
+    child.num_computed_tokens = child.num_prompt_tokens - 1
+    return copies
+
+
 class PagedKV:
     name = "paged"
 
@@ -40,6 +67,18 @@ class PagedKV:
         seq.block_table.extend(self.pool.allocate(needed))
         self.peak_blocks_used = max(self.peak_blocks_used, self.blocks_used())
         return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
+        """Shares the parent's computed prompt with `child` (n > 1): see `fork_blocks`."""
+        shared, partial = fork_layout(child.num_prompt_tokens, self.block_size)
+        if partial and self.pool.num_free < 1:
+            return None
+        child.block_table = list(parent.block_table[:shared])
+        for block in child.block_table:
+            self.pool.retain(block)
+        copies = fork_blocks(self.pool, parent, child, self.block_size)
+        self.peak_blocks_used = max(self.peak_blocks_used, self.blocks_used())
+        return copies
 
     def on_computed(self, seq: Sequence) -> None:
         """Called after a step computed tokens of `seq`; the radix manager caches them here."""

@@ -15,7 +15,7 @@ holds, which are reclaimable at any time.
 from __future__ import annotations
 
 from inferplane.worker.kv.block_pool import BlockPool
-from inferplane.worker.kv.paged import blocks_for
+from inferplane.worker.kv.paged import blocks_for, fork_blocks, fork_layout
 from inferplane.worker.kv.radix_scheduler import RadixScheduler
 from inferplane.worker.kv.radix_tree import BlockKey, Node, RadixTree, block_keys
 from inferplane.worker.sequence import Sequence
@@ -101,6 +101,23 @@ class RadixKV:
             self.prefix_hit_tokens += query[1]
         self._note_peak()
         return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
+        """Shares the parent's computed prompt with `child` (n > 1). The parent's whole prompt blocks
+        are in the tree already (`on_computed`), so the child borrows them as any prefix hit does;
+        only the partly filled block is copied (`fork_blocks`)."""
+        _, partial = fork_layout(child.num_prompt_tokens, self.block_size)
+        if partial and self.pool.num_free < 1:
+            if self.tree.evictable_blocks < 1:
+                return None
+            self.tree.evict(1)
+        self.match_prefix(child)
+        copies = fork_blocks(self.pool, parent, child, self.block_size)
+        if copies is None:  # cannot happen after the eviction above; undone for safety
+            self.free(child)
+            child.num_computed_tokens = child.num_cached_tokens = 0
+        self._note_peak()
+        return copies
 
     def on_computed(self, seq: Sequence) -> None:
         """Publishes prompt blocks as soon as they are computed, so that followers waiting on this
