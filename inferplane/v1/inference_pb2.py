@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from inferplane.v1 import worker_pb2 as inferplane_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dinferplane/v1/inference.proto\x12\rinferplane.v1\x1a\x1ainferplane/v1/worker.proto\"_\n\x0f\x43ompleteRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12-\n\x06params\x18\x03 \x01(\x0b\x32\x1d.inferplane.v1.SamplingParams\"y\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.inferplane.v1.ChatMessage\x12-\n\x06params\x18\x03 \x01(\x0b\x32\x1d.inferplane.v1.SamplingParams\"\xd1\x01\n\x10\x43ompleteResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.inferplane.v1.Usage\x12\x11\n\ttoken_ids\x18\x06 \x03(\r\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x30\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x1a.inferplane.v1.TopLogprobs2\xa1\x01\n\tInference\x12M\n\x08\x43omplete\x12\x1e.inferplane.v1.CompleteRequest\x1a\x1f.inferplane.v1.CompleteResponse0\x01\x12\x45\n\x04\x43hat\x12\x1a.inferplane.v1.ChatRequest\x1a\x1f.inferplane.v1.CompleteResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dinferplane/v1/inference.proto\x12\rinferplane.v1\x1a\x1ainferplane/v1/worker.proto\"_\n\x0f\x43ompleteRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12-\n\x06params\x18\x03 \x01(\x0b\x32\x1d.inferplane.v1.SamplingParams\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\xb2\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.inferplane.v1.ChatMessage\x12-\n\x06params\x18\x03 \x01(\x0b\x32\x1d.inferplane.v1.SamplingParams\x12\"\n\x05tools\x18\x04 \x03(\x0b\x32\x13.inferplane.v1.Tool\x12\x13\n\x0btool_choice\x18\x05 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\x8d\x02\n\x10\x43ompleteResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.inferplane.v1.Usage\x12\x11\n\ttoken_ids\x18\x06 \x03(\r\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x30\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x1a.inferplane.v1.TopLogprobs\x12\r\n\x05index\x18\t \x01(\r\x12+\n\ntool_calls\x18\n \x03(\x0b\x32\x17.inferplane.v1.ToolCall2\xa1\x01\n\tInference\x12M\n\x08\x43omplete\x12\x1e.inferplane.v1.CompleteRequest\x1a\x1f.inferplane.v1.CompleteResponse0\x01\x12\x45\n\x04\x43hat\x12\x1a.inferplane.v1.ChatRequest\x1a\x1f.inferplane.v1.CompleteResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COMPLETEREQUEST']._serialized_start=76
   _globals['_COMPLETEREQUEST']._serialized_end=171
-  _globals['_CHATREQUEST']._serialized_start=173
-  _globals['_CHATREQUEST']._serialized_end=294
-  _globals['_COMPLETERESPONSE']._serialized_start=297
-  _globals['_COMPLETERESPONSE']._serialized_end=506
-  _globals['_INFERENCE']._serialized_start=509
-  _globals['_INFERENCE']._serialized_end=670
+  _globals['_TOOL']._serialized_start=173
+  _globals['_TOOL']._serialized_end=239
+  _globals['_CHATREQUEST']._serialized_start=242
+  _globals['_CHATREQUEST']._serialized_end=420
+  _globals['_TOOLCALL']._serialized_start=422
+  _globals['_TOOLCALL']._serialized_end=482
+  _globals['_COMPLETERESPONSE']._serialized_start=485
+  _globals['_COMPLETERESPONSE']._serialized_end=754
+  _globals['_INFERENCE']._serialized_start=757
+  _globals['_INFERENCE']._serialized_end=918
 # @@protoc_insertion_point(module_scope)

@@ -17,18 +17,42 @@ class CompleteRequest(_message.Message):
     params: _worker_pb2.SamplingParams
     def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., params: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters_json: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
+
 class ChatRequest(_message.Message):
-    __slots__ = ("model", "messages", "params")
+    __slots__ = ("model", "messages", "params", "tools", "tool_choice")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[_worker_pb2.ChatMessage]
     params: _worker_pb2.SamplingParams
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_worker_pb2.ChatMessage, _Mapping]]] = ..., params: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: str
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_worker_pb2.ChatMessage, _Mapping]]] = ..., params: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments_json")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments_json: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
-    __slots__ = ("id", "text", "finished", "finish_reason", "usage", "token_ids", "logprobs", "top_logprobs")
+    __slots__ = ("id", "text", "finished", "finish_reason", "usage", "token_ids", "logprobs", "top_logprobs", "index", "tool_calls")
     ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +61,8 @@ class CompleteResponse(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     id: str
     text: str
     finished: bool
@@ -45,4 +71,6 @@ class CompleteResponse(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_worker_pb2.TopLogprobs]
-    def __init__(self, id: _Optional[str] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_worker_pb2.Usage, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_worker_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    index: int
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, id: _Optional[str] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_worker_pb2.Usage, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_worker_pb2.TopLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...

@@ -49,6 +49,12 @@ import torch
 
 KINDS = ("json_object", "json_schema", "regex", "choice")
 PARAM = "response_format"
+EXTENSION_PARAM = "structured_outputs"  # regex and choice come from vLLM's extension, not response_format
+
+
+def param_for(kind: str) -> str:
+    """The request field an error about a `kind` constraint names."""
+    return EXTENSION_PARAM if kind in ("regex", "choice") else PARAM
 
 _BITS = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int32), torch.arange(32, dtype=torch.int32))
 
@@ -115,13 +121,13 @@ def _normalise(kind: str, spec: Any) -> str | tuple[str, ...] | None:
         return _schema_text(spec)
     if kind == "regex":
         if not isinstance(spec, str) or not spec:
-            raise GrammarError(f"{PARAM}: regex must be a non-empty string")
+            raise GrammarError(f"{EXTENSION_PARAM}: regex must be a non-empty string")
         return spec
     if isinstance(spec, str) or not isinstance(spec, Iterable):
-        raise GrammarError(f"{PARAM}: choice must be a list of strings")
+        raise GrammarError(f"{EXTENSION_PARAM}: choice must be a list of strings")
     choices = tuple(spec)
     if not choices or not all(isinstance(c, str) and c for c in choices):
-        raise GrammarError(f"{PARAM}: choice must list at least one non-empty string")
+        raise GrammarError(f"{EXTENSION_PARAM}: choice must list at least one non-empty string")
     return choices
 
 
@@ -196,10 +202,11 @@ class GrammarCompiler:
         try:
             grammar = _grammar(constraint)
         except ValueError as exc:
-            raise GrammarError(f"{PARAM}: {_what(constraint)}: {_one_line(str(exc))}") from None
+            raise GrammarError(f"{param_for(constraint.kind)}: {_what(constraint)}: {_one_line(str(exc))}") from None
         matcher = ll.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"{PARAM}: {_what(constraint)}: {_one_line(matcher.get_error())}")
+            raise GrammarError(f"{param_for(constraint.kind)}: {_what(constraint)}: "
+                               f"{_one_line(matcher.get_error())}")
         return matcher
 
 

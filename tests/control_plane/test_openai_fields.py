@@ -25,6 +25,8 @@ CARRIED: dict[str, Any] = {
     "logit_bias": {"1": 2.0}, "min_tokens": 2, "logprobs": None, "top_logprobs": 2,
     "response_format": {"type": "json_object"},
     "tool_choice": "required", "n": 3,
+    "structured_outputs": {"regex": "[0-9]+"}, "guided_regex": "a+", "guided_choice": ["a", "b"],
+    "guided_json": {"type": "object"},
 }
 # Fields that shape the answer rather than the sampling, and where that is tested.
 SHAPING = {

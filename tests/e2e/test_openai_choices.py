@@ -106,3 +106,81 @@ async def test_forced_tool_calls_with_n_choices(client) -> None:
             if choice.delta.tool_calls:
                 calls[choice.index] = choice.delta.tool_calls[0].function.arguments
     assert calls == {c.index: c.message.tool_calls[0].function.arguments for c in answer.choices}
+
+
+@pytest.fixture
+async def grpc_stub(in_process_gateway):
+    """The tenant gRPC API of the in-process gateway, and a key for it."""
+    from inferplane.control_plane import auth, tenants
+    from inferplane.control_plane.gateway.grpc_api import InferenceServicer
+    from inferplane.v1 import inference_pb2_grpc
+
+    gw = in_process_gateway
+    with gw.sessions.begin() as session:
+        tenants.create_tenant(session, "grpc", actor="test")
+        key = auth.create_key(session, "grpc", actor="test").secret
+    gw.keys.refresh()
+    server = grpc.aio.server()
+    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(gw.context), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield inference_pb2_grpc.InferenceStub(channel), [("authorization", f"Bearer {key}")]
+    await server.stop(None)
+
+
+async def _collect(call) -> tuple[dict[int, str], dict[int, object]]:
+    texts: dict[int, str] = {}
+    finals: dict[int, object] = {}
+    async for out in call:
+        texts[out.index] = texts.get(out.index, "") + out.text
+        if out.finished:
+            finals[out.index] = out
+    return texts, finals
+
+
+async def test_the_grpc_api_serves_choices_constraints_and_forced_calls(grpc_stub) -> None:
+    import json
+
+    import jsonschema
+
+    from inferplane.v1 import inference_pb2
+
+    stub, key = grpc_stub
+    params = worker_pb2.SamplingParams(max_tokens=8, temperature=2.0, seed=5, n=3)
+    request = inference_pb2.CompleteRequest(model="m", prompt="hello", params=params)
+    texts, finals = await _collect(stub.Complete(request, metadata=key, timeout=120))
+    assert sorted(texts) == sorted(finals) == [0, 1, 2]
+
+    # A choice constraint (vLLM's structured_outputs on REST) holds on every choice.
+    choice = worker_pb2.SamplingParams(max_tokens=10, temperature=1.0, n=2, constraint_kind="choice",
+                                       constraint_spec=json.dumps(["yes", "no"]))
+    texts, _ = await _collect(stub.Complete(inference_pb2.CompleteRequest(model="m", prompt="ok?", params=choice),
+                                            metadata=key, timeout=120))
+    assert set(texts.values()) <= {"yes", "no"} and len(texts) == 2
+    regex = worker_pb2.SamplingParams(max_tokens=12, temperature=1.0, constraint_kind="regex",
+                                      constraint_spec="[0-9]{3}")
+    texts, _ = await _collect(stub.Chat(inference_pb2.ChatRequest(
+        model="m", messages=[worker_pb2.ChatMessage(role="user", content="a number")], params=regex),
+        metadata=key, timeout=120))
+    assert texts[0].isdigit() and len(texts[0]) == 3
+
+    schema = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}}, "required": ["city"],
+              "additionalProperties": False}
+    call = stub.Chat(inference_pb2.ChatRequest(
+        model="m", messages=[worker_pb2.ChatMessage(role="user", content="weather?")],
+        params=worker_pb2.SamplingParams(max_tokens=60, temperature=0.7, seed=3),
+        tools=[inference_pb2.Tool(name="weather", parameters_json=json.dumps(schema))], tool_choice="weather"),
+        metadata=key, timeout=120)
+    texts, finals = await _collect(call)
+    final = finals[0]
+    assert final.finish_reason == "tool_calls" and texts[0] == ""
+    assert final.tool_calls[0].name == "weather" and final.tool_calls[0].id.startswith("call_")
+    jsonschema.validate(json.loads(final.tool_calls[0].arguments_json), schema)
+
+    bad = worker_pb2.SamplingParams(max_tokens=4, constraint_kind="xml")
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _collect(stub.Complete(inference_pb2.CompleteRequest(model="m", prompt="x", params=bad),
+                                     metadata=key, timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "params.constraint_kind" in refused.value.details()

@@ -6,6 +6,7 @@ arguments validate, streamed and not; a schema the grammar engine rejects is a 4
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import openai
@@ -86,6 +87,43 @@ async def test_json_object_mode_answers_an_object(client) -> None:
     if answer.choices[0].finish_reason == "stop":  # an open-ended object may run to max_tokens
         assert isinstance(json.loads(text), dict)
     assert text.startswith("{")
+
+
+@pytest.mark.parametrize(("extra", "check"), [
+    ({"structured_outputs": {"regex": "[A-Z][a-z]{2,5} [0-9]{2}"}},
+     lambda t: re.fullmatch("[A-Z][a-z]{2,5} [0-9]{2}", t)),
+    ({"structured_outputs": {"choice": ["red", "green", "blue"]}}, lambda t: t in ("red", "green", "blue")),
+    ({"guided_regex": "(yes|no)!"}, lambda t: t in ("yes!", "no!")),
+    ({"guided_choice": ["up", "down"]}, lambda t: t in ("up", "down")),
+    ({"guided_json": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                      "required": ["n"], "additionalProperties": False}},
+     lambda t: 0 <= json.loads(t)["n"] <= 9),
+])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+async def test_vllms_structured_output_extensions_hold(client, extra, check, endpoint) -> None:
+    """vLLM's `structured_outputs` (and the older `guided_*`), as its users send them: extra_body."""
+    if endpoint == "chat":
+        answer = await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=30, temperature=1.0,
+                                                      seed=11, n=2, extra_body=extra)
+        texts = [c.message.content for c in answer.choices]
+    else:
+        answer = await client.completions.create(model="m", prompt="Say:", max_tokens=30, temperature=1.0, seed=11,
+                                                 n=2, extra_body=extra)
+        texts = [c.text for c in answer.choices]
+    assert all(c.finish_reason == "stop" for c in answer.choices), texts
+    assert all(check(t) for t in texts), texts
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"structured_outputs": {"regex": "[0-9]+", "choice": ["a"]}}, "structured_outputs"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
+    ({"guided_regex": "(unclosed"}, "structured_outputs"),
+    ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "response_format"),
+])
+async def test_bad_extension_constraints_are_a_400_naming_the_parameter(client, extra, param) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=5, extra_body=extra)
+    assert refused.value.body["param"] == param, refused.value.body
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -3,11 +3,14 @@
 
 Requests are validated by the REST API's own pydantic models (`rest_body`), so both APIs accept
 and refuse the same values (a NaN temperature or a 100,000-entry stop list is refused here too);
-only the gRPC-specific fields (`stop_token_ids`, `ignore_eos`) are checked on their own.
+only the gRPC-specific fields (`stop_token_ids`, `ignore_eos`) are checked on their own; a constraint
+in `params` and `tools`/`tool_choice` become the REST fields they mean (response_format, vLLM's
+structured_outputs, tools), so they are validated there too.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import grpc
@@ -17,17 +20,59 @@ from inferplane.control_plane.errors import ControlPlaneError
 from inferplane.control_plane.gateway.context import GatewayContext, bearer
 from inferplane.control_plane.gateway.errors import GatewayError, as_error, validation_message
 from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from inferplane.control_plane.gateway.structured_outputs import tool_calls
 from inferplane.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
 
 MAX_STOP_TOKEN_IDS = 64
 
 
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice")
+
+
+def _constraint_fields(params: worker_pb2.SamplingParams, chat: bool) -> dict[str, Any]:
+    """The REST fields a gRPC constraint amounts to: response_format on chat for JSON, else vLLM's
+    structured_outputs (a JSON spec that does not parse is the worker's 400, as on REST)."""
+    kind, spec = params.constraint_kind, params.constraint_spec
+    if not kind:
+        return {}
+    if kind not in CONSTRAINT_KINDS:
+        raise ValueError(f"params.constraint_kind: must be one of {', '.join(CONSTRAINT_KINDS)}; got {kind!r}")
+    if kind == "json_object":
+        return {"response_format": {"type": "json_object"}} if chat else {"structured_outputs": {"json": {
+            "type": "object"}}}
+    if kind == "choice":
+        try:
+            return {"structured_outputs": {"choice": json.loads(spec)}}
+        except ValueError:
+            raise ValueError("params.constraint_spec: a choice is a JSON list of strings") from None
+    key = {"json_schema": "json", "regex": "regex"}[kind]
+    return {"structured_outputs": {key: spec}}
+
+
+def _tool_fields(tools, tool_choice: str) -> dict[str, Any]:
+    if not tools and not tool_choice:
+        return {}
+    functions = []
+    for tool in tools:
+        try:
+            parameters = json.loads(tool.parameters_json) if tool.parameters_json else None
+        except ValueError:
+            raise ValueError(f"tools.{tool.name}.parameters_json: not valid JSON") from None
+        functions.append({"type": "function", "function": {"name": tool.name, "description": tool.description or None,
+                                                           "parameters": parameters}})
+    choice: Any = tool_choice or None
+    if tool_choice not in ("", "none", "auto", "required"):
+        choice = {"type": "function", "function": {"name": tool_choice}}
+    return {"tools": functions or None, "tool_choice": choice}
+
+
 def rest_body(model: str, params: worker_pb2.SamplingParams, *, prompt: str | None = None,
-              messages: list[dict[str, Any]] | None = None) -> CompletionRequest | ChatCompletionRequest:
+              messages: list[dict[str, Any]] | None = None, tools=(), tool_choice: str = "",
+              ) -> CompletionRequest | ChatCompletionRequest:
     """The REST request a gRPC call amounts to, validated by the same model (ValidationError if bad).
 
     Proto defaults mean "unset": max_tokens 0 (room left in the context), top_p 0, top_k 0,
-    repetition_penalty 0.
+    repetition_penalty 0, n 0.
     """
     fields: dict[str, Any] = {"model": model, "temperature": params.temperature, "top_p": params.top_p or 1.0,
                               "top_k": params.top_k or None, "max_tokens": params.max_tokens or None,
@@ -38,9 +83,11 @@ def rest_body(model: str, params: worker_pb2.SamplingParams, *, prompt: str | No
                               "n": params.n or 1}
     if params.HasField("seed"):
         fields["seed"] = params.seed
+    fields.update(_constraint_fields(params, chat=messages is not None))
     if messages is not None:
         return ChatCompletionRequest.model_validate({**fields, "messages": messages, "logprobs": params.logprobs,
-                                                     "top_logprobs": params.top_logprobs or None})
+                                                     "top_logprobs": params.top_logprobs or None,
+                                                     **_tool_fields(tools, tool_choice)})
     return CompletionRequest.model_validate({**fields, "prompt": prompt,
                                              "logprobs": params.top_logprobs if params.logprobs else None})
 
@@ -59,30 +106,40 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         metadata = dict(context.invocation_metadata() or ())
         return self.ctx.tenant_principal(bearer(metadata.get("authorization")))
 
-    async def _run(self, context, model: str, params: worker_pb2.SamplingParams, **prompt):
+    async def _run(self, context, model: str, params: worker_pb2.SamplingParams, tools=(), tool_choice: str = "",
+                   **prompt):
         try:
             principal = self._principal(context)
             if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
                 raise ValueError(f"params.stop_token_ids: at most {MAX_STOP_TOKEN_IDS}")
             try:
-                body = rest_body(model, params, **prompt)
+                body = rest_body(model, params, tools=tools, tool_choice=tool_choice, **prompt)
             except ValidationError as exc:
                 raise ValueError(validation_message(exc.errors())[0]) from None
             prepared = await self.ctx.inference.prepare(principal, body.model, max_tokens=body.default_max_tokens(),
-                                                        **prompt)
+                                                        n=body.n, **prompt)
+            calling = isinstance(body, ChatCompletionRequest) and body.forced_tools is not None
+            held: dict[int, list[str]] = {}  # a forced call's text per choice, answered whole
             with self.ctx.inference.settled_on_error(prepared):
                 worker_params = body.sampling_params(prepared.max_tokens, want_logprobs=params.logprobs)
                 worker_params.stop_token_ids.extend(params.stop_token_ids)
                 worker_params.ignore_eos = params.ignore_eos
                 async for msg in self.ctx.inference.stream(prepared, worker_params):
-                    out = inference_pb2.CompleteResponse(id=prepared.request_id, text=msg.text,
+                    out = inference_pb2.CompleteResponse(id=prepared.request_id, text=msg.text, index=msg.index,
                                                          finished=msg.finished, finish_reason=msg.finish_reason)
+                    if calling:
+                        held.setdefault(msg.index, []).append(msg.text)
+                        out.text = ""
                     if params.logprobs:
                         out.token_ids.extend(msg.token_ids)
                         out.logprobs.extend(msg.logprobs)
                         out.top_logprobs.extend(msg.top_logprobs)
                     if msg.finished:
                         out.usage.CopyFrom(msg.usage)
+                        if calling:
+                            _answer_call(out, "".join(held.pop(msg.index, [])))
+                    elif calling and not params.logprobs:
+                        continue
                     yield out
         except ValueError as exc:
             known = isinstance(exc, (ControlPlaneError, GatewayError))
@@ -100,5 +157,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
         if not messages:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "messages: must not be empty")
-        async for out in self._run(context, request.model, request.params, messages=messages):
+        async for out in self._run(context, request.model, request.params, messages=messages,
+                                   tools=list(request.tools), tool_choice=request.tool_choice):
             yield out
+
+
+def _answer_call(out: inference_pb2.CompleteResponse, text: str) -> None:
+    """A finished forced call: its tool_calls, or (cut off before the JSON closed) its text."""
+    calls = tool_calls(text) if out.finish_reason == "stop" else None
+    if not calls:
+        out.text = text
+        return
+    out.finish_reason = "tool_calls"
+    for call in calls:
+        out.tool_calls.add(id=call["id"], name=call["function"]["name"], arguments_json=call["function"]["arguments"])

@@ -17,9 +17,11 @@ from pydantic_core import PydanticCustomError
 
 from inferplane.control_plane.gateway.structured_outputs import (
     ResponseFormat,
+    StructuredOutputs,
     Tool,
     ToolChoice,
     constraint,
+    extension_constraint,
     forced_tools,
 )
 from inferplane.v1 import worker_pb2
@@ -91,6 +93,11 @@ class _Sampling(_Base):
     logit_bias: dict[str, float] | None = Field(default=None, description="token id (as a string) -> [-100, 100]")
     min_tokens: int = Field(default=0, ge=0, le=UINT32_MAX, description="vLLM's extension")
     user: str | None = None
+    structured_outputs: StructuredOutputs | None = Field(
+        default=None, description="vLLM's extension: {json | regex | choice}")
+    guided_regex: str | None = Field(default=None, min_length=1, description="vLLM's earlier extension")
+    guided_choice: list[str] | None = Field(default=None, min_length=1, description="vLLM's earlier extension")
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="vLLM's earlier extension")
 
     @model_validator(mode="before")
     @classmethod
@@ -137,8 +144,20 @@ class _Sampling(_Base):
         return 0
 
     def constraint(self) -> tuple[str, str]:
-        """The structured-output constraint (kind, spec) the worker applies; none by default."""
-        return "", ""
+        """The structured-output constraint (kind, spec) the worker applies: vLLM's extensions here."""
+        return self.extension_constraint()
+
+    def extension_constraint(self) -> tuple[str, str]:
+        return extension_constraint(self.structured_outputs, self.guided_regex, self.guided_choice, self.guided_json)
+
+    @model_validator(mode="after")
+    def _one_extension(self) -> _Sampling:
+        try:
+            self.extension_constraint()
+        except ValueError as exc:
+            name, message = str(exc).split(": ", 1)
+            raise PydanticCustomError("invalid_value", "{message}", {"message": message, "param": name}) from None
+        return self
 
     def sampling_params(self, max_tokens: int, want_logprobs: bool) -> worker_pb2.SamplingParams:
         kind, spec = self.constraint()
@@ -257,6 +276,10 @@ class ChatCompletionRequest(_Sampling):
         if forced and self.response_format is not None and self.response_format.type != "text":
             raise PydanticCustomError("invalid_value", "a forced tool call cannot also follow response_format",
                                       {"param": "tool_choice"})
+        formatted = forced or (self.response_format is not None and self.response_format.type != "text")
+        if formatted and self.extension_constraint() != ("", ""):
+            raise PydanticCustomError("invalid_value", "give one output constraint: response_format or tool_choice, "
+                                      "or vLLM's structured_outputs/guided_*", {"param": "response_format"})
         return self
 
     @property
@@ -265,7 +288,8 @@ class ChatCompletionRequest(_Sampling):
         return forced_tools(self.tools, self.tool_choice)
 
     def constraint(self) -> tuple[str, str]:
-        return constraint(self.response_format, self.forced_tools)
+        return constraint(self.response_format, self.forced_tools) if self.forced_tools or (
+            self.response_format is not None and self.response_format.type != "text") else self.extension_constraint()
 
     def top_logprobs_wanted(self) -> int:
         return self.top_logprobs or 0

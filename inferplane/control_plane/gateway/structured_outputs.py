@@ -67,6 +67,50 @@ class NamedToolChoice(_Strict):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` extension: exactly one of a JSON schema, a regex the whole output
+    matches, or a list of strings the output is one of."""
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, min_length=1)
+    choice: list[str] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex or choice")
+        return self
+
+    def constraint(self) -> tuple[str, str]:
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        schema = self.json_schema
+        return "json_schema", schema if isinstance(schema, str) else json.dumps(schema)
+
+
+def extension_constraint(structured: StructuredOutputs | None, guided_regex: str | None,
+                         guided_choice: list[str] | None, guided_json: dict[str, Any] | str | None) -> tuple[str, str]:
+    """(kind, spec) from vLLM's extensions: `structured_outputs`, or the older `guided_regex`,
+    `guided_choice` and `guided_json`. Raises ValueError (naming the fields) if more than one is given."""
+    given = {name: value for name, value in (("structured_outputs", structured), ("guided_regex", guided_regex),
+                                             ("guided_choice", guided_choice), ("guided_json", guided_json))
+             if value is not None}
+    if len(given) > 1:
+        raise ValueError(f"{next(iter(given))}: give one output constraint, got {', '.join(given)}")
+    if structured is not None:
+        return structured.constraint()
+    if guided_regex is not None:
+        return StructuredOutputs(regex=guided_regex).constraint()
+    if guided_choice is not None:
+        return StructuredOutputs(choice=guided_choice).constraint()
+    if guided_json is not None:
+        return StructuredOutputs(json=guided_json).constraint()
+    return "", ""
+
+
 def call_schema(tools: list[Tool]) -> dict[str, Any]:
     """The JSON a forced call is: the function's name and arguments matching its parameters."""
     variants = [{"type": "object", "properties": {
