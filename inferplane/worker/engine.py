@@ -44,6 +44,7 @@ class StepOutput:
     latency: float | None = None  # seconds from arrival to finish, on the finished output
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per new token
     index: int = 0  # the choice (n > 1); request_id is the request's, shared by its choices
+    prompt_logprobs: list | None = None  # params.prompt_logprobs: on the first output (sampling.TokenLogprob)
 
 
 @dataclass
@@ -230,6 +231,7 @@ class Engine:
         for child in leader.forks:
             if child.is_finished:
                 continue
+            child.prompt_logprobs = list(leader.prompt_logprobs)  # the same prompt: scored once
             copies = None
             if len(self.scheduler.running) < self.options.max_num_seqs:
                 copies = self.kv.fork(leader, child)
@@ -322,9 +324,13 @@ class Engine:
             latency = seq.finish_time - seq.arrival_time
             if seq.first_token_time is not None:
                 ttft = seq.first_token_time - seq.arrival_time
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent and seq.output_token_ids:
+            prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         return StepOutput(
             request_id=seq.group_id,
             index=seq.index,
+            prompt_logprobs=prompt_logprobs,
             new_token_ids=tokens,
             new_logprobs=logprobs,
             text_delta=delta,

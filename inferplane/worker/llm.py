@@ -30,6 +30,8 @@ class RequestOutput:
     logprobs: list[float] | None = None
     num_cached_tokens: int = 0
     outputs: list = field(default_factory=list, repr=False)
+    # With params.prompt_logprobs: entry i scores prompt token i + 1 (sampling.TokenLogprob).
+    prompt_logprobs: list | None = None
 
     def __post_init__(self) -> None:
         # vLLM users write out.outputs[0].text; one completion per prompt here.
@@ -106,4 +108,5 @@ class LLM:
             metrics=RequestMetrics(ttft=ttft, latency=latency),
             logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
             num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
         )

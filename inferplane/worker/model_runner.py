@@ -10,7 +10,7 @@ import torch
 
 from inferplane.worker.attention import AttentionBatch, PagedKVCache, PrefillSegment
 from inferplane.worker.model.llama import LlamaForCausalLM
-from inferplane.worker.sampling import History, Sampled, SamplingParams, sample
+from inferplane.worker.sampling import History, Sampled, SamplingParams, given_token_logprobs, sample
 from inferplane.worker.scheduler import ScheduledSequence
 
 
@@ -68,11 +68,41 @@ class ModelRunner:
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
 
+    @staticmethod
+    @staticmethod
+    def _prompt_logprob_rows(batch: list[ScheduledSequence]) -> list[tuple[ScheduledSequence, int, int]]:
+        """(item, first row, count) of the rows whose logits score the next prompt token, for the
+        sequences that asked for prompt logprobs and do not have them yet. Position p's logits
+        score prompt token p + 1; positions scored before (a recompute after preemption) are not
+        scored again. Such sequences never skip positions: the prefix cache does not serve them
+        and a fork copies its leader's."""
+        wanted, row = [], 0
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            if seq.wants_prompt_logprobs:
+                first = len(seq.prompt_logprobs)
+                end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+                if start > first:
+                    raise AssertionError(f"{seq.request_id}: prompt positions {first}..{start} were never scored")
+                if end > first:
+                    wanted.append((item, row + first - start, end - first))
+            row += item.num_new_tokens
+        return wanted
+
+    def _score_prompts(self, batch: list[ScheduledSequence], hidden: torch.Tensor) -> None:
+        for item, row, count in self._prompt_logprob_rows(batch):
+            seq = item.seq
+            first = len(seq.prompt_logprobs)
+            logits = self.model.compute_logits(hidden[row:row + count])
+            given = seq.prompt_token_ids[first + 1:first + 1 + count]
+            seq.prompt_logprobs.extend(given_token_logprobs(logits, given, seq.params.prompt_logprobs or 0))
+
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSequence]) -> Sampled:
         """The sampled token (and logprobs) for each sequence that completed its tokens, in batch order."""
         input_ids, positions, attn, sample_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.cache, attn)
+        self._score_prompts(batch, hidden)
         if not sample_rows:
             return Sampled([])
         logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])

@@ -44,6 +44,9 @@ class SamplingParams:
     constraint: Any = None
     # Choices per request: the engine computes the prompt once and forks its KV blocks to the others.
     n: int = 1
+    # The prompt's own logprobs (each token given those before it) with this many alternatives;
+    # None: not computed. OpenAI's echo with logprobs needs them.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +81,8 @@ class SamplingParams:
             raise ValueError("logit_bias: each bias must be in [-100, 100]")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens: must be >= 0, got {self.min_tokens}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs: must be in [0, 20], got {self.prompt_logprobs}")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n: must be in [1, {MAX_N}], got {self.n}")
         room = max_model_len - prompt_len
@@ -136,6 +141,26 @@ class Sampled:
     tokens: list[int]
     logprobs: list[float] | None = None  # of each chosen token, when any row asked
     top: list[list[tuple[int, float]]] | None = None  # per row: (token, logprob), best first
+
+
+@dataclass
+class TokenLogprob:
+    """A given token's logprob under the model and the `top` best alternatives (token, logprob)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def given_token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Row i's log-softmax at tokens[i], with its `top` best alternatives: the model's own
+    distribution, as sampled logprobs are reported (no penalties, no temperature)."""
+    raw = logits.float().log_softmax(dim=-1)
+    chosen = raw.gather(-1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(-1).tolist()
+    if not top:
+        return [TokenLogprob(lp, []) for lp in chosen]
+    values, ids = raw.topk(top, dim=-1)
+    return [TokenLogprob(lp, list(zip(ids[i].tolist(), values[i].tolist(), strict=True)))
+            for i, lp in enumerate(chosen)]
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[History]) -> None:

@@ -47,6 +47,14 @@ class Sequence:
     index: int = 0
     # The group's other choices, waiting for this sequence's prompt KV to be forked to them.
     forks: list[Sequence] = field(default_factory=list)
+    # params.prompt_logprobs: entry i is prompt token i + 1's (sampling.TokenLogprob), filled as
+    # prefill chunks compute them; a recompute after preemption does not add them twice.
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # they go out once, with the choice's first output
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

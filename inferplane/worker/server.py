@@ -50,6 +50,7 @@ def params_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
         min_tokens=p.min_tokens,
         constraint=_constraint(p.constraint_kind, p.constraint_spec) if p.constraint_kind else None,
         n=p.n or 1,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -73,6 +74,9 @@ def _response(out: StepOutput) -> worker_pb2.GenerateResponse:
                                       finish_reason=out.finish_reason or "", index=out.index)
     for alternatives in out.new_top_logprobs:
         msg.top_logprobs.add(token_ids=[t for t, _ in alternatives], logprobs=[lp for _, lp in alternatives])
+    for scored in out.prompt_logprobs or ():
+        msg.prompt_logprobs.append(scored.logprob)
+        msg.prompt_top_logprobs.add(token_ids=[t for t, _ in scored.top], logprobs=[lp for _, lp in scored.top])
     if out.finished:
         msg.usage.prompt_tokens = out.num_prompt_tokens
         msg.usage.completion_tokens = out.num_output_tokens

@@ -38,7 +38,7 @@ SHAPING = {
     "tools": "the functions tool_choice may force (tests/e2e/test_structured_outputs.py)",
     "parallel_tool_calls": "one call per answer either way (README: differs from OpenAI)",
     "user": "OpenAI's end-user id for abuse monitoring; no effect on the output in OpenAI either",
-    "echo": "the prompt first in the answer (tests/e2e/test_openai_sampling.py); with logprobs refused",
+    "echo": "the prompt first in the answer, with its logprobs if asked (tests/e2e/test_openai_sampling.py)",
 }
 REFUSED: dict[str, Any] = {name: "x" for name in UNSERVED}
 

@@ -99,13 +99,35 @@ async def test_echo_puts_the_prompt_first_whole_and_streamed(client) -> None:
     assert streamed == echoed.choices[0].text
 
 
+async def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(client) -> None:
+    """The prompt's tokens come first in the logprobs (the first with none), each scored given the
+    tokens before it: so the logprob echoed for a generated token, fed back as prompt, is the one
+    it was sampled with."""
+    first = await client.completions.create(model="m", prompt="Once upon", max_tokens=4, temperature=0, logprobs=2)
+    generated = first.choices[0].logprobs
+    whole = "Once upon" + first.choices[0].text
+    echoed = await client.completions.create(model="m", prompt=whole, max_tokens=1, temperature=0, logprobs=2,
+                                             echo=True)
+    logprobs = echoed.choices[0].logprobs
+    assert echoed.choices[0].text.startswith(whole)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    prompt_tokens = echoed.usage.prompt_tokens
+    assert len(logprobs.tokens) == prompt_tokens + 1 and all(v is not None for v in logprobs.token_logprobs[1:])
+    assert "".join(logprobs.tokens[:prompt_tokens]) == whole
+    # The last 4 prompt tokens are the 4 generated ones (same text, same tokens, greedy): same scores.
+    assert logprobs.token_logprobs[prompt_tokens - 4:prompt_tokens] == pytest.approx(generated.token_logprobs, abs=1e-3)
+    assert logprobs.text_offset[:prompt_tokens] == [len("".join(logprobs.tokens[:i])) for i in range(prompt_tokens)]
+    stream = await client.completions.create(model="m", prompt=whole, max_tokens=1, temperature=0, logprobs=2,
+                                             echo=True, stream=True)
+    streamed = [c.choices[0].logprobs async for c in stream if c.choices and c.choices[0].logprobs]
+    assert [v for lp in streamed for v in lp.token_logprobs] == pytest.approx(logprobs.token_logprobs, abs=1e-6)
+
+
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"prompt": ["a", "b"]}, "prompt"),  # several prompts in one request: not served yet
-    ({"prompt": [[1, 2], [3]]}, "prompt"),
-    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": ["a", ""]}, "prompt"),
     ({"prompt": [10**7]}, "prompt"),  # outside the vocabulary: the worker names it
 ])
-async def test_prompts_and_echo_it_cannot_serve_are_400s(client, extra, param) -> None:
+async def test_prompts_it_cannot_serve_are_400s(client, extra, param) -> None:
     import openai
 
     with pytest.raises(openai.BadRequestError) as refused:

@@ -101,3 +101,30 @@ def test_n_out_of_range_names_the_field(tiny_llama) -> None:
     llm = _llm(tiny_llama, "paged")
     with pytest.raises(ValueError, match="^n:"):
         llm.generate([[1, 2, 3]], SamplingParams(n=0))
+
+
+@pytest.mark.parametrize("runtime", ["paged", "radix"])
+def test_prompt_logprobs_match_the_oracle_across_chunks_and_forks(tiny_llama, runtime: str) -> None:
+    """Each prompt token's logprob given the tokens before it, with top alternatives, as HF
+    transformers computes them; the prompt is prefilled in chunks of 8 and forked to a second choice."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = prompts_of_lengths([29], 320, seed=31)[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    llm = _llm(tiny_llama, runtime, max_num_batched_tokens=8)
+    cached = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))  # a radix hit would skip it
+    assert cached[0].prompt_logprobs is None
+    choices = llm.generate([prompt], SamplingParams(n=2, max_tokens=3, temperature=0.0, prompt_logprobs=2))
+    for choice in choices:
+        scored = choice.prompt_logprobs
+        assert len(scored) == len(prompt) - 1
+        for position, entry in enumerate(scored):
+            expected = reference[position]
+            assert entry.logprob == pytest.approx(expected[prompt[position + 1]].item(), abs=1e-3)
+            values, ids = expected.topk(2)
+            assert [t for t, _ in entry.top] == ids.tolist()
+            assert [lp for _, lp in entry.top] == pytest.approx(values.tolist(), abs=1e-3)
+    assert llm.stats()["forked_sequences"] == 1

@@ -40,8 +40,11 @@ class _Collected:
         self.logprobs: list[float] = []
         self.top: list[worker_pb2.TopLogprobs] = []
         self.final: Message | None = None
+        self.prompt_scored: Message | None = None  # the message carrying the prompt's logprobs (echo)
 
     def add(self, msg: Message) -> None:
+        if msg.prompt_logprobs:
+            self.prompt_scored = msg
         self.text.append(msg.text)
         self.token_ids.extend(msg.token_ids)
         self.logprobs.extend(msg.logprobs)
@@ -139,7 +142,8 @@ class _TextShape(_Shape):
         self.unechoed.discard(index)
         return self._echo(index)
 
-    def logprobs(self, index: int, ids, values, top) -> dict | None:
+    def logprobs(self, index: int, ids, values, top, prompt: Message | None = None) -> dict | None:
+        """OpenAI's completions logprobs; with echo, the prompt's tokens first (the first has none)."""
         if self.body.logprobs is None:
             return None
         texts = self.token_texts(ids)
@@ -148,17 +152,32 @@ class _TextShape(_Shape):
             offsets.append(self.offsets[index])
             self.offsets[index] += len(text)
         top_logprobs = [dict(a) for a in self.alternatives(top)] if self.body.logprobs else None
-        return {"tokens": texts, "token_logprobs": list(values), "top_logprobs": top_logprobs,
-                "text_offset": offsets}
+        out = {"tokens": texts, "token_logprobs": list(values), "top_logprobs": top_logprobs, "text_offset": offsets}
+        return self._with_prompt(index, out, prompt) if prompt is not None else out
+
+    def _with_prompt(self, index: int, out: dict, prompt: Message) -> dict:
+        ids = self.prepared.prompts[index // self.prepared.n]
+        texts = self.token_texts(ids)
+        offsets, position = [], 0
+        for text in texts:
+            offsets.append(position)
+            position += len(text)
+        top = [None, *(dict(a) for a in self.alternatives(prompt.prompt_top_logprobs))] if self.body.logprobs else None
+        return {"tokens": texts + out["tokens"],
+                "token_logprobs": [None, *prompt.prompt_logprobs, *out["token_logprobs"]],
+                "top_logprobs": top + out["top_logprobs"] if top is not None else None,
+                "text_offset": offsets + out["text_offset"]}
 
     def whole_choice(self, index: int, result: _Collected) -> dict:
         return {"index": index, "text": self._take_echo(index) + "".join(result.text),
                 "finish_reason": _reason(result.final),
-                "logprobs": self.logprobs(index, result.token_ids, result.logprobs, result.top)}
+                "logprobs": self.logprobs(index, result.token_ids, result.logprobs, result.top,
+                                          result.prompt_scored if self.echoes else None)}
 
     def chunk_choice(self, msg: Message) -> dict:
+        prompt = msg if self.echoes and msg.prompt_logprobs else None
         return {"index": msg.index, "text": self._take_echo(msg.index) + msg.text, "finish_reason": None,
-                "logprobs": self.logprobs(msg.index, msg.token_ids, msg.logprobs, msg.top_logprobs)}
+                "logprobs": self.logprobs(msg.index, msg.token_ids, msg.logprobs, msg.top_logprobs, prompt)}
 
     def final_choice(self, msg: Message) -> dict:
         return {"index": msg.index, "text": self._take_echo(msg.index), "finish_reason": _reason(msg),
@@ -323,7 +342,7 @@ class Completions:
                     if isinstance(msg, str):  # a keep-alive comment while queued
                         yield msg
                         continue
-                    chunk = shape.chunk(msg) if msg.text or msg.token_ids else None
+                    chunk = shape.chunk(msg) if msg.text or msg.token_ids or msg.prompt_logprobs else None
                     if chunk is not None:
                         yield f"data: {json.dumps(chunk)}\n\n"
                     if msg.finished:  # this choice is done; the stream ends when all are

@@ -1,7 +1,7 @@
 """OpenAI-compatible request bodies, validated by pydantic, and their mapping to sampling params.
 
 Unknown fields are ignored (clients send assorted extras). OpenAI parameters this server does not
-serve yet (echo with logprobs, the deprecated functions, audio, ...) are refused
+serve (the deprecated functions, audio, suffix, best_of, ...) are refused
 with a 400 naming them when they ask for something, never silently dropped; their neutral values
 (`tool_choice: "none"`, `response_format: {"type": "text"}`, ...) are accepted. Types are strict, as
 OpenAI's: `"5"` is not a number.
@@ -212,12 +212,11 @@ class CompletionRequest(_Sampling):
                                       {"prompts": len(self.prompts), "n": self.n, "most": MAX_CHOICES, "param": "n"})
         return self
 
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise PydanticCustomError("unserved", "echo: with logprobs is not supported by this server yet (it "
-                                      "needs the prompt's logprobs)", {"param": "echo"})
-        return self
+    def sampling_params(self, max_tokens: int, want_logprobs: bool) -> worker_pb2.SamplingParams:
+        params = super().sampling_params(max_tokens, want_logprobs)
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens come with logprobs too
+            params.prompt_logprobs = self.logprobs
+        return params
 
     @property
     def prompts(self) -> list[str | list[int]]:

@@ -58,7 +58,10 @@ class RadixKV:
 
     def _matchable_keys(self, seq: Sequence) -> list[BlockKey]:
         """Full blocks strictly before the last token: one token is always left to compute, since
-        sampling needs its logits."""
+        sampling needs its logits. None for a sequence that wants its prompt's logprobs: they
+        need every prompt position's logits."""
+        if seq.wants_prompt_logprobs:
+            return []
         tokens = seq.all_token_ids
         return block_keys(tokens, self.block_size, (len(tokens) - 1) // self.block_size)
 
