@@ -52,16 +52,20 @@ class TextTokenizer:
         return cls(tokenizer=tok, chat_template=info.chat_template or None, bos_token=info.bos_token or None,
                    eos_token=info.eos_token or None, add_bos=info.add_bos, special_ids=specials)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text; `tools` (OpenAI's tool objects) go to templates that render them."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise ValueError(f"messages[{i}] must have 'role' and 'content'")
-        return _render_chat(self.chat_template, messages, add_generation_prompt, self.bos_token, self.eos_token)
+        return _render_chat(self.chat_template, messages, add_generation_prompt, self.bos_token, self.eos_token,
+                            tools)
 
 
-def _render_chat(template: str, messages, add_generation_prompt: bool, bos: str | None, eos: str | None) -> str:
+def _render_chat(template: str, messages, add_generation_prompt: bool, bos: str | None, eos: str | None,
+                 tools: list[dict] | None = None) -> str:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str):
@@ -70,7 +74,8 @@ def _render_chat(template: str, messages, add_generation_prompt: bool, bos: str 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     return env.from_string(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos or "", eos_token=eos or ""
+        messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos or "", eos_token=eos or "",
+        tools=tools or None,
     )
 
 

@@ -55,3 +55,26 @@ def openai_client(gw: Gateway, tenant: str = "e2e"):
     transport = httpx.ASGITransport(create_asgi_app(gw.context))
     return AsyncOpenAI(base_url="http://gw/v1", api_key=key, timeout=300,
                        http_client=httpx.AsyncClient(transport=transport, base_url="http://gw"))
+
+
+@pytest.fixture
+async def grpc_stub(in_process_gateway):
+    """The tenant gRPC API of the in-process gateway, and a key for it."""
+    import grpc
+
+    from inferplane.control_plane import auth, tenants
+    from inferplane.control_plane.gateway.grpc_api import InferenceServicer
+    from inferplane.v1 import inference_pb2_grpc
+
+    gw = in_process_gateway
+    with gw.sessions.begin() as session:
+        tenants.create_tenant(session, "grpc", actor="test")
+        key = auth.create_key(session, "grpc", actor="test").secret
+    gw.keys.refresh()
+    server = grpc.aio.server()
+    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(gw.context), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield inference_pb2_grpc.InferenceStub(channel), [("authorization", f"Bearer {key}")]
+    await server.stop(None)

@@ -211,3 +211,74 @@ async def test_smollm2_follows_a_schema(tmp_path) -> None:
         worker.kill()
         worker.wait()
         gw.engine.dispose()
+
+
+# A template with a Hermes-style tool-call format (as Qwen2.5's has): tools are rendered into the
+# prompt (names only here: the tiny model's 256-token context) and calls come back as
+# <tool_call>{...}</tool_call> blocks.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|system|>Tools: {{ tools | map(attribute='function') | map(attribute='name') | join(',') }}"
+    " as <tool_call>{...}</tool_call>\n{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% for c in m.tool_calls or [] %}"
+    "<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+# The tiny model cannot decide to call; a regex makes it write the call in the template's format.
+HERMES_CALL = r'<tool_call>\{"name":"get_weather","arguments":\{"city":"Oslo","unit":"celsius"\}\}</tool_call>'
+
+
+@pytest.fixture
+def hermes_client(in_process_gateway, tiny_worker) -> AsyncOpenAI:
+    import dataclasses
+
+    model, address = tiny_worker
+    tokenizer = dataclasses.replace(in_process_gateway.catalog.get("m", None).tokenizer, chat_template=HERMES_TEMPLATE)
+    in_process_gateway.catalog.put(ServedModel(name="h", tokenizer=tokenizer, max_model_len=256))
+    in_process_gateway.router.set_route("h", [Deployment("d", StaticEndpointSource([address]))])
+    return openai_client(in_process_gateway, "hermes")
+
+
+async def test_tool_choice_auto_parses_calls_in_the_templates_format(hermes_client) -> None:
+    forced = {"structured_outputs": {"regex": HERMES_CALL}}
+    answer = await hermes_client.chat.completions.create(model="h", messages=MESSAGES, max_tokens=120, temperature=0,
+                                                         tools=[WEATHER, TIME], extra_body=forced)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Oslo", "unit": "celsius"}
+    # The tools were rendered into the prompt (the template shows them only when given).
+    bare = await hermes_client.chat.completions.create(model="h", messages=MESSAGES, max_tokens=1)
+    assert answer.usage.prompt_tokens > bare.usage.prompt_tokens + len("get_weather,get_time")
+    # tool_choice none: nothing rendered, nothing parsed.
+    none = await hermes_client.chat.completions.create(model="h", messages=MESSAGES, max_tokens=120, temperature=0,
+                                                       tools=[WEATHER], tool_choice="none", extra_body=forced)
+    assert none.choices[0].message.tool_calls is None and none.usage.prompt_tokens == bare.usage.prompt_tokens
+    assert none.choices[0].message.content.startswith("<tool_call>")
+
+    stream = await hermes_client.chat.completions.create(model="h", messages=MESSAGES, max_tokens=120, temperature=0,
+                                                         tools=[WEATHER], extra_body=forced, stream=True)
+    deltas = [c.choices[0] async for c in stream if c.choices]
+    calls = [d.delta.tool_calls for d in deltas if d.delta.tool_calls]
+    assert len(calls) == 1 and calls[0][0].function.name == "get_weather"
+    assert deltas[-1].finish_reason == "tool_calls"
+
+    # The call and its result go back into the conversation as the template reads them.
+    follow = await hermes_client.chat.completions.create(model="h", max_tokens=3, temperature=0, tools=[WEATHER],
+                                                         messages=[*MESSAGES, choice.message.model_dump(
+                                                             exclude_none=True), {"role": "tool",
+                                                             "tool_call_id": call.id, "content": "-3"}])
+    assert follow.usage.prompt_tokens > answer.usage.prompt_tokens
+
+
+async def test_the_grpc_api_parses_auto_calls_too(hermes_client, grpc_stub) -> None:
+    from inferplane.v1 import inference_pb2, worker_pb2
+
+    stub, key = grpc_stub
+    request = inference_pb2.ChatRequest(
+        model="h", messages=[worker_pb2.ChatMessage(role="user", content="weather?")],
+        params=worker_pb2.SamplingParams(max_tokens=120, temperature=0, constraint_kind="regex",
+                                         constraint_spec=HERMES_CALL),
+        tools=[inference_pb2.Tool(name="get_weather", parameters_json=json.dumps(WEATHER["function"]["parameters"]))])
+    finals = [out async for out in stub.Chat(request, metadata=key, timeout=120) if out.finished]
+    assert finals[0].finish_reason == "tool_calls" and finals[0].text == ""
+    assert json.loads(finals[0].tool_calls[0].arguments_json) == {"city": "Oslo", "unit": "celsius"}

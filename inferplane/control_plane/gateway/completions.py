@@ -18,9 +18,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from inferplane.control_plane.auth import Principal
 from inferplane.control_plane.gateway.context import GatewayContext
 from inferplane.control_plane.gateway.errors import error_response, sse_error
-from inferplane.control_plane.gateway.inference import PreparedRequest
+from inferplane.control_plane.gateway.inference import ChatTools, PreparedRequest
 from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from inferplane.control_plane.gateway.structured_outputs import tool_calls
+from inferplane.control_plane.gateway.tool_formats import parse_calls, template_messages
 from inferplane.v1 import worker_pb2
 
 # A stream whose first token has not come this soon gets its headers anyway, then a comment every
@@ -199,6 +200,10 @@ class _ChatShape(_Shape):
         # A forced tool call streams as one delta once its JSON is complete: arguments are only
         # useful whole, and the call's id and name come with it.
         self.calling = body.forced_tools is not None
+        # tool_choice auto with a template that has a tool-call format: the answer is held back
+        # too, and calls in that format are parsed out of it at the end (tool_formats.py).
+        self.parsing = body.auto_tools and prepared.tool_format is not None
+        self.tool_names = {t.function.name for t in body.tools or []}
         self.call_text: dict[int, list[str]] = {}
 
     def logprobs(self, ids, values, top) -> dict | None:
@@ -208,17 +213,26 @@ class _ChatShape(_Shape):
         return {"content": [{**_entry(t, lp), "top_logprobs": [_entry(a, alp) for a, alp in alt]}
                             for t, lp, alt in zip(self.token_texts(ids), values, alternatives, strict=False)]}
 
+    def _answer(self, text: str, reason: str | None) -> tuple[str | None, list[dict] | None, str | None]:
+        """(content, tool_calls, finish_reason) of a whole answer."""
+        if self.calling:
+            calls = tool_calls(text) if reason == "stop" else None
+            return (None, calls, "tool_calls") if calls else (text, None, reason)
+        if self.parsing:
+            content, calls = parse_calls(text, self.prepared.tool_format, self.tool_names)
+            return (content, calls, "tool_calls") if calls else (text, None, reason)
+        return text, None, reason
+
     def whole_choice(self, index: int, result: _Collected) -> dict:
-        text, reason = "".join(result.text), _reason(result.final)
-        message: dict = {"role": "assistant", "content": text}
-        calls = tool_calls(text) if self.calling and reason == "stop" else None
+        content, calls, reason = self._answer("".join(result.text), _reason(result.final))
+        message: dict = {"role": "assistant", "content": content}
         if calls:
-            message, reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+            message["tool_calls"] = calls
         return {"index": index, "message": message, "finish_reason": reason,
                 "logprobs": self.logprobs(result.token_ids, result.logprobs, result.top)}
 
     def chunk(self, msg: Message) -> dict | None:
-        if self.calling:
+        if self.calling or self.parsing:
             self.call_text.setdefault(msg.index, []).append(msg.text)
             return None
         return super().chunk(msg)
@@ -232,16 +246,16 @@ class _ChatShape(_Shape):
                 "logprobs": self.logprobs(msg.token_ids, msg.logprobs, msg.top_logprobs)}
 
     def final_choice(self, msg: Message) -> dict:
-        reason, index = _reason(msg), msg.index
-        written = "".join(self.call_text.get(index, []))
-        calls = tool_calls(written) if self.calling and reason == "stop" else None
+        index = msg.index
+        if not (self.calling or self.parsing):
+            return {"index": index, "delta": {}, "finish_reason": _reason(msg)}
+        # The held-back answer in one delta: its calls, or (none, or cut off before a call
+        # closed) what was written, as text.
+        content, calls, reason = self._answer("".join(self.call_text.get(index, [])), _reason(msg))
+        delta: dict = {"role": "assistant", "content": content}
         if calls:
-            return {"index": index, "delta": {"role": "assistant", "content": None,
-                                              "tool_calls": [{"index": 0, **call} for call in calls]},
-                    "finish_reason": "tool_calls"}
-        if self.calling:  # cut off before the call closed: what was written, as text
-            return {"index": index, "delta": {"role": "assistant", "content": written}, "finish_reason": reason}
-        return {"index": index, "delta": {}, "finish_reason": reason}
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+        return {"index": index, "delta": delta, "finish_reason": reason}
 
 
 async def _opened(first: Message, stream: AsyncIterator[Message]) -> AsyncIterator[Message | str]:
@@ -285,10 +299,11 @@ class Completions:
     async def chat(self, body: ChatCompletionRequest, principal: Principal) -> Response:
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            tools = ChatTools(body.tool_dicts(), template_messages(body.messages)) if body.offers_tools else None
         except ValueError as exc:
             return error_response(400, str(exc), "invalid_value", "messages")
         prepared = await self.ctx.inference.prepare(principal, body.model, messages=messages, n=body.n,
-                                                    max_tokens=body.default_max_tokens())
+                                                    max_tokens=body.default_max_tokens(), tools=tools)
         with self.ctx.inference.settled_on_error(prepared):
             params = body.sampling_params(prepared.max_tokens, want_logprobs=body.logprobs)
             return await self._respond(_ChatShape(body, prepared), params)

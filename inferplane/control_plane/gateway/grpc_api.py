@@ -19,8 +19,10 @@ from pydantic import ValidationError
 from inferplane.control_plane.errors import ControlPlaneError
 from inferplane.control_plane.gateway.context import GatewayContext, bearer
 from inferplane.control_plane.gateway.errors import GatewayError, as_error, validation_message
+from inferplane.control_plane.gateway.inference import ChatTools
 from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from inferplane.control_plane.gateway.structured_outputs import tool_calls
+from inferplane.control_plane.gateway.tool_formats import parse_calls
 from inferplane.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
 
 MAX_STOP_TOKEN_IDS = 64
@@ -116,10 +118,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 body = rest_body(model, params, tools=tools, tool_choice=tool_choice, **prompt)
             except ValidationError as exc:
                 raise ValueError(validation_message(exc.errors())[0]) from None
+            chat = isinstance(body, ChatCompletionRequest)
+            offered = ChatTools(body.tool_dicts(), prompt["messages"]) if chat and body.offers_tools else None
             prepared = await self.ctx.inference.prepare(principal, body.model, max_tokens=body.default_max_tokens(),
-                                                        n=body.n, **prompt)
-            calling = isinstance(body, ChatCompletionRequest) and body.forced_tools is not None
-            held: dict[int, list[str]] = {}  # a forced call's text per choice, answered whole
+                                                        n=body.n, tools=offered, **prompt)
+            # A forced call, or tool_choice auto with a template that has a tool-call format: the
+            # choice's text is held back and answered whole, with its calls.
+            parse = (lambda text: _parsed(text, prepared.tool_format, {t.name for t in tools})) if (
+                chat and body.auto_tools and prepared.tool_format is not None) else None
+            calling = chat and (body.forced_tools is not None or parse is not None)
+            held: dict[int, list[str]] = {}
             with self.ctx.inference.settled_on_error(prepared):
                 worker_params = body.sampling_params(prepared.max_tokens, want_logprobs=params.logprobs)
                 worker_params.stop_token_ids.extend(params.stop_token_ids)
@@ -137,7 +145,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     if msg.finished:
                         out.usage.CopyFrom(msg.usage)
                         if calling:
-                            _answer_call(out, "".join(held.pop(msg.index, [])))
+                            _answer_call(out, "".join(held.pop(msg.index, [])), parse)
                     elif calling and not params.logprobs:
                         continue
                     yield out
@@ -162,12 +170,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             yield out
 
 
-def _answer_call(out: inference_pb2.CompleteResponse, text: str) -> None:
-    """A finished forced call: its tool_calls, or (cut off before the JSON closed) its text."""
-    calls = tool_calls(text) if out.finish_reason == "stop" else None
+def _parsed(text: str, fmt: str | None, names: set[str]) -> tuple[str, list[dict]]:
+    content, calls = parse_calls(text, fmt, names)
+    return content or "", calls
+
+
+def _answer_call(out: inference_pb2.CompleteResponse, text: str, parse=None) -> None:
+    """A finished choice whose text was held back: its tool_calls (a forced call's JSON, or calls
+    parsed from the template's format), or, with none (or cut off before the JSON closed), its text."""
+    if parse is not None:
+        content, calls = parse(text)
+    else:
+        content, calls = "", tool_calls(text) if out.finish_reason == "stop" else None
     if not calls:
         out.text = text
         return
+    out.text = content
     out.finish_reason = "tool_calls"
     for call in calls:
         out.tool_calls.add(id=call["id"], name=call["function"]["name"], arguments_json=call["function"]["arguments"])

@@ -26,11 +26,21 @@ from inferplane.control_plane.errors import QuotaExceeded, RateLimited, RequestT
 from inferplane.control_plane.gateway.catalog import Catalog, ServedModel
 from inferplane.control_plane.gateway.errors import GatewayError
 from inferplane.control_plane.gateway.metrics import GatewayMetrics
+from inferplane.control_plane.gateway.tool_formats import tool_format
 from inferplane.control_plane.gateway.worker_client import WorkerChannels
 from inferplane.control_plane.limits import KeyLimiter, KeyLimits, QuotaTracker
 from inferplane.control_plane.routing import Router, RouteRequest, route_and_stream, tenant_cache_salt
 from inferplane.control_plane.usage import UsageRecorder
 from inferplane.v1 import worker_pb2
+
+
+@dataclass
+class ChatTools:
+    """A chat request's tools as a tool-aware template reads them: OpenAI's tool objects and the
+    messages with calls and tool results as fields (tool_formats.template_messages)."""
+
+    tools: list[dict]
+    messages: list[dict]
 
 
 @dataclass
@@ -46,6 +56,7 @@ class PreparedRequest:
     n: int = 1
     reserved: int = 0  # tokens held against the key's limit and the tenant's quota until settled
     settled: bool = False
+    tool_format: str | None = None  # the template's tool-call format, when tools were rendered into it
 
     @property
     def token_ids(self) -> list[int]:
@@ -86,14 +97,21 @@ class InferenceService:
     async def prepare(self, principal: Principal, model_name: str, *, prompt: str | None = None,
                       messages: list[dict[str, str]] | None = None, max_tokens: int | None = None,
                       prompt_ids: list[int] | None = None, prompts: list[str | list[int]] | None = None,
-                      n: int = 1) -> PreparedRequest:
+                      n: int = 1, tools: ChatTools | None = None) -> PreparedRequest:
         """`prompt` (text), `messages` (through the chat template), `prompt_ids` (token ids the
-        worker checks against its vocabulary) or `prompts` (several of either); `n` choices each."""
+        worker checks against its vocabulary) or `prompts` (several of either); `n` choices each.
+        `tools`: rendered through a chat template that has a tool-call format (tool_formats.py),
+        with the messages in the form such templates read."""
         principal.require(SCOPE_INFER)
         model = self.catalog.get(model_name, principal.tenant_id)
+        fmt = tool_format(model.tokenizer.chat_template) if tools is not None else None
         if messages is not None:
             try:
-                prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                if fmt is not None:
+                    prompt = model.tokenizer.apply_chat_template(tools.messages, add_generation_prompt=True,
+                                                                 tools=tools.tools)
+                else:
+                    prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             except ValueError as exc:
                 raise GatewayError(400, str(exc), "invalid_messages", "messages") from exc
         if prompts is None:
@@ -109,7 +127,7 @@ class InferenceService:
             max_tokens = max_tokens if max_tokens is not None else self._implicit_max_tokens(
                 principal, limits, prompt_tokens, room, choices)
             prepared = PreparedRequest(uuid.uuid4().hex, principal, model, token_lists, max_tokens, n=n,
-                                       reserved=prompt_tokens + choices * max_tokens)
+                                       reserved=prompt_tokens + choices * max_tokens, tool_format=fmt)
             if self.quota is not None and tenant is not None:
                 self.quota.reserve(tenant, prepared.reserved)
             if principal.key_id is not None:

@@ -282,6 +282,19 @@ class ChatCompletionRequest(_Sampling):
         return self
 
     @property
+    def offers_tools(self) -> bool:
+        """Tools the model may call (tool_choice auto, the default with tools), or must (forced)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def auto_tools(self) -> bool:
+        """The model decides whether to call: a template's tool-call format is parsed (tool_formats.py)."""
+        return self.offers_tools and self.tool_choice in (None, "auto")
+
+    def tool_dicts(self) -> list[dict]:
+        return [t.model_dump(by_alias=True, exclude_none=True) for t in self.tools or []]
+
+    @property
     def forced_tools(self) -> list[Tool] | None:
         """The tools a call must go to (tool_choice required or named), else None."""
         return forced_tools(self.tools, self.tool_choice)

@@ -5,8 +5,8 @@ and a constrained tool call turned back into `tool_calls`.
 `tool_choice: "required"` or a named function constrains the output to a call object
 `{"name": <a declared function>, "arguments": <its parameters schema>}`, so even a small model
 returns a valid call; the gateway answers it as `tool_calls`. `tool_choice: "auto"` (the default
-when tools are given) leaves the choice to the model's chat template: the served models have no
-tool-call format, so `auto` answers as `none` (README). The grammar engine (the worker's) checks
+when tools are given) leaves the choice to the model, in its chat template's own format
+(tool_formats.py); a template without one answers as `none` (README). The grammar engine (the worker's) checks
 the schemas; one it cannot compile is a 400 naming `response_format`.
 """
 
