@@ -98,8 +98,7 @@ def kernel_isas(model: nn.Module) -> dict[str, str]:
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu" or param.dtype != torch.float32:
         return dict.fromkeys(isas, "torch")
-    int8_layers = [m for m in model.modules() if type(m).__name__ == "Int8Linear"]
-    if not any(getattr(m, "is_packed", False) for m in int8_layers):
+    if not any(getattr(m, "is_packed", False) for m in model.modules()):  # Int8Linear on the C kernel
         isas["int8_linear"] = "torch"
     head = getattr(model, "lm_head", None)
     if type(head) is not nn.Linear or getattr(model, "head_torch_from_rows", NEVER) <= 1:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from inferplane.worker.model.llama import RMSNorm
 from inferplane.worker.native.choice import NEVER
 from inferplane.worker.quant import gate
 from inferplane.worker.quant.dispatch import calibrate, calibrate_packed, default_min_rows
@@ -173,7 +174,7 @@ def snapshot(model: nn.Module, report: ConversionReport) -> dict:
         "layers": [{"qweight": layer.int8_weight(), "scale": layer.scale, "bias": layer.bias}
                    for layer in report.layers],
         "norms": {name: module.weight.detach().clone() for name, module in model.named_modules()
-                  if type(module).__name__ == "RMSNorm"},
+                  if isinstance(module, RMSNorm)},
         "source_layers": report.source_layers, "from_q8_0": report.from_q8_0, "float_bytes": report.float_bytes,
     }
 

@@ -21,21 +21,10 @@ from inferplane.worker.quant.int8_linear import Int8Dispatch, Int8Linear
 ROW_COUNTS = (1, 2, 4, 8, 16)
 
 
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def default_min_rows(flags: set[str] | None = None) -> int:
+def default_min_rows(flags: frozenset[str] | None = None) -> int:
     """Without a measurement: VNNI or AMX makes `_int_mm` worth it from a few rows; without them
     the weight-only kernel is kept up to the largest measured row count."""
-    flags = cpu_flags() if flags is None else flags
+    flags = native.cpu_flags() if flags is None else flags
     if flags & {"avx512_vnni", "avx_vnni", "amx_int8"}:
         return 4
     return ROW_COUNTS[-1] * 2
@@ -57,7 +46,7 @@ PACKED_ROW_COUNTS = (16, 64, 256)
 def measure_float_crossover(layer: Int8Linear, reps: int = 3) -> int:
     """From how many rows a packed layer is faster as dequantize + float32 GEMM (NEVER: not here)."""
     def float_path(x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, layer.forward_dequantized_weight(), layer.bias)
+        return torch.nn.functional.linear(x, layer.dequantized_weight(), layer.bias)
 
     return crossover(layer.forward_packed, float_path, lambda rows: torch.randn(rows, layer.in_features),
                      PACKED_ROW_COUNTS, reps)

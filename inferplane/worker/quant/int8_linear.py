@@ -143,7 +143,11 @@ class Int8Linear(nn.Module):
         return native.unpack_int8_weight(self.packed_weight) if self.is_packed else self.qweight
 
     def dequantized_weight(self) -> torch.Tensor:
-        return self.int8_weight().float() * self.scale[:, None]
+        """The weight as float32, scales applied; from a packed layer by the C kernel in one pass
+        (what its float32 GEMM path multiplies by, per call)."""
+        if self.is_packed:
+            return self._kernels.int8_dequantize(self.packed_weight, self.scale)
+        return self.qweight.float() * self.scale[:, None]
 
     def weight_bytes(self) -> int:
         """Bytes this layer keeps for its weight: int8 values plus the float32 scales."""
@@ -155,7 +159,7 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.is_packed:
             if x2.shape[0] >= self.dispatch.float_min_rows(self.in_features, self.out_features):
-                y = torch.nn.functional.linear(x2.float(), self.forward_dequantized_weight(), self.bias)
+                y = torch.nn.functional.linear(x2.float(), self.dequantized_weight(), self.bias)
             else:
                 y = self.forward_packed(x2)
         elif x2.shape[0] >= self.dispatch.min_rows(self.in_features, self.out_features):
@@ -174,10 +178,6 @@ class Int8Linear(nn.Module):
 
     def forward_packed(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernels.int8_linear(x.float(), self.packed_weight, self.scale, self.bias)
-
-    def forward_dequantized_weight(self) -> torch.Tensor:
-        """The packed weight as float32 (scales applied), for a float GEMM."""
-        return self._kernels.int8_dequantize(self.packed_weight, self.scale)
 
     def forward_weight_only(self, x: torch.Tensor) -> torch.Tensor:
         acc = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.unit_scale)
