@@ -142,6 +142,9 @@ class EngineConfig(Section):
     max_model_len: Annotated[int, Field(ge=16, le=1_048_576)] | None = None
     quantize_head: bool = Field(False, description=(
         "cpu-int8 only. The output head in int8 too (by default it stays float32)."))
+    requantize_q4: bool = Field(False, description=(
+        "cpu-int8 only. Requantize a GGUF file's Q4_0/Q4_1 weights to int8 instead of serving "
+        "the file's own 4-bit blocks (the default)."))
 
 
 class Serving(Section):
@@ -312,6 +315,9 @@ RULES: tuple[Rule, ...] = (
     Rule("", "engine.quantizeHead", "engine.quantizeHead is a cpu-int8 option (runtime cpu-int8 or auto)",
          lambda s: not (s.engine.quantize_head and s.runtime in ("paged", "radix")),
          cel="!(self.engine.quantizeHead && self.runtime in ['paged', 'radix'])"),
+    Rule("", "engine.requantizeQ4", "engine.requantizeQ4 is a cpu-int8 option (runtime cpu-int8 or auto)",
+         lambda s: not (s.engine.requantize_q4 and s.runtime in ("paged", "radix")),
+         cel="!(self.engine.requantizeQ4 && self.runtime in ['paged', 'radix'])"),
     Rule("", "engine.dtype", "float16 needs a GPU (resources.gpus > 0); use float32 or bfloat16",
          lambda s: not (s.resources.gpus == 0 and s.engine.dtype == "float16"),
          cel="!(self.resources.gpus == 0 && self.engine.dtype == 'float16')"),

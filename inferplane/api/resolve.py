@@ -117,6 +117,7 @@ def resolve(spec: InferenceDeploymentSpec) -> ResolvedDeployment:
         preset.kv_cache_memory_gpu if device == "cuda" else preset.kv_cache_memory_cpu)
     # An int8 option; `auto` may have picked a GPU runtime, which has no int8 head.
     engine["quantize_head"] = spec.engine.quantize_head and preset.weights == "int8"
+    engine["requantize_q4"] = spec.engine.requantize_q4 and preset.weights == "int8"
     return ResolvedDeployment(
         runtime=runtime, reason=reason, device=device, engine=engine,
         cpu_threads=max(1, math.floor(parse_quantity(spec.resources.cpu))) if device == "cpu" else None,

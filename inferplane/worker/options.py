@@ -69,6 +69,8 @@ class EngineOptions:
                                     choices=("paged", "radix"))
     skip_quality_gate: bool = option(False, "cpu-int8: serve even if the int8 quality gate fails")
     quantize_head: bool = option(False, "cpu-int8: the output head in int8 too (embeddings stay float)")
+    requantize_q4: bool = option(False, "cpu-int8: requantize a GGUF file's Q4_0/Q4_1 linears to int8 (with "
+                                        "smoothing) instead of serving their own 4-bit blocks")
     # Test hook: scales multiplied by this make a deliberately wrong quantization the gate must catch.
     quant_scale_multiplier: float = option(1.0, "cpu-int8 test hook: != 1 stores wrong scales", hidden=True)
 

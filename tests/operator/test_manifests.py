@@ -151,3 +151,7 @@ def test_quantize_head_reaches_the_cpu_int8_worker_only(spec: dict, passed: bool
     parsed = InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, **spec})
     invocation = manifests.worker_invocation("edge", parsed, port=6000, host="127.0.0.1")
     assert ("--quantize-head" in invocation.args) is passed
+    requant = {**spec, "engine": {"requantizeQ4": True}}
+    parsed = InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, **requant})
+    invocation = manifests.worker_invocation("edge", parsed, port=6000, host="127.0.0.1")
+    assert ("--requantize-q4" in invocation.args) is (passed or spec == {"runtime": "cpu-int8"})

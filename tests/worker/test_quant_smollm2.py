@@ -119,6 +119,7 @@ def test_a_second_start_restores_the_conversion_from_disk(tmp_path, monkeypatch,
 
     from inferplane.worker.llm import LLM
     from inferplane.worker.quant.int8_linear import Int8Linear
+    from inferplane.worker.quant.q4_linear import Q4Linear
     from inferplane.worker.sampling import SamplingParams
 
     monkeypatch.setenv("INFERPLANE_QUANT_CACHE", str(tmp_path))
@@ -129,9 +130,12 @@ def test_a_second_start_restores_the_conversion_from_disk(tmp_path, monkeypatch,
     assert {k: v for k, v in s1.items() if k.startswith("gate_")} == {k: v for k, v in s2.items()
                                                                        if k.startswith("gate_")}
     m1, m2 = first.engine.loaded.model, second.engine.loaded.model
-    layers = [(a, b) for a, b in zip(m1.modules(), m2.modules(), strict=True) if isinstance(a, Int8Linear)]
-    assert len(layers) == s1["int8_layers"]
-    assert all(torch.equal(a.int8_weight(), b.int8_weight()) and torch.equal(a.scale, b.scale) for a, b in layers)
+    layers = [(a, b) for a, b in zip(m1.modules(), m2.modules(), strict=True) if isinstance(a, (Int8Linear, Q4Linear))]
+    assert len(layers) == s1["int8_layers"] and all(type(a) is type(b) for a, b in layers)
+    # The packaged file is Q4_1: its layers are served from those blocks, restored as they were.
+    assert sum(isinstance(a, Q4Linear) for a, _ in layers) == len(layers) and s1["q4_1_layers_from_file"] == 210
+    assert all(torch.equal(a.blocks, b.blocks) if isinstance(a, Q4Linear) else
+               torch.equal(a.int8_weight(), b.int8_weight()) and torch.equal(a.scale, b.scale) for a, b in layers)
     assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters(), strict=True))
     params = SamplingParams(max_tokens=12, temperature=0.0)
     assert first.generate("The capital of France is", params)[0].token_ids == \
@@ -141,6 +145,12 @@ def test_a_second_start_restores_the_conversion_from_disk(tmp_path, monkeypatch,
     other = LLM(MODEL, runtime="cpu-int8", device="cpu", num_kv_blocks=16, quantize_head=True)
     assert other.stats()["startup_cache_hit"] == 0.0
     del other
+    requantized = LLM(MODEL, runtime="cpu-int8", device="cpu", num_kv_blocks=16, requantize_q4=True)
+    stats = requantized.stats()  # the int8 path: smoothed, requantized, cached under its own key
+    assert stats["startup_cache_hit"] == 0.0 and stats["q4_1_layers_from_file"] == 0.0
+    assert stats["gate_ppl_rise_pct"] < stats["gate_threshold_pct"]
+    assert not any(isinstance(m, Q4Linear) for m in requantized.engine.loaded.model.modules())
+    del requantized
     for stored in tmp_path.glob("*.pt"):
         stored.write_bytes(stored.read_bytes()[:1000])  # truncated, as by a full disk
     with caplog.at_level(logging.WARNING, logger="inferplane.worker.quant.startup_cache"):

@@ -172,17 +172,19 @@ class DecoderLayer(nn.Module):
 
     def _fused_decode(self, x, rope_tables, cache, batch) -> torch.Tensor | None:
         """The whole layer in one C call (native ip_decode_layer), for a step of decode rows only
-        whose four linear layers are packed int8 and use the int8 kernel at this row count; None
+        whose four linear layers are packed int8 or Q4_1 and use their kernel at this row count; None
         where any of that does not hold (the layer then runs op by op, with the same kernels)."""
         attn, mlp = self.self_attn, self.mlp
         if batch.num_decodes != x.shape[0] or batch.prefills or x.dim() != 2:
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         rows = x.shape[0]
-        for layer in linears:
-            if (getattr(layer, "packed_weight", None) is None
-                    or rows >= layer.dispatch.float_min_rows(layer.in_features, layer.out_features)):
+        operands = []
+        for layer in linears:  # packed Int8Linear or Q4Linear, on its kernel at this row count
+            found = layer.fused_operands() if hasattr(layer, "fused_operands") else None
+            if found is None or rows >= layer.float_rows():
                 return None
+            operands.append(found)
         kernels = native.kernels()
         k_cache, v_cache = cache.layer(attn.layer_index)
         if (kernels is None or not kernels.has_int8_linear or attn.head_dim > 512
@@ -195,7 +197,7 @@ class DecoderLayer(nn.Module):
         x = x.contiguous()
         kernels.decode_layer(
             x, (self.input_layernorm.weight, self.post_attention_layernorm.weight), self.input_layernorm.eps,
-            tuple((layer.packed_weight, layer.scale, layer.bias) for layer in linears),
+            tuple(operands),
             (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.gate_up_proj.out_features // 2),
             rope_tables, batch.slot_mapping, k_cache, v_cache, batch.decode_block_tables,
             batch.decode_context_lens, attn.scale)

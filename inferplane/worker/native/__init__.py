@@ -48,9 +48,13 @@ ISA_BUILDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "avx2": (("-march=x86-64-v3",), _X86_64_V3),
 }
 # What each kernel is called in stats, metrics and bench output.
-KERNEL_NAMES = ("int8_linear", "f32_linear", "decode_attention", "rms_norm", "silu_mul", "rope_store_kv")
+KERNEL_NAMES = ("int8_linear", "q4_1_linear", "f32_linear", "decode_attention", "rms_norm", "silu_mul",
+                "rope_store_kv")
 _FEATURE_INT8_LINEAR = 1
 _FEATURE_F32_LINEAR = 2
+_FEATURE_Q4_1_LINEAR = 4
+Q4_1_BLOCK = 32  # inputs per GGUF Q4_1 block
+Q4_1_BYTES = 20  # float16 scale + float16 minimum + 16 bytes of 4-bit values
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -68,6 +72,10 @@ class NativeKernels:
         lib.ip_int8_linear.restype = ctypes.c_int
         lib.ip_int8_dequantize.argtypes = [_P, _I, _I, _P, _P]
         lib.ip_int8_dequantize.restype = None
+        lib.ip_q4_1_linear.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I]
+        lib.ip_q4_1_linear.restype = ctypes.c_int
+        lib.ip_q4_1_dequantize.argtypes = [_P, _I, _I, _P]
+        lib.ip_q4_1_dequantize.restype = None
         lib.ip_paged_decode_attention.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P,
                                                   ctypes.c_float, _P, _I]
         lib.ip_paged_decode_attention.restype = ctypes.c_int
@@ -85,10 +93,12 @@ class NativeKernels:
         features = lib.ip_features()
         self.has_int8_linear = bool(features & _FEATURE_INT8_LINEAR)
         self.has_f32_linear = bool(features & _FEATURE_F32_LINEAR)
+        self.has_q4_1_linear = bool(features & _FEATURE_Q4_1_LINEAR)
 
     def kernel_isas(self) -> dict[str, str]:
         """Kernel name -> the ISA it runs on here, or "torch" where this build lacks it."""
-        present = {"int8_linear": self.has_int8_linear, "f32_linear": self.has_f32_linear}
+        present = {"int8_linear": self.has_int8_linear, "f32_linear": self.has_f32_linear,
+                   "q4_1_linear": self.has_q4_1_linear}
         return {name: self.isa if present.get(name, True) else "torch" for name in KERNEL_NAMES}
 
     def int8_linear(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
@@ -110,6 +120,27 @@ class NativeKernels:
         nb, k4, _, _ = packed.shape
         out = torch.empty(nb * 16, k4 * 4, dtype=torch.float32)
         self._lib.ip_int8_dequantize(packed.data_ptr(), nb * 16, k4 * 4, scale.data_ptr(), out.data_ptr())
+        return out
+
+    def q4_1_linear(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] float32 (rows may be strided) -> [M, N] float32, the weight as GGUF Q4_1
+        blocks in pack_q4_1's layout: uint8 [N / 16, K / 32, 320]."""
+        m, k = x.shape
+        n = blocks.shape[0] * 16
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(m, n, dtype=torch.float32)
+        rc = self._lib.ip_q4_1_linear(x.data_ptr(), m, k, x.stride(0), blocks.data_ptr(),
+                                      None if bias is None else bias.data_ptr(), n, out.data_ptr(), n)
+        _check(rc, "ip_q4_1_linear")
+        return out
+
+    def q4_1_dequantize(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Packed Q4_1 blocks [N / 16, K / 32, 320] -> float32 [N, K] (w = d * q + m)."""
+        groups, nb, _ = blocks.shape
+        n, k = groups * 16, nb * Q4_1_BLOCK
+        out = torch.empty(n, k, dtype=torch.float32)
+        self._lib.ip_q4_1_dequantize(blocks.data_ptr(), n, k, out.data_ptr())
         return out
 
     def f32_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -173,12 +204,14 @@ class NativeKernels:
                      slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float) -> None:
         """A whole decoder layer for decode rows, x [B, hidden] updated in place (ip_decode_layer).
-        `linears`: (packed weight, scale, bias or None) for qkv, o, gate_up and down;
+        `linears`: (packed weight, scale, bias or None) for qkv, o, gate_up and down; a scale of
+        None means the weight is Q4_1 blocks (q4_1_linear's);
         `shape`: (heads, kv_heads, head_dim, intermediate)."""
         b, hidden = x.shape
         heads, kv_heads, d, inter = shape
         flat = [t for packed, scale, bias in linears
-                for t in (packed.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr())]
+                for t in (packed.data_ptr(), None if scale is None else scale.data_ptr(),
+                          None if bias is None else bias.data_ptr())]
         rc = self._lib.ip_decode_layer(
             x.data_ptr(), b, hidden, norms[0].data_ptr(), norms[1].data_ptr(), eps, *flat, heads, kv_heads, d, inter,
             rope_tables[0].data_ptr(), rope_tables[1].data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
@@ -223,6 +256,40 @@ def unpack_int8_weight(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_int8_weight."""
     nb, k4, _, _ = packed.shape
     return (packed.permute(0, 2, 1, 3).reshape(nb * 16, k4 * 4).to(torch.int16) - 128).to(torch.int8)
+
+
+def q4_1_shape_supported(out_features: int, in_features: int) -> bool:
+    """The packed Q4_1 layout holds groups of 16 output channels and blocks of 32 inputs."""
+    return out_features % 16 == 0 and in_features % Q4_1_BLOCK == 0
+
+
+def pack_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_1 blocks uint8 [N, K / 32 * 20] (per row: float16 d, float16 m, 16 bytes of nibbles,
+    inputs 0-15 low and 16-31 high) -> uint8 [N / 16, K / 32, 320], the order ip_q4_1_linear reads:
+    per group of 16 rows and block, 4 chunks of 64 bytes (byte ch * 4 + j holds input 8p + j in its
+    low nibble and 8p + 4 + j in its high one), then the 16 d and the 16 m as float16."""
+    n, width = blocks.shape
+    nb = width // Q4_1_BYTES
+    b = blocks.reshape(n, nb, Q4_1_BYTES)
+    qs = b[..., 4:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [n, nb, 32], input order
+    steps = q.reshape(n // 16, 16, nb, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # [g, nb, chunk, parity, ch, in]
+    nibbles = (steps[:, :, :, 0] | (steps[:, :, :, 1] << 4)).reshape(n // 16, nb, 256)
+    d = b[..., 0:2].reshape(n // 16, 16, nb, 2).permute(0, 2, 1, 3).reshape(n // 16, nb, 32)
+    m = b[..., 2:4].reshape(n // 16, 16, nb, 2).permute(0, 2, 1, 3).reshape(n // 16, nb, 32)
+    return torch.cat([nibbles, d, m], dim=-1).contiguous()
+
+
+def unpack_q4_1(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_q4_1: the file's blocks again (what the start-up cache stores)."""
+    groups, nb, _ = packed.shape
+    nibbles = packed[..., :256].reshape(groups, nb, 4, 16, 4)  # [g, nb, chunk, ch, in]
+    steps = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3)  # [g, nb, chunk, parity, ch, in]
+    q = steps.permute(0, 4, 1, 2, 3, 5).reshape(groups * 16, nb, 32)
+    qs = q[..., :16] | (q[..., 16:] << 4)
+    d = packed[..., 256:288].reshape(groups, nb, 16, 2).permute(0, 2, 1, 3).reshape(groups * 16, nb, 2)
+    m = packed[..., 288:].reshape(groups, nb, 16, 2).permute(0, 2, 1, 3).reshape(groups * 16, nb, 2)
+    return torch.cat([d, m, qs], dim=-1).reshape(groups * 16, nb * Q4_1_BYTES).contiguous()
 
 
 def _cache_dir() -> Path:

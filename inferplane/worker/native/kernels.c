@@ -422,6 +422,222 @@ void ip_int8_dequantize(const uint8_t *w, int64_t n, int64_t k, const float *wsc
     }
 }
 
+/* ---------------------------------------------------------------- Q4_1 linear (GGUF's own blocks) */
+
+/* A GGUF Q4_1 weight as the file stores it: per output row, blocks of 32 inputs, each a float16
+ * scale d, a float16 minimum m and 16 bytes of 4-bit values q (the low nibbles are inputs 0-15, the
+ * high ones 16-31): w = d * q + m. The input row is quantized the same way llama.cpp does for this
+ * product (Q8_1): per block of 32, int8 values with a scale dx and their scaled sum sx. Then
+ *   sum_j w_j x_j = d * dx * sum_j q_j xq_j + m * sx,
+ * an unsigned-by-signed byte dot product (vpdpbusd, or vpmaddubsw + vpmaddwd on plain AVX2: at most
+ * 2 * 15 * 127 per pair, so nothing saturates), one float FMA per block and one scalar FMA. */
+
+#define IP_FEATURE_Q4_1_LINEAR 4
+#define Q4_BLOCK 32
+#define Q4_1_BYTES 20
+#define Q4G_BYTES (4 * 64 + 64) /* the repacked layout: one 16-channel group's block, nibbles then d and m */
+
+#if IP_INT8
+
+/* Row x [k] -> q [k] int8 and, per block of 32, dx = max|x| / 127 and sx = dx * sum(q). */
+static void quantize_row_blocks(const float *x, int64_t k, int8_t *q, float *dx, float *sx) {
+    for (int64_t b = 0; b < k / Q4_BLOCK; b++) {
+        const float *xb = x + b * Q4_BLOCK;
+        vf amax = vf_zero();
+#pragma GCC unroll 4
+        for (int i = 0; i < Q4_BLOCK; i += VF_WIDTH) amax = vf_max(amax, vf_abs(vf_load(xb + i)));
+        const float d = vf_reduce_max(amax) / 127.0f;
+        const vf inv = vf_set1(d > 0.0f ? 1.0f / d : 0.0f);
+        int8_t *qb = q + b * Q4_BLOCK;
+        int32_t total = 0;
+#if IP_AVX512
+        for (int i = 0; i < Q4_BLOCK; i += 16) {
+            const __m512i v = vf_to_int(vf_mul(vf_load(xb + i), inv));
+            total += _mm512_reduce_add_epi32(v);
+            _mm_storeu_si128((__m128i *)(qb + i), _mm512_cvtsepi32_epi8(v));
+        }
+#else
+        for (int i = 0; i < Q4_BLOCK; i += 8) {
+            const __m256i v = vf_to_int(vf_mul(vf_load(xb + i), inv));
+            const __m128i halves = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            const __m128i bytes = _mm_packs_epi16(halves, halves);
+            _mm_storel_epi64((__m128i *)(qb + i), bytes);
+            const __m128i pair = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            const __m128i quad = _mm_add_epi32(pair, _mm_shuffle_epi32(pair, 0x4E));
+            total += _mm_cvtsi128_si32(_mm_add_epi32(quad, _mm_shuffle_epi32(quad, 0xB1)));
+        }
+#endif
+        dx[b] = d;
+        sx[b] = d * (float)total;
+    }
+}
+
+/* The repacked layout (pack_q4_1 in Python), per group of 16 output channels and block b of 32 inputs:
+ *   nibbles: 4 chunks of 64 bytes; byte i of chunk p holds value i of input step 2p in its low nibble
+ *            and of step 2p + 1 in its high one, where a step is 4 inputs and value i = channel i / 4,
+ *            input i % 4 (the int8 kernel's 16 x 4 order);
+ *   d, m:    16 float16 scales, then 16 float16 minimums.
+ * So one vector op covers 8 (AVX2) or 16 (AVX-512) channels x 4 inputs, the scale is applied once
+ * per block and channel vector, and 0.625 bytes a weight are read, as in the file. */
+
+#if IP_AVX512
+typedef __m512i vq;
+#define Q4_LANES 16
+static inline vq vq_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline vq vq_low4(vq v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+static inline vq vq_high4(vq v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+static inline vq vq_set1(int32_t a) { return _mm512_set1_epi32(a); }
+static inline vq vq_zero(void) { return _mm512_setzero_si512(); }
+static inline vq vq_dot(vq acc, vq u, vq s) { return _mm512_dpbusd_epi32(acc, u, s); }
+static inline vf vq_to_float(vq v) { return _mm512_cvtepi32_ps(v); }
+static inline vf vf_load_half(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+#else
+typedef __m256i vq;
+#define Q4_LANES 8
+static inline vq vq_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vq vq_low4(vq v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+static inline vq vq_high4(vq v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+static inline vq vq_set1(int32_t a) { return _mm256_set1_epi32(a); }
+static inline vq vq_zero(void) { return _mm256_setzero_si256(); }
+static inline vq vq_dot(vq acc, vq u, vq s) {
+#if IP_AVX2_VNNI
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+static inline vf vq_to_float(vq v) { return _mm256_cvtepi32_ps(v); }
+static inline vf vf_load_half(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#endif
+
+/* Q4_LANES channels (vector `c` of a 16-channel group) for MR quantized input rows. */
+static inline __attribute__((always_inline)) void q4_tile(
+        const int8_t *q, const float *dx, const float *sx, int64_t k, int mr, const uint8_t *group, int c,
+        const float *bias, float *out, int64_t ldo) {
+    const int64_t nb = k / Q4_BLOCK;
+    vf facc[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) facc[r] = vf_zero();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = group + b * Q4G_BYTES;
+        vq iacc[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) iacc[r] = vq_zero();
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) {
+            const vq raw = vq_load(blk + p * 64 + c * (Q4_LANES * 4));
+            const vq w0 = vq_low4(raw), w1 = vq_high4(raw);
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++) {
+                const int8_t *xr = q + r * k + b * Q4_BLOCK + p * 8;
+                iacc[r] = vq_dot(iacc[r], w0, vq_set1(load_i32(xr)));
+                iacc[r] = vq_dot(iacc[r], w1, vq_set1(load_i32(xr + 4)));
+            }
+        }
+        const vf dv = vf_load_half(blk + 256 + c * Q4_LANES * 2);
+        const vf mv = vf_load_half(blk + 256 + 32 + c * Q4_LANES * 2);
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) {
+            facc[r] = vf_fmadd(vq_to_float(iacc[r]), vf_mul(dv, vf_set1(dx[r * nb + b])), facc[r]);
+            facc[r] = vf_fmadd(mv, vf_set1(sx[r * nb + b]), facc[r]);
+        }
+    }
+    const vf bv = bias ? vf_load(bias + c * Q4_LANES) : vf_zero();
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) vf_store(out + r * ldo + c * Q4_LANES, vf_add(facc[r], bv));
+}
+
+#endif /* IP_INT8 */
+
+/* x [m, k] float32 (rows ldx apart) @ W.T -> out [m, n] (rows ldo apart), W [n, k] as Q4_1 blocks in
+ * the repacked layout above (pack_q4_1 in Python), bias [n] or NULL. Needs k % 32 == 0, n % 16 == 0.
+ * Returns 0, -1 where this build has no such kernel, -2 when out of memory. */
+int ip_q4_1_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, const float *bias,
+                   int64_t n, float *out, int64_t ldo) {
+#if IP_INT8
+    if (k % Q4_BLOCK || n % 16) return -1;
+    const int64_t nb = k / Q4_BLOCK;
+    int8_t *q = (int8_t *)malloc((size_t)(m * k + 64));
+    float *dx = (float *)malloc(sizeof(float) * (size_t)(m * nb));
+    float *sx = (float *)malloc(sizeof(float) * (size_t)(m * nb));
+    if (!q || !dx || !sx) {
+        free(q); free(dx); free(sx);
+        return -2;
+    }
+    const int64_t per_group = 16 / Q4_LANES;
+    const int64_t vectors = n / Q4_LANES;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) quantize_row_blocks(x + i * ldx, k, q + i * k, dx + i * nb, sx + i * nb);
+#pragma omp for schedule(static)
+        for (int64_t v = 0; v < vectors; v++) {
+            const int64_t g = v / per_group;
+            const int c = (int)(v % per_group);
+            const uint8_t *group = w + g * nb * Q4G_BYTES;
+            const float *bg = bias ? bias + g * 16 : NULL;
+            for (int64_t r0 = 0; r0 < m; r0 += 4) {
+                const int mr = (int)(m - r0 < 4 ? m - r0 : 4);
+                const int8_t *qr = q + r0 * k;
+                const float *dr = dx + r0 * nb, *sr = sx + r0 * nb;
+                float *o = out + r0 * ldo + g * 16;
+                switch (mr) { /* constant row counts keep the accumulators in registers */
+                    case 4: q4_tile(qr, dr, sr, k, 4, group, c, bg, o, ldo); break;
+                    case 3: q4_tile(qr, dr, sr, k, 3, group, c, bg, o, ldo); break;
+                    case 2: q4_tile(qr, dr, sr, k, 2, group, c, bg, o, ldo); break;
+                    default: q4_tile(qr, dr, sr, k, 1, group, c, bg, o, ldo); break;
+                }
+            }
+        }
+    }
+    free(q); free(dx); free(sx);
+    return 0;
+#else
+    (void)x; (void)m; (void)k; (void)ldx; (void)w; (void)bias; (void)n; (void)out; (void)ldo;
+    return -1;
+#endif
+}
+
+/* IEEE half (little-endian bytes) -> float, without F16C: the dequantize runs on every build. */
+static float half_to_float(const uint8_t *p) {
+    const uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    float v;
+    if (exp == 0) {
+        v = ldexpf((float)mant, -24); /* subnormal (or zero) */
+    } else if (exp == 31) {
+        v = mant ? NAN : INFINITY;
+    } else {
+        v = ldexpf((float)(mant | 0x400u), (int)exp - 25);
+    }
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    bits |= sign;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* The repacked Q4_1 weight as float32 out [n, k]: for a float GEMM where many rows (prefill) make that
+ * faster. */
+void ip_q4_1_dequantize(const uint8_t *w, int64_t n, int64_t k, float *out) {
+    const int64_t nb = k / Q4_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < n / 16; g++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + (g * nb + b) * Q4G_BYTES;
+            for (int ch = 0; ch < 16; ch++) {
+                const float d = half_to_float(blk + 256 + 2 * ch), mn = half_to_float(blk + 256 + 32 + 2 * ch);
+                float *o = out + (g * 16 + ch) * k + b * Q4_BLOCK;
+                for (int step = 0; step < 8; step++)
+                    for (int j = 0; j < 4; j++) {
+                        const uint8_t byte = blk[(step / 2) * 64 + ch * 4 + j];
+                        o[step * 4 + j] = (float)((step % 2 ? byte >> 4 : byte) & 0x0F) * d + mn;
+                    }
+            }
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- float32 linear (few rows) */
 
 #define IP_FEATURE_F32_LINEAR 2
@@ -687,7 +903,7 @@ void ip_rope_store_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, in
 
 /* Which of the kernels above this build has (the others return -1). */
 int ip_features(void) {
-    return (IP_INT8 ? IP_FEATURE_INT8_LINEAR : 0) | (IP_VECTOR ? IP_FEATURE_F32_LINEAR : 0);
+    return (IP_INT8 ? IP_FEATURE_INT8_LINEAR | IP_FEATURE_Q4_1_LINEAR : 0) | (IP_VECTOR ? IP_FEATURE_F32_LINEAR : 0);
 }
 
 /* The instruction set this build's vector code uses: what the library was compiled for, so the
@@ -708,8 +924,15 @@ const char *ip_isa(void) {
 
 /* ---------------------------------------------------------------- one whole decoder layer */
 
+/* One of the layer's linears: packed int8 with per-channel scales s, or (s NULL) GGUF Q4_1 blocks. */
+static int layer_linear(const float *x, int64_t b, int64_t k, int64_t ldx, const uint8_t *w, const float *s,
+                        const float *bias, int64_t n, float *out, int64_t ldo) {
+    if (s) return ip_int8_linear(x, b, k, ldx, w, s, bias, n, out, ldo);
+    return ip_q4_1_linear(x, b, k, ldx, w, bias, n, out, ldo);
+}
+
 /* A Llama decoder layer for b decode rows (one new token per sequence) whose four linear layers are
- * packed int8 (ip_int8_linear's layout): the kernels above in the order the model's Python calls
+ * packed int8 (ip_int8_linear's layout) or Q4_1 blocks (scale pointer NULL; ip_q4_1_linear): the kernels above in the order the model's Python calls
  * them, so the result is the same bits, without ~10 calls from Python per layer and step (about a
  * third of a batch-1 step's time for SmolLM2, more than its attention). x [b, hidden] (contiguous)
  * becomes x + attn, then + mlp, in place. Bias pointers may be NULL. Returns 0, -1 where this build
@@ -733,21 +956,21 @@ int ip_decode_layer(float *x, int64_t b, int64_t hidden, const float *norm1, con
     int rc = (!h || !wide || !narrow || !delta) ? -2 : 0;
     if (rc == 0) {
         ip_rms_norm(x, NULL, b, hidden, norm1, eps, h);
-        rc = ip_int8_linear(h, b, hidden, hidden, w_qkv, s_qkv, bias_qkv, qkv_width, wide, qkv_width);
+        rc = layer_linear(h, b, hidden, hidden, w_qkv, s_qkv, bias_qkv, qkv_width, wide, qkv_width);
     }
     if (rc == 0) {
         ip_rope_store_kv(wide, b, heads, kv_heads, d, cos, signed_sin, slots, k_cache, v_cache);
         rc = ip_paged_decode_attention(wide, qkv_width, b, heads, kv_heads, d, k_cache, v_cache, block_size,
                                        block_tables, max_blocks, context_lens, scale, narrow, heads * d);
     }
-    if (rc == 0) rc = ip_int8_linear(narrow, b, heads * d, heads * d, w_o, s_o, bias_o, hidden, delta, hidden);
+    if (rc == 0) rc = layer_linear(narrow, b, heads * d, heads * d, w_o, s_o, bias_o, hidden, delta, hidden);
     if (rc == 0) {
         ip_rms_norm(x, delta, b, hidden, norm2, eps, h);  /* x += attn; h = norm(x) */
-        rc = ip_int8_linear(h, b, hidden, hidden, w_gu, s_gu, bias_gu, 2 * inter, wide, 2 * inter);
+        rc = layer_linear(h, b, hidden, hidden, w_gu, s_gu, bias_gu, 2 * inter, wide, 2 * inter);
     }
     if (rc == 0) {
         ip_silu_mul(wide, b, inter, narrow);
-        rc = ip_int8_linear(narrow, b, inter, inter, w_down, s_down, bias_down, hidden, delta, hidden);
+        rc = layer_linear(narrow, b, inter, inter, w_down, s_down, bias_down, hidden, delta, hidden);
     }
     if (rc == 0)
         for (int64_t i = 0; i < b * hidden; i++) x[i] += delta[i];

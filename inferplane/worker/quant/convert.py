@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from inferplane.worker import native
 from inferplane.worker.model.llama import RMSNorm
 from inferplane.worker.native.choice import NEVER
 from inferplane.worker.quant import gate
 from inferplane.worker.quant.dispatch import calibrate, calibrate_packed, default_min_rows
 from inferplane.worker.quant.int8_linear import Int8Dispatch, Int8Linear, quantize_per_channel
+from inferplane.worker.quant.q4_linear import Q4Linear, scaled_q4_1
 from inferplane.worker.quant.smooth import (
     CALIBRATION_TOKENS,
     DEFAULT_ALPHA,
@@ -39,10 +41,11 @@ class QualityGateFailed(Exception):
 
 @dataclass
 class ConversionReport:
-    layers: list[Int8Linear] = field(default_factory=list)
+    layers: list[Int8Linear | Q4Linear] = field(default_factory=list)
     dispatch: Int8Dispatch = field(default_factory=Int8Dispatch)
     source_layers: int = 0  # nn.Linear layers converted (fused ones count each)
     from_q8_0: int = 0  # of those, built directly from GGUF Q8_0 blocks
+    from_q4: int = 0  # of those, served from the file's own Q4_0/Q4_1 blocks (Q4Linear)
     float_bytes: int = 0  # what the converted layers took as float32
     packed: int = 0  # layers moved to the C kernel's layout (worker/native)
 
@@ -103,8 +106,12 @@ def _is_llama_shaped(model: nn.Module) -> bool:
 def convert_model(model: nn.Module, *, quantize_head: bool = False, scale_multiplier: float = 1.0,
                   gguf_path: str | None = None, calibration_ids: list[int] | None = None,
                   smooth_alpha: float | None = DEFAULT_ALPHA, fuse: bool = True,
-                  measure_dispatch: bool = True, pack: bool = True) -> ConversionReport:
+                  measure_dispatch: bool = True, pack: bool = True, q4_blocks: bool = False) -> ConversionReport:
     """Replaces the model's linear layers with Int8Linear in place.
+
+    With `q4_blocks`, layers the GGUF file stores as Q4_0/Q4_1 become Q4Linear over those very
+    blocks (a 4-bit model stays 4-bit, and its weights are exactly the file's); smoothing is then
+    off, since it would change them. Needs the C kernels; without them this falls back to int8.
 
     With `calibration_ids`, activation outliers are first folded into the weights (smooth.py). With
     `fuse`, q/k/v and gate/up become one layer each: per-row quantization makes that exactly the
@@ -115,11 +122,19 @@ def convert_model(model: nn.Module, *, quantize_head: bool = False, scale_multip
     matters for the layers left over, and for packed ones it finds from how many rows float32
     GEMM over the dequantized weight is faster (dispatch.calibrate_packed).
     """
+    groups = _groups(model, quantize_head, fuse)
+    file_q4: dict[str, torch.Tensor] = {}
+    kernels = native.kernels()
+    if (q4_blocks and gguf_path is not None and gguf_path.endswith(".gguf") and kernels is not None
+            and kernels.has_q4_1_linear):
+        from inferplane.worker.quant.gguf_q4 import load_q4_blocks
+
+        wanted = {_weight_name(model, name) for g in groups for name, _, _ in g.members}
+        file_q4 = load_q4_blocks(gguf_path, model.config, wanted)
     smoothed = False
-    if calibration_ids and smooth_alpha and _is_llama_shaped(model):
+    if calibration_ids and smooth_alpha and _is_llama_shaped(model) and not file_q4:
         smooth_llama(model, input_absmax(model, calibration_ids), smooth_alpha)
         smoothed = True
-    groups = _groups(model, quantize_head, fuse)
     from_blocks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if gguf_path is not None and gguf_path.endswith(".gguf"):
         from inferplane.worker.quant.gguf_q8 import load_q8_0_linears
@@ -130,7 +145,11 @@ def convert_model(model: nn.Module, *, quantize_head: bool = False, scale_multip
         from_blocks = load_q8_0_linears(gguf_path, model.config, wanted, scale_multiplier)
     report = ConversionReport(dispatch=Int8Dispatch(default_min_rows()))
     for group in groups:
-        qs, scales, biases = [], [], []
+        q4_layer = _q4_layer(model, group, file_q4, report, scale_multiplier)
+        if q4_layer is not None:
+            report.layers.append(_install(group, q4_layer))
+            continue
+        qs, scales = [], []
         for name, _, linear in group.members:
             report.float_bytes += linear.weight.numel() * 4
             report.source_layers += 1
@@ -142,17 +161,42 @@ def convert_model(model: nn.Module, *, quantize_head: bool = False, scale_multip
                 q, scale = quantize_per_channel(linear.weight, scale_multiplier)
             qs.append(q)
             scales.append(scale)
-            biases.append(linear.bias)
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat([b.detach().float() if b is not None else torch.zeros(len(q))
-                              for b, q in zip(biases, qs, strict=True)])
-        report.layers.append(_install(group, Int8Linear(torch.cat(qs), torch.cat(scales), bias, report.dispatch)))
+        layer = Int8Linear(torch.cat(qs), torch.cat(scales), _group_bias(group), report.dispatch)
+        report.layers.append(_install(group, layer))
     _finish(report, pack, measure_dispatch)
     return report
 
 
-def _install(group: _Group, layer: Int8Linear) -> Int8Linear:
+def _group_bias(group: _Group) -> torch.Tensor | None:
+    biases = [linear.bias for _, _, linear in group.members]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b.detach().float() if b is not None else torch.zeros(linear.out_features)
+                      for b, (_, _, linear) in zip(biases, group.members, strict=True)])
+
+
+def _q4_layer(model: nn.Module, group: _Group, file_q4: dict[str, torch.Tensor], report: ConversionReport,
+              scale_multiplier: float = 1.0) -> Q4Linear | None:
+    """The group as one Q4Linear over the file's blocks, when the file has them for every member
+    (`scale_multiplier`, the gate's test hook, scales every weight: d and m alike)."""
+    blocks = [file_q4.get(_weight_name(model, name)) for name, _, _ in group.members]
+    if not file_q4 or any(b is None for b in blocks):
+        return None
+    in_features = group.members[0][2].in_features
+    rows = sum(b.shape[0] for b in blocks)
+    if not native.q4_1_shape_supported(rows, in_features):
+        return None
+    for _, _, linear in group.members:
+        report.float_bytes += linear.weight.numel() * 4
+        report.source_layers += 1
+        report.from_q4 += 1
+    weight = torch.cat(blocks)
+    if scale_multiplier != 1.0:
+        weight = scaled_q4_1(weight, scale_multiplier)
+    return Q4Linear(weight, in_features, _group_bias(group), report.dispatch)
+
+
+def _install(group: _Group, layer: nn.Module) -> nn.Module:
     for _, attr, _ in group.members:
         delattr(group.parent, attr)
     setattr(group.parent, group.attr, layer)
@@ -161,7 +205,7 @@ def _install(group: _Group, layer: Int8Linear) -> Int8Linear:
 
 def _finish(report: ConversionReport, pack: bool, measure_dispatch: bool) -> None:
     if pack:
-        report.packed = sum(layer.pack() for layer in report.layers)
+        report.packed = sum(layer.pack() for layer in report.layers if isinstance(layer, Int8Linear))
     if measure_dispatch:
         calibrate([layer for layer in report.layers if not layer.is_packed], report.dispatch)
         calibrate_packed(report.layers, report.dispatch)
@@ -171,11 +215,13 @@ def snapshot(model: nn.Module, report: ConversionReport) -> dict:
     """What convert_model computed, in a form any CPU can restore: each int8 layer's plain int8
     weight, scales and bias in conversion order, and the RMSNorm weights (smoothing divided them)."""
     return {
-        "layers": [{"qweight": layer.int8_weight(), "scale": layer.scale, "bias": layer.bias}
+        "layers": [{"q4_blocks": layer.file_blocks(), "bias": layer.bias} if isinstance(layer, Q4Linear) else
+                   {"qweight": layer.int8_weight(), "scale": layer.scale, "bias": layer.bias}
                    for layer in report.layers],
         "norms": {name: module.weight.detach().clone() for name, module in model.named_modules()
                   if isinstance(module, RMSNorm)},
-        "source_layers": report.source_layers, "from_q8_0": report.from_q8_0, "float_bytes": report.float_bytes,
+        "source_layers": report.source_layers, "from_q8_0": report.from_q8_0, "from_q4": report.from_q4,
+        "float_bytes": report.float_bytes,
     }
 
 
@@ -191,13 +237,21 @@ def restore(model: nn.Module, saved: dict, *, quantize_head: bool = False, fuse:
         if name not in norms or norms[name].weight.shape != weight.shape:
             raise ValueError(f"snapshot norm {name} does not fit the model")
     report = ConversionReport(dispatch=Int8Dispatch(default_min_rows()), source_layers=saved["source_layers"],
-                              from_q8_0=saved["from_q8_0"], float_bytes=saved["float_bytes"])
+                              from_q8_0=saved["from_q8_0"], from_q4=saved.get("from_q4", 0),
+                              float_bytes=saved["float_bytes"])
+    layers = []
     for group, entry in zip(groups, saved["layers"], strict=True):
         rows = sum(linear.out_features for _, _, linear in group.members)
-        if tuple(entry["qweight"].shape) != (rows, group.members[0][2].in_features):
+        in_features = group.members[0][2].in_features
+        if "q4_blocks" in entry:
+            layers.append(Q4Linear(entry["q4_blocks"], in_features, entry["bias"], report.dispatch))
+            if layers[-1].out_features != rows:
+                raise ValueError(f"snapshot layer {group.members[0][0]} has {layers[-1].out_features} rows")
+            continue
+        if tuple(entry["qweight"].shape) != (rows, in_features):
             raise ValueError(f"snapshot layer {group.members[0][0]} has shape {tuple(entry['qweight'].shape)}")
-        report.layers.append(_install(group, Int8Linear(entry["qweight"], entry["scale"], entry["bias"],
-                                                        report.dispatch)))
+        layers.append(Int8Linear(entry["qweight"], entry["scale"], entry["bias"], report.dispatch))
+    report.layers = [_install(group, layer) for group, layer in zip(groups, layers, strict=True)]
     with torch.no_grad():
         for name, weight in saved["norms"].items():
             norms[name].weight.copy_(weight)
@@ -244,10 +298,11 @@ def quantize_loaded_model(loaded, options) -> dict[str, float]:
     skip = bool(getattr(options, "skip_quality_gate", False))
     quantize_head = bool(getattr(options, "quantize_head", False))
     multiplier = float(getattr(options, "quant_scale_multiplier", 1.0))
+    q4_blocks = not bool(getattr(options, "requantize_q4", False))
     bytes_before = model_bytes(model)
 
     settings = {"quantize_head": quantize_head, "scale_multiplier": multiplier, "gate": not skip,
-                "gate_tokens": gate.STARTUP_TOKENS, "threshold_pct": gate.DEFAULT_THRESHOLD_PCT}
+                "q4_blocks": q4_blocks, "gate_tokens": gate.STARTUP_TOKENS, "threshold_pct": gate.DEFAULT_THRESHOLD_PCT}
     cache = ConversionCache.for_model(loaded.path, settings)
     saved = cache.load() if cache is not None else None
     report = None
@@ -269,7 +324,7 @@ def quantize_loaded_model(loaded, options) -> dict[str, float]:
 
     if report is None:
         report = convert_model(model, quantize_head=quantize_head, scale_multiplier=multiplier,
-                               gguf_path=loaded.path, calibration_ids=calibration_tokens(loaded))
+                               gguf_path=loaded.path, calibration_ids=calibration_tokens(loaded), q4_blocks=q4_blocks)
     figures: dict[str, float] = {
         "weight_bytes_int8": float(report.int8_bytes),
         "weight_bytes_float32": float(report.float_bytes),
@@ -278,6 +333,7 @@ def quantize_loaded_model(loaded, options) -> dict[str, float]:
         "model_bytes_int8": float(model_bytes(model)),
         "int8_layers": float(len(report.layers)),
         "int8_layers_from_q8_0": float(report.from_q8_0),
+        "q4_1_layers_from_file": float(report.from_q4),  # linears served from the file's 4-bit blocks
         "int8_layers_packed": float(report.packed),
         # from how many rows some packed layer multiplies in float32 instead (0: none does)
         "int8_float_gemm_from_rows": float(min((r for r in report.dispatch.float_from.values() if r < NEVER),

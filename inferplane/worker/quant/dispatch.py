@@ -43,7 +43,7 @@ def measure_crossover(layer: Int8Linear, reps: int = 3) -> int:
 PACKED_ROW_COUNTS = (16, 64, 256)
 
 
-def measure_float_crossover(layer: Int8Linear, reps: int = 3) -> int:
+def measure_float_crossover(layer, reps: int = 3) -> int:
     """From how many rows a packed layer is faster as dequantize + float32 GEMM (NEVER: not here)."""
     def float_path(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, layer.dequantized_weight(), layer.bias)
@@ -67,11 +67,16 @@ def calibrate(layers: Iterable[Int8Linear], dispatch: Int8Dispatch,
     return dict(dispatch.thresholds)
 
 
-def calibrate_packed(layers: Iterable[Int8Linear], dispatch: Int8Dispatch,
+def calibrate_packed(layers: Iterable, dispatch: Int8Dispatch,
                      reps: int = 3) -> dict[tuple[int, int], int]:
-    """Measures one packed layer of each distinct shape against float32 GEMM; stores the crossovers."""
+    """Measures one packed layer (Int8Linear or Q4Linear) of each distinct shape and kind against
+    float32 GEMM over its dequantized weight; stores the crossovers."""
     if native.kernels() is None:
         return {}
-    for (k, n), layer in _one_per_shape(x for x in layers if x.is_packed).items():
-        dispatch.set_float_from(k, n, measure_float_crossover(layer, reps))
+    seen: dict[tuple[int, int, str], object] = {}
+    for layer in layers:
+        if layer.is_packed:
+            seen.setdefault((layer.in_features, layer.out_features, layer.kind), layer)
+    for (k, n, kind), layer in seen.items():
+        dispatch.set_float_from(k, n, measure_float_crossover(layer, reps), kind)
     return dict(dispatch.float_from)

@@ -69,8 +69,9 @@ class Int8Dispatch:
     def __init__(self, default_min_rows: int = 4):
         self.default_min_rows = default_min_rows
         self.thresholds: dict[tuple[int, int], int] = {}
-        # packed layers: from how many rows float32 GEMM over the dequantized weight is faster
-        self.float_from: dict[tuple[int, int], int] = {}
+        # packed (and Q4_1) layers: from how many rows float32 GEMM over the dequantized weight is
+        # faster, by (in, out, weight kind)
+        self.float_from: dict[tuple[int, int, str], int] = {}
 
     def min_rows(self, in_features: int, out_features: int) -> int:
         return self.thresholds.get((in_features, out_features), self.default_min_rows)
@@ -78,16 +79,16 @@ class Int8Dispatch:
     def set(self, in_features: int, out_features: int, min_rows: int) -> None:
         self.thresholds[(in_features, out_features)] = min_rows
 
-    def float_min_rows(self, in_features: int, out_features: int) -> int:
-        return self.float_from.get((in_features, out_features), NEVER)
+    def float_min_rows(self, in_features: int, out_features: int, kind: str = "int8") -> int:
+        return self.float_from.get((in_features, out_features, kind), NEVER)
 
-    def set_float_from(self, in_features: int, out_features: int, rows: int) -> None:
-        self.float_from[(in_features, out_features)] = rows
+    def set_float_from(self, in_features: int, out_features: int, rows: int, kind: str = "int8") -> None:
+        self.float_from[(in_features, out_features, kind)] = rows
 
     @contextlib.contextmanager
     def int8_only(self) -> Iterator[None]:
-        """Packed layers use the int8 kernel for every row count inside (the quality gate measures
-        that path: decode always takes it)."""
+        """Packed (and Q4_1) layers use their kernel for every row count inside (the quality gate
+        measures that path: decode always takes it)."""
         saved, self.float_from = self.float_from, {}
         try:
             yield
@@ -158,7 +159,7 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.is_packed:
-            if x2.shape[0] >= self.dispatch.float_min_rows(self.in_features, self.out_features):
+            if x2.shape[0] >= self.float_rows():
                 y = torch.nn.functional.linear(x2.float(), self.dequantized_weight(), self.bias)
             else:
                 y = self.forward_packed(x2)
@@ -175,6 +176,16 @@ class Int8Linear(nn.Module):
         # int32 * float32 promotes to float32: no separate conversion pass over the output.
         y = torch._int_mm(xq, self.qweight.t()).mul(row_scale).mul_(self.scale)
         return y if self.bias is None else y.add_(self.bias)
+
+    kind = "int8"
+
+    def float_rows(self) -> int:
+        """From how many rows this layer multiplies in float32 (NEVER: it always uses its kernel)."""
+        return self.dispatch.float_min_rows(self.in_features, self.out_features)
+
+    def fused_operands(self) -> tuple | None:
+        """(weight, scale, bias) as ip_decode_layer reads them, or None when not on the C kernel."""
+        return (self.packed_weight, self.scale, self.bias) if self.is_packed else None
 
     def forward_packed(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernels.int8_linear(x.float(), self.packed_weight, self.scale, self.bias)
