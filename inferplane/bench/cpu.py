@@ -38,6 +38,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kv-manager", default="paged", help="cpu-int8's KV manager (paged|radix)")
     p.add_argument("--head", choices=["float", "int8", "both"], default="both",
                    help="cpu-int8 output head: float (the runtime's default), int8 (quantize_head) or both")
+    p.add_argument("--weights", choices=["file", "int8", "both"], default="file",
+                   help="cpu-int8 linears: file (a GGUF file's Q4_0/Q4_1 blocks as they are: the runtime's "
+                        "default), int8 (requantize_q4) or both")
     p.add_argument("--ppl-tokens", type=int, default=1024,
                    help="evaluation tokens for the perplexity rise (0: skip)")
     p.add_argument("--skip-hf", action="store_true", help="leave out HF transformers")
@@ -121,8 +124,9 @@ def _int8_only(model):
     import contextlib
 
     from inferplane.worker.quant.int8_linear import Int8Linear
+    from inferplane.worker.quant.q4_linear import Q4Linear
 
-    layer = next((m for m in model.modules() if isinstance(m, Int8Linear)), None)
+    layer = next((m for m in model.modules() if isinstance(m, (Int8Linear, Q4Linear))), None)
     return layer.dispatch.int8_only() if layer is not None else contextlib.nullcontext()
 
 
@@ -202,12 +206,15 @@ def main(argv: list[str]) -> int:
     dense = LLM(args.model, runtime="paged", device="cpu", num_kv_blocks=blocks)
     loads["float32 engine"] = time.perf_counter() - start
     variants: dict[str, object] = {}
-    for head in (["float", "int8"] if args.head == "both" else [args.head]):
-        name = "cpu-int8" if head == "float" else "cpu-int8, int8 head"
-        start = time.perf_counter()
-        variants[name] = LLM(args.model, runtime="cpu-int8", device="cpu", num_kv_blocks=blocks,
-                             kv_manager=args.kv_manager, quantize_head=head == "int8")
-        loads[name] = time.perf_counter() - start
+    for weights in (["file", "int8"] if args.weights == "both" else [args.weights]):
+        for head in (["float", "int8"] if args.head == "both" else [args.head]):
+            name = "cpu-int8" + (" requantized" if weights == "int8" else "")
+            name += ", int8 head" if head == "int8" else ""
+            start = time.perf_counter()
+            variants[name] = LLM(args.model, runtime="cpu-int8", device="cpu", num_kv_blocks=blocks,
+                                 kv_manager=args.kv_manager, quantize_head=head == "int8",
+                                 requantize_q4=weights == "int8")
+            loads[name] = time.perf_counter() - start
     for name, llm in [*variants.items(), ("float32 engine", dense)]:
         isas = {k.split(":")[1]: k.split(":")[2] for k in llm.stats() if k.startswith("native_kernel:")}
         print(f"{name}: loaded in {loads[name]:.1f}s; kernels: " + ", ".join(f"{k} {v}" for k, v in isas.items()))
@@ -282,7 +289,9 @@ def main(argv: list[str]) -> int:
     for name, llm in variants.items():
         report = llm.weight_report
         mib = {k: v / 2**20 for k, v in report.items() if "bytes" in k and "ratio" not in k}
-        print(f"\n{name}: int8 weights {mib['weight_bytes_int8']:.1f} MiB vs float32 "
+        q4 = int(report.get("q4_1_layers_from_file", 0))
+        kind = f"{q4} Q4_1 layers from the file + int8" if q4 else "int8"
+        print(f"\n{name}: {kind} weights {mib['weight_bytes_int8']:.1f} MiB vs float32 "
               f"{mib['weight_bytes_float32']:.1f} MiB ({report['weight_bytes_ratio']:.3f}x); "
               f"whole model {mib['model_bytes_int8']:.1f} MiB vs {mib['model_bytes_float32']:.1f} MiB")
         if "gate_ppl_rise_pct" in report:
