@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8, help="decode steps profiled")
     parser.add_argument("--runtime", default="paged")
-    parser.add_argument("--quantize-head", action="store_true", help="cpu-int8: int8 output head too")
+    parser.add_argument("--float-head", action="store_true", help="cpu-int8: keep the output head float32")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cuda = torch.cuda.is_available()
@@ -35,7 +35,7 @@ def main() -> None:
         source, vocab = _tinyllama_folder(device, torch.bfloat16 if cuda else torch.float32), 32000
     else:
         source, vocab = "smollm2-135m", 49152
-    extra = {"quantize_head": True} if args.quantize_head else {}
+    extra = {"quantize_head": False} if args.float_head else {}
     llm = LLM(source, runtime=args.runtime, device=str(device), **extra)
     prompts = _prompts(args.batch, args.prompt, vocab)
     engine = llm.engine

@@ -17,8 +17,9 @@ SPECS = [
     {},
     {"runtime": "radix", "resources": {"gpus": 1}, "engine": {"maxNumSeqs": 512}},
     {"resources": {"gpus": 2}, "workload": {"agent": True}, "engine": {"dtype": "float16", "kvCacheMemory": "0.5"}},
-    {"runtime": "cpu-int8", "engine": {"quantizeHead": True, "maxModelLen": 512, "blockSize": 32}},
-    {"resources": {"gpus": 1}, "engine": {"quantizeHead": True, "maxNumBatchedTokens": 100, "maxNumSeqs": 50}},
+    {"runtime": "cpu-int8", "engine": {"quantizeHead": False, "maxModelLen": 512, "blockSize": 32}},
+    {"runtime": "auto", "engine": {"quantizeHead": True, "requantizeQ4": True}},
+    {"resources": {"gpus": 1}, "engine": {"quantizeHead": False, "maxNumBatchedTokens": 100, "maxNumSeqs": 50}},
 ]
 
 

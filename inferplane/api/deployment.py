@@ -140,8 +140,9 @@ class EngineConfig(Section):
         "Bytes (2GiB) or a fraction of free GPU memory (0.9)."))) | None = None
     dtype: Dtype = "auto"
     max_model_len: Annotated[int, Field(ge=16, le=1_048_576)] | None = None
-    quantize_head: bool = Field(False, description=(
-        "cpu-int8 only. The output head in int8 too (by default it stays float32)."))
+    quantize_head: bool | None = Field(None, description=(
+        "cpu-int8 only. The output head in int8 (unset: the runtime's default, int8); false keeps it "
+        "float32 (slower at small batches, closest to the file's head)."))
     requantize_q4: bool = Field(False, description=(
         "cpu-int8 only. Requantize a GGUF file's Q4_0/Q4_1 weights to int8 instead of serving "
         "the file's own 4-bit blocks (the default)."))
@@ -313,8 +314,8 @@ RULES: tuple[Rule, ...] = (
          lambda s: not (s.runtime == "cpu-int8" and s.engine.dtype in ("bfloat16", "float16")),
          cel="!(self.runtime == 'cpu-int8' && self.engine.dtype in ['bfloat16', 'float16'])"),
     Rule("", "engine.quantizeHead", "engine.quantizeHead is a cpu-int8 option (runtime cpu-int8 or auto)",
-         lambda s: not (s.engine.quantize_head and s.runtime in ("paged", "radix")),
-         cel="!(self.engine.quantizeHead && self.runtime in ['paged', 'radix'])"),
+         lambda s: not (s.engine.quantize_head is not None and s.runtime in ("paged", "radix")),
+         cel="!(has(self.engine.quantizeHead) && self.runtime in ['paged', 'radix'])"),
     Rule("", "engine.requantizeQ4", "engine.requantizeQ4 is a cpu-int8 option (runtime cpu-int8 or auto)",
          lambda s: not (s.engine.requantize_q4 and s.runtime in ("paged", "radix")),
          cel="!(self.engine.requantizeQ4 && self.runtime in ['paged', 'radix'])"),

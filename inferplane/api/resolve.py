@@ -83,7 +83,9 @@ class ResolvedDeployment:
             flag = "--" + name.replace("_", "-")
             if value is True:
                 args.append(flag)
-            elif value is not None and value is not False:
+            elif value is False:
+                args.append("--no-" + flag[2:])
+            elif value is not None:
                 args += [flag, str(value)]
         return args
 
@@ -116,7 +118,7 @@ def resolve(spec: InferenceDeploymentSpec) -> ResolvedDeployment:
     engine["kv_cache_memory"] = spec.engine.kv_cache_memory or (
         preset.kv_cache_memory_gpu if device == "cuda" else preset.kv_cache_memory_cpu)
     # An int8 option; `auto` may have picked a GPU runtime, which has no int8 head.
-    engine["quantize_head"] = spec.engine.quantize_head and preset.weights == "int8"
+    engine["quantize_head"] = spec.engine.quantize_head if preset.weights == "int8" else None
     engine["requantize_q4"] = spec.engine.requantize_q4 and preset.weights == "int8"
     return ResolvedDeployment(
         runtime=runtime, reason=reason, device=device, engine=engine,

@@ -37,7 +37,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads for every contender")
     p.add_argument("--kv-manager", default="paged", help="cpu-int8's KV manager (paged|radix)")
     p.add_argument("--head", choices=["float", "int8", "both"], default="both",
-                   help="cpu-int8 output head: float (the runtime's default), int8 (quantize_head) or both")
+                   help="cpu-int8 output head: int8 (the runtime's default), float (quantize_head=False) or both")
     p.add_argument("--weights", choices=["file", "int8", "both"], default="file",
                    help="cpu-int8 linears: file (a GGUF file's Q4_0/Q4_1 blocks as they are: the runtime's "
                         "default), int8 (requantize_q4) or both")
@@ -209,7 +209,7 @@ def main(argv: list[str]) -> int:
     for weights in (["file", "int8"] if args.weights == "both" else [args.weights]):
         for head in (["float", "int8"] if args.head == "both" else [args.head]):
             name = "cpu-int8" + (" requantized" if weights == "int8" else "")
-            name += ", int8 head" if head == "int8" else ""
+            name += ", float32 head" if head == "float" else ""
             start = time.perf_counter()
             variants[name] = LLM(args.model, runtime="cpu-int8", device="cpu", num_kv_blocks=blocks,
                                  kv_manager=args.kv_manager, quantize_head=head == "int8",

@@ -18,7 +18,7 @@ def _flag_type(annotation: str) -> type | None:
     """The argparse type for an EngineOptions field's annotation (None: a switch)."""
     if "str" in annotation:
         return str
-    if annotation == "bool":
+    if annotation in ("bool", "bool | None"):
         return None
     return float if "float" in annotation else int
 
@@ -34,8 +34,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         flag, meta = "--" + option.name.replace("_", "-"), option.metadata
         shown = argparse.SUPPRESS if meta["hidden"] else meta["help"]
         kind = _flag_type(str(option.type))
-        if kind is None:
-            parser.add_argument(flag, action="store_true", default=option.default, help=shown)
+        if kind is None:  # --flag and --no-flag: a resolved spec can say either (api.resolve.engine_args)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=option.default, help=shown)
         else:
             parser.add_argument(flag, type=kind, default=option.default, choices=meta["choices"], help=shown)
 

@@ -68,7 +68,8 @@ class EngineOptions:
     kv_manager: str | None = option(None, "cpu-int8 only: the KV manager (default: the preset's, radix)",
                                     choices=("paged", "radix"))
     skip_quality_gate: bool = option(False, "cpu-int8: serve even if the int8 quality gate fails")
-    quantize_head: bool = option(False, "cpu-int8: the output head in int8 too (embeddings stay float)")
+    quantize_head: bool | None = option(None, "cpu-int8: the output head in int8 (unset: yes, the runtime's "
+                                              "default; --no-quantize-head keeps it float32; embeddings stay float)")
     requantize_q4: bool = option(False, "cpu-int8: requantize a GGUF file's Q4_0/Q4_1 linears to int8 (with "
                                         "smoothing) instead of serving their own 4-bit blocks")
     # Test hook: scales multiplied by this make a deliberately wrong quantization the gate must catch.

@@ -33,8 +33,11 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"runtime": "cpu-int8", "engine": {"dtype": "float32"}},
         {"runtime": "cpu-int8", "engine": {"dtype": "bfloat16"}}),
     "engine.quantizeHead is a cpu-int8 option (runtime cpu-int8 or auto)": (
-        {"runtime": "auto", "engine": {"quantizeHead": True}},
-        {"runtime": "paged", "engine": {"quantizeHead": True}}),
+        {"runtime": "auto", "engine": {"quantizeHead": False}},
+        {"runtime": "paged", "engine": {"quantizeHead": False}}),
+    "engine.requantizeQ4 is a cpu-int8 option (runtime cpu-int8 or auto)": (
+        {"runtime": "cpu-int8", "engine": {"requantizeQ4": True}},
+        {"runtime": "radix", "engine": {"requantizeQ4": True}}),
     "float16 needs a GPU (resources.gpus > 0); use float32 or bfloat16": (
         {"resources": {"gpus": 1}, "engine": {"dtype": "float16"}}, {"engine": {"dtype": "float16"}}),
     "set exactly one of model.name (a registry entry) or model.uri (a path)": (

@@ -127,7 +127,8 @@ def test_auto_selection(spec: dict, hints: dict, runtime: str) -> None:
      "engine.kvCacheMemory", "does not fit"),
     ({"model": {"name": "m"}, "engine": {"blockSize": 12}}, "engine.blockSize", "one of"),
     ({"model": {"name": "m"}, "replicas": True}, "replicas", "boolean"),
-    ({"model": {"name": "m"}, "runtime": "radix", "engine": {"quantizeHead": True}}, "engine.quantizeHead", "cpu-int8"),
+    ({"model": {"name": "m"}, "runtime": "radix", "engine": {"quantizeHead": False}}, "engine.quantizeHead",
+     "cpu-int8"),
     ({"model": {"name": "m"}, "engine": {"quantizeHead": "yes"}}, "engine.quantizeHead", "expected bool"),
     ({"model": {"name": "m"}, "autoscaling": {"panicWindowSeconds": 90}}, "autoscaling.panicWindowSeconds",
      "shorter than"),
@@ -142,15 +143,16 @@ def test_invalid_specs_name_the_field(spec: dict, field: str, words: str) -> Non
 
 
 @pytest.mark.parametrize(("spec", "passed"), [
-    ({"runtime": "cpu-int8", "engine": {"quantizeHead": True}}, True),
-    ({"runtime": "auto", "resources": {"gpus": 0}, "engine": {"quantizeHead": True}}, True),  # auto picks cpu-int8
-    ({"runtime": "auto", "resources": {"gpus": 1}, "engine": {"quantizeHead": True}}, False),  # ... or a GPU runtime
-    ({"runtime": "cpu-int8"}, False),
+    ({"runtime": "cpu-int8", "engine": {"quantizeHead": False}}, True),
+    ({"runtime": "auto", "resources": {"gpus": 0}, "engine": {"quantizeHead": False}}, True),  # auto picks cpu-int8
+    ({"runtime": "auto", "resources": {"gpus": 1}, "engine": {"quantizeHead": False}}, False),  # ... or a GPU runtime
+    ({"runtime": "cpu-int8"}, False),  # unset: the worker's default, the int8 head
 ])
 def test_quantize_head_reaches_the_cpu_int8_worker_only(spec: dict, passed: bool) -> None:
     parsed = InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, **spec})
     invocation = manifests.worker_invocation("edge", parsed, port=6000, host="127.0.0.1")
-    assert ("--quantize-head" in invocation.args) is passed
+    assert ("--no-quantize-head" in invocation.args) is passed
+    assert "--quantize-head" not in invocation.args
     requant = {**spec, "engine": {"requantizeQ4": True}}
     parsed = InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, **requant})
     invocation = manifests.worker_invocation("edge", parsed, port=6000, host="127.0.0.1")

@@ -132,8 +132,10 @@ def test_a_second_start_restores_the_conversion_from_disk(tmp_path, monkeypatch,
     m1, m2 = first.engine.loaded.model, second.engine.loaded.model
     layers = [(a, b) for a, b in zip(m1.modules(), m2.modules(), strict=True) if isinstance(a, (Int8Linear, Q4Linear))]
     assert len(layers) == s1["int8_layers"] and all(type(a) is type(b) for a, b in layers)
-    # The packaged file is Q4_1: its layers are served from those blocks, restored as they were.
-    assert sum(isinstance(a, Q4Linear) for a, _ in layers) == len(layers) and s1["q4_1_layers_from_file"] == 210
+    # The packaged file is Q4_1: its layers are served from those blocks, restored as they were; the
+    # head (the tied Q8_0 embedding) is int8.
+    assert sum(isinstance(a, Q4Linear) for a, _ in layers) == len(layers) - 1 and s1["q4_1_layers_from_file"] == 210
+    assert isinstance(m1.lm_head, Int8Linear)
     assert all(torch.equal(a.blocks, b.blocks) if isinstance(a, Q4Linear) else
                torch.equal(a.int8_weight(), b.int8_weight()) and torch.equal(a.scale, b.scale) for a, b in layers)
     assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters(), strict=True))
@@ -142,7 +144,7 @@ def test_a_second_start_restores_the_conversion_from_disk(tmp_path, monkeypatch,
         second.generate("The capital of France is", params)[0].token_ids
     del first, second
 
-    other = LLM(MODEL, runtime="cpu-int8", device="cpu", num_kv_blocks=16, quantize_head=True)
+    other = LLM(MODEL, runtime="cpu-int8", device="cpu", num_kv_blocks=16, quantize_head=False)
     assert other.stats()["startup_cache_hit"] == 0.0
     del other
     requantized = LLM(MODEL, runtime="cpu-int8", device="cpu", num_kv_blocks=16, requantize_q4=True)

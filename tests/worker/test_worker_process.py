@@ -165,3 +165,5 @@ def test_worker_flags_are_the_engine_options_with_their_defaults() -> None:
     assert cli.engine_options(parser.parse_args(["--model", "m"])) == EngineOptions()
     changed = cli.engine_options(parser.parse_args(["--model", "m", "--max-num-seqs", "8", "--quantize-head"]))
     assert (changed.max_num_seqs, changed.quantize_head) == (8, True)
+    negated = cli.engine_options(parser.parse_args(["--model", "m", "--no-quantize-head", "--no-requantize-q4"]))
+    assert (negated.quantize_head, negated.requantize_q4) == (False, False)

@@ -4,7 +4,7 @@
 short slice of the evaluation text with the float32 model, swaps every linear layer for an
 `Int8Linear` (from GGUF Q8_0 blocks where the file has them), scores the slice again, and raises
 `QualityGateFailed` when perplexity rose past the threshold, so a worker never serves a model that
-quantization broke. Embeddings and the output head stay float32 unless `quantize_head` is set.
+quantization broke. Embeddings stay float32; the output head is int8 unless `quantize_head` is False.
 """
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ def quantize_loaded_model(loaded, options) -> dict[str, float]:
     _check_device(loaded)
     model = loaded.model
     skip = bool(getattr(options, "skip_quality_gate", False))
-    quantize_head = bool(getattr(options, "quantize_head", False))
+    quantize_head = getattr(options, "quantize_head", None) is not False  # unset: the int8 head (the default)
     multiplier = float(getattr(options, "quant_scale_multiplier", 1.0))
     q4_blocks = not bool(getattr(options, "requantize_q4", False))
     bytes_before = model_bytes(model)
