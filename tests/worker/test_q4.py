@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from inferplane.worker import native
-from inferplane.worker.quant.gguf_q4 import q4_0_to_q4_1
+from inferplane.worker.model.gguf_file import dequantize
+from inferplane.worker.quant.gguf_q4 import q4_0_to_q4_1, q4_k_to_q4_1
 from inferplane.worker.quant.q4_linear import (
     Q4Linear,
     dequantize_q4_1,
@@ -63,6 +64,27 @@ def test_q4_0_becomes_q4_1_exactly():
     raw = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_0)
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_0)
     assert np.array_equal(dequantize_q4_1(q4_0_to_q4_1(raw, 32, 64)).numpy(), expected)
+
+
+def test_q4_k_becomes_q4_1_blocks_with_the_files_nibbles():
+    """Q4_K's 6-bit block scales and mins times the super-block's d and dmin, rounded to float16:
+    every weight within 2^-11 of its block's largest scale and minimum terms."""
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(1)
+    rows, cols = 8, 512
+    raw = rng.integers(0, 256, size=(rows, cols // 256 * 144), dtype=np.uint8)
+    for r in range(rows):
+        for super_block in range(cols // 256):
+            start = super_block * 144
+            for offset in (0, 2):  # d and dmin: small positive float16, as quantizers write them
+                value = np.float16(rng.uniform(0.001, 0.01))
+                raw[r, start + offset:start + offset + 2] = np.frombuffer(value.tobytes(), np.uint8)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    assert np.array_equal(dequantize("Q4_K", raw, (rows, cols)).numpy(), expected)  # the loader: exact
+    got = dequantize_q4_1(q4_k_to_q4_1(raw, rows, cols)).numpy()
+    bound = 2**-11 * (15 * 63 * 0.01 + 63 * 0.01)
+    assert np.abs(got - expected).max() <= bound
+    assert np.abs(expected).max() > 1.0  # the comparison is not between near-zero tensors
 
 
 def test_the_scale_test_hook_scales_every_weight():

@@ -15,7 +15,7 @@ import torch
 from inferplane.worker.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError, gguf_value
 
 # Block layouts (ggml): Q4_0 = f16 scale + 16 bytes of nibbles (32 weights);
-# Q4_1 = f16 scale + f16 min + 16 bytes; Q8_0 = f16 scale + 32 int8.
+# Q4_1 = f16 scale + f16 min + 16 bytes; Q8_0 = f16 scale + 32 int8; Q4_K: see _dequant_q4_k.
 _BLOCK = 32
 
 
@@ -46,7 +46,34 @@ def _dequant_q4_1(raw: np.ndarray) -> torch.Tensor:
     return _nibbles(blocks[:, 4:]) * scale + minimum
 
 
-_QUANTIZED = {"Q8_0": _dequant_q8_0, "Q4_0": _dequant_q4_0, "Q4_1": _dequant_q4_1}
+def q4_k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 bytes of 6-bit (scale, min) pairs -> [..., 8] scales and mins (ggml's get_scale_min_k4)."""
+    s = packed.to(torch.int32)
+    first, second, third = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    scales = torch.cat([first & 63, (third & 0xF) | ((first >> 6) << 4)], dim=-1)
+    mins = torch.cat([second & 63, (third >> 4) | ((second >> 6) << 4)], dim=-1)
+    return scales, mins
+
+
+def q4_k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K's 128 bytes -> [..., 8, 32] values: blocks 2k and 2k + 1 are the low and high nibbles of
+    the same 32 bytes."""
+    chunks = qs.reshape(*qs.shape[:-1], 4, 32)
+    return torch.stack([chunks & 0x0F, chunks >> 4], dim=-2).reshape(*qs.shape[:-1], 8, 32)
+
+
+def _dequant_q4_k(raw: np.ndarray) -> torch.Tensor:
+    # Super-blocks of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles;
+    # w = d * scale_j * q - dmin * min_j for block j of 32.
+    blocks = torch.from_numpy(raw.reshape(-1, 144).copy())
+    d = blocks[:, :2].contiguous().view(torch.float16).float()
+    dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    scales, mins = q4_k_scales(blocks[:, 4:16])
+    values = q4_k_nibbles(blocks[:, 16:]).float()
+    return values * (d * scales.float())[..., None] - (dmin * mins.float())[..., None]
+
+
+_QUANTIZED = {"Q8_0": _dequant_q8_0, "Q4_0": _dequant_q4_0, "Q4_1": _dequant_q4_1, "Q4_K": _dequant_q4_k}
 
 
 def dequantize(type_name: str, raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
@@ -61,7 +88,7 @@ def dequantize(type_name: str, raw: np.ndarray, shape: tuple[int, ...]) -> torch
     if type_name in _QUANTIZED:
         return _QUANTIZED[type_name](np.asarray(raw).view(np.uint8)).reshape(shape)
     raise ModelLoadError(
-        f"GGUF tensor type {type_name} is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)"
+        f"GGUF tensor type {type_name} is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K)"
     )
 
 

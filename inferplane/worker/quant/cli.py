@@ -1,7 +1,8 @@
 """`inferplane quant-check`: the int8 quality gate over the whole evaluation text.
 
-Loads the model in float32, makes an int8 copy the way the cpu-int8 runtime does, and compares
-them window by window. Exit status 0 when the perplexity rise is within the threshold, 1 when it is
+Loads the model in float32, makes a quantized copy the way the cpu-int8 runtime does (a GGUF
+file's Q4 blocks as they are, other linears and the output head in int8, unless told otherwise),
+and compares them window by window. Exit status 0 when the perplexity rise is within the threshold, 1 when it is
 not, 2 when the check could not run.
 """
 
@@ -16,7 +17,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="largest allowed perplexity rise, %%")
     parser.add_argument("--max-tokens", type=int, default=None, help="evaluate only this many tokens")
     parser.add_argument("--window", type=int, default=512, help="tokens per independently scored window")
-    parser.add_argument("--quantize-head", action="store_true", help="int8 output head as well")
+    parser.add_argument("--quantize-head", action=argparse.BooleanOptionalAction, default=True,
+                        help="int8 output head, as the runtime's default (--no-quantize-head: float32)")
+    parser.add_argument("--requantize-q4", action="store_true",
+                        help="a GGUF file's Q4_0/Q4_1 linears requantized to int8 instead of served as they are")
     parser.add_argument("--corrupt-scales", type=float, default=1.0, metavar="FACTOR",
                         help="multiply every int8 scale by FACTOR (a wrong quantization: the gate must fail)")
 
@@ -41,14 +45,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     int8_model = copy.deepcopy(loaded.model)
     report = convert_model(int8_model, quantize_head=args.quantize_head, scale_multiplier=args.corrupt_scales,
-                           gguf_path=loaded.path, calibration_ids=calibration_tokens(loaded))
+                           gguf_path=loaded.path, calibration_ids=calibration_tokens(loaded),
+                           q4_blocks=not args.requantize_q4)
     with report.dispatch.int8_only():  # score the int8 kernel (decode's path), not float GEMM for prefill
         result = gate.compare_models(loaded.model, int8_model, token_ids, window=args.window,
                                      threshold_pct=args.threshold_pct)
     from_blocks = f", {report.from_q8_0} straight from Q8_0 blocks" if report.from_q8_0 else ""
-    print(f"model {loaded.name}: {report.source_layers} linear layers in int8 as {len(report.layers)} "
+    if report.from_q4:
+        from_blocks += f", {report.from_q4} served from the file's Q4 blocks"
+    print(f"model {loaded.name}: {report.source_layers} linear layers as {len(report.layers)} "
           f"(q/k/v and gate/up fused){from_blocks}")
-    print(f"weights: int8 {report.int8_bytes / 2**20:.1f} MiB vs float32 "
+    print(f"weights: quantized {report.int8_bytes / 2**20:.1f} MiB vs float32 "
           f"{report.float_bytes / 2**20:.1f} MiB ({report.int8_bytes / report.float_bytes:.3f}x)")
     if args.corrupt_scales != 1.0:
         print(f"scales deliberately multiplied by {args.corrupt_scales}")
