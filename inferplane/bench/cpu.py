@@ -10,7 +10,8 @@ timing each per round, and each keeps its fastest: on a shared machine whose spe
 llama.cpp runs with as many threads as torch, on the model's own GGUF file and on a Q8_0 copy made
 by its own quantizer (the format closest to our int8). Every figure printed is measured in this
 run; the targets are the issue's, compared at the end, with the CPU flags that decide which
-kernels ran (`--isa avx2` runs our AVX2 kernels on an AVX-512 machine).
+kernels ran (`--isa avx2` runs our AVX2 kernels on an AVX-512 machine, with PyTorch's GEMM limited
+to AVX2 as well).
 """
 
 from __future__ import annotations
@@ -184,6 +185,11 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.isa:
         os.environ["INFERPLANE_NATIVE_ISA"] = args.isa
+        if args.isa.startswith("avx2"):
+            # PyTorch's float GEMM (MKL, oneDNN) limited to AVX2 too, so float32 contenders and our
+            # dequantize + GEMM prefill run as on an AVX2 machine (llama.cpp keeps its own build).
+            os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+            os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
     import torch
 
     from inferplane.worker import native
@@ -200,6 +206,9 @@ def main(argv: list[str]) -> int:
     print(f"model {args.model}; torch {torch.__version__}, {threads} threads, {os.cpu_count()} CPUs; "
           f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens per sequence")
     print(_cpu_summary())
+    limited = {k: os.environ[k] for k in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA") if k in os.environ}
+    if limited:
+        print("PyTorch's GEMM limited to: " + ", ".join(f"{k}={v}" for k, v in limited.items()))
 
     loads: dict[str, float] = {}
     start = time.perf_counter()
