@@ -58,6 +58,21 @@ def test_q4_1_linear_equals_its_reference(isa_kernels, rows, out_features, in_fe
                                reference_linear(strided, blocks, None), rtol=1e-5, atol=1e-4)
 
 
+def test_q4_1_linear_is_exact_at_the_largest_sums(isa_kernels):  # noqa: F811
+    """Every weight 15 (or 0) and every input 127 (or -127): the plain AVX2 build sums a block's
+    vpmaddubsw pairs in int16 (at most 8 x 2 x 15 x 127 = 30480) before widening; nothing wraps."""
+    weight = torch.ones(16, 64)
+    weight[:, ::32] = 0.0  # each block's minimum 0 and maximum 1: q = 15 for the other 31 inputs
+    blocks = quantize_q4_1(weight)
+    nibbles = blocks.reshape(16, 2, 20)[..., 4:]
+    assert ((nibbles & 0x0F)[..., 1:] == 15).all() and ((nibbles >> 4) == 15).all()
+    for sign in (1.0, -1.0):
+        x = torch.full((3, 64), sign)
+        got = isa_kernels.q4_1_linear(x, native.pack_q4_1(blocks), None)
+        torch.testing.assert_close(got, reference_linear(x, blocks, None), rtol=0, atol=1e-4)
+        assert torch.allclose(got, torch.full((3, 16), 62.0 * sign), rtol=1e-3)
+
+
 def test_q4_0_becomes_q4_1_exactly():
     gguf = pytest.importorskip("gguf")
     weight = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)

@@ -510,6 +510,14 @@ static inline vf vq_to_float(vq v) { return _mm256_cvtepi32_ps(v); }
 static inline vf vf_load_half(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #endif
 
+/* Plain AVX2 sums the vpmaddubsw pairs of a whole block in int16 and widens them once per block:
+ * a pair is at most 2 * 15 * 127 = 3810, a block's eight at most 30480 < 32768. */
+#if IP_AVX512 || IP_AVX2_VNNI
+#define Q4_INT16_SUMS 0
+#else
+#define Q4_INT16_SUMS 1
+#endif
+
 /* Q4_LANES channels (vector `c` of a 16-channel group) for MR quantized input rows. */
 static inline __attribute__((always_inline)) void q4_tile(
         const int8_t *q, const float *dx, const float *sx, int64_t k, int mr, const uint8_t *group, int c,
@@ -530,10 +538,19 @@ static inline __attribute__((always_inline)) void q4_tile(
 #pragma GCC unroll 4
             for (int r = 0; r < mr; r++) {
                 const int8_t *xr = q + r * k + b * Q4_BLOCK + p * 8;
+#if Q4_INT16_SUMS
+                iacc[r] = _mm256_add_epi16(iacc[r], _mm256_maddubs_epi16(w0, vq_set1(load_i32(xr))));
+                iacc[r] = _mm256_add_epi16(iacc[r], _mm256_maddubs_epi16(w1, vq_set1(load_i32(xr + 4))));
+#else
                 iacc[r] = vq_dot(iacc[r], w0, vq_set1(load_i32(xr)));
                 iacc[r] = vq_dot(iacc[r], w1, vq_set1(load_i32(xr + 4)));
+#endif
             }
         }
+#if Q4_INT16_SUMS
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) iacc[r] = _mm256_madd_epi16(iacc[r], _mm256_set1_epi16(1));
+#endif
         const vf dv = vf_load_half(blk + 256 + c * Q4_LANES * 2);
         const vf mv = vf_load_half(blk + 256 + 32 + c * Q4_LANES * 2);
 #pragma GCC unroll 4
