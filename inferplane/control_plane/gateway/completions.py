@@ -20,8 +20,7 @@ from inferplane.control_plane.gateway.context import GatewayContext
 from inferplane.control_plane.gateway.errors import error_response, sse_error
 from inferplane.control_plane.gateway.inference import ChatTools, PreparedRequest
 from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest
-from inferplane.control_plane.gateway.structured_outputs import tool_calls
-from inferplane.control_plane.gateway.tool_formats import parse_calls, template_messages
+from inferplane.control_plane.gateway.tool_formats import held_answer, template_messages
 from inferplane.v1 import worker_pb2
 
 # A stream whose first token has not come this soon gets its headers anyway, then a comment every
@@ -215,13 +214,11 @@ class _ChatShape(_Shape):
 
     def _answer(self, text: str, reason: str | None) -> tuple[str | None, list[dict] | None, str | None]:
         """(content, tool_calls, finish_reason) of a whole answer."""
-        if self.calling:
-            calls = tool_calls(text) if reason == "stop" else None
-            return (None, calls, "tool_calls") if calls else (text, None, reason)
-        if self.parsing:
-            content, calls = parse_calls(text, self.prepared.tool_format, self.tool_names)
-            return (content, calls, "tool_calls") if calls else (text, None, reason)
-        return text, None, reason
+        if not (self.calling or self.parsing):
+            return text, None, reason
+        content, calls, reason = held_answer(text, reason, forced=self.calling, fmt=self.prepared.tool_format,
+                                             names=self.tool_names)
+        return content, calls or None, reason
 
     def whole_choice(self, index: int, result: _Collected) -> dict:
         content, calls, reason = self._answer("".join(result.text), _reason(result.final))

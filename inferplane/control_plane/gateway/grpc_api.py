@@ -21,8 +21,7 @@ from inferplane.control_plane.gateway.context import GatewayContext, bearer
 from inferplane.control_plane.gateway.errors import GatewayError, as_error, validation_message
 from inferplane.control_plane.gateway.inference import ChatTools
 from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest
-from inferplane.control_plane.gateway.structured_outputs import tool_calls
-from inferplane.control_plane.gateway.tool_formats import parse_calls
+from inferplane.control_plane.gateway.tool_formats import held_answer
 from inferplane.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
 
 MAX_STOP_TOKEN_IDS = 64
@@ -124,9 +123,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                                                         n=body.n, tools=offered, **prompt)
             # A forced call, or tool_choice auto with a template that has a tool-call format: the
             # choice's text is held back and answered whole, with its calls.
-            parse = (lambda text: _parsed(text, prepared.tool_format, {t.name for t in tools})) if (
-                chat and body.auto_tools and prepared.tool_format is not None) else None
-            calling = chat and (body.forced_tools is not None or parse is not None)
+            forced = chat and body.forced_tools is not None
+            calling = forced or (chat and body.auto_tools and prepared.tool_format is not None)
+            names = {t.name for t in tools}
             held: dict[int, list[str]] = {}
             with self.ctx.inference.settled_on_error(prepared):
                 worker_params = body.sampling_params(prepared.max_tokens, want_logprobs=params.logprobs)
@@ -145,7 +144,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     if msg.finished:
                         out.usage.CopyFrom(msg.usage)
                         if calling:
-                            _answer_call(out, "".join(held.pop(msg.index, [])), parse)
+                            _answer_call(out, "".join(held.pop(msg.index, [])), forced, prepared.tool_format, names)
                     elif calling and not params.logprobs:
                         continue
                     yield out
@@ -170,22 +169,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             yield out
 
 
-def _parsed(text: str, fmt: str | None, names: set[str]) -> tuple[str, list[dict]]:
-    content, calls = parse_calls(text, fmt, names)
-    return content or "", calls
-
-
-def _answer_call(out: inference_pb2.CompleteResponse, text: str, parse=None) -> None:
-    """A finished choice whose text was held back: its tool_calls (a forced call's JSON, or calls
-    parsed from the template's format), or, with none (or cut off before the JSON closed), its text."""
-    if parse is not None:
-        content, calls = parse(text)
-    else:
-        content, calls = "", tool_calls(text) if out.finish_reason == "stop" else None
-    if not calls:
-        out.text = text
-        return
-    out.text = content
-    out.finish_reason = "tool_calls"
+def _answer_call(out: inference_pb2.CompleteResponse, text: str, forced: bool, fmt: str | None,
+                 names: set[str]) -> None:
+    """A finished choice whose text was held back: its tool_calls, or, with none (or cut off before
+    the call closed), its text (tool_formats.held_answer)."""
+    content, calls, out.finish_reason = held_answer(text, out.finish_reason, forced=forced, fmt=fmt, names=names)
+    out.text = content or "" if calls else text
     for call in calls:
         out.tool_calls.add(id=call["id"], name=call["function"]["name"], arguments_json=call["function"]["arguments"])

@@ -16,6 +16,8 @@ import re
 import uuid
 from typing import Any
 
+from inferplane.control_plane.gateway.structured_outputs import tool_calls
+
 HERMES = "hermes"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -82,3 +84,17 @@ def _call_object(body: str, names: set[str]) -> dict[str, Any] | None:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": call["name"],
                          "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
+
+
+def held_answer(text: str, reason: str | None, *, forced: bool, fmt: str | None,
+                names: set[str]) -> tuple[str | None, list[dict[str, Any]], str | None]:
+    """(content, tool_calls, finish_reason) of an answer held back for its calls, as REST and gRPC
+    both answer it: a forced call's JSON (whole only when the generation stopped, not cut off), or
+    calls in the template's format `fmt`; with none, the text as written and the reason unchanged."""
+    if forced:
+        content, calls = None, (tool_calls(text) if reason == "stop" else None) or []
+    else:
+        content, calls = parse_calls(text, fmt, names)
+    if not calls:
+        return text, [], reason
+    return content, calls, "tool_calls"

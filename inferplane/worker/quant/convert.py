@@ -45,7 +45,7 @@ class ConversionReport:
     dispatch: Int8Dispatch = field(default_factory=Int8Dispatch)
     source_layers: int = 0  # nn.Linear layers converted (fused ones count each)
     from_q8_0: int = 0  # of those, built directly from GGUF Q8_0 blocks
-    from_q4: int = 0  # of those, served from the file's own Q4_0/Q4_1 blocks (Q4Linear)
+    from_q4: int = 0  # of those, served from the file's own Q4_0/Q4_1/Q4_K blocks (Q4Linear)
     float_bytes: int = 0  # what the converted layers took as float32
     packed: int = 0  # layers moved to the C kernel's layout (worker/native)
 
@@ -109,7 +109,7 @@ def convert_model(model: nn.Module, *, quantize_head: bool = False, scale_multip
                   measure_dispatch: bool = True, pack: bool = True, q4_blocks: bool = False) -> ConversionReport:
     """Replaces the model's linear layers with Int8Linear in place.
 
-    With `q4_blocks`, layers the GGUF file stores as Q4_0/Q4_1 become Q4Linear over those very
+    With `q4_blocks`, layers the GGUF file stores as Q4_0/Q4_1/Q4_K become Q4Linear over those very
     blocks (a 4-bit model stays 4-bit, and its weights are exactly the file's); smoothing is then
     off, since it would change them. Needs the C kernels; without them this falls back to int8.
 
