@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from inferplane.worker import native
+
 MAX_N = 128  # OpenAI's bound on choices per request
 
 
@@ -163,6 +165,13 @@ def given_token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> l
             for i, lp in enumerate(chosen)]
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of a [rows, vocab] tensor, by the C kernel for float32 on the CPU
+    (PyTorch's took 0.7 ms of a 16-row SmolLM2 step there, the kernel about 0.05)."""
+    kernels = native.kernels() if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 else None
+    return kernels.argmax_rows(x) if kernels is not None else x.argmax(dim=-1)
+
+
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[History]) -> None:
     """Applies each row's penalties, bias and min_tokens mask in place (see the module docstring)."""
     vocab = logits.shape[-1]
@@ -204,7 +213,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         from inferplane.worker.structured import apply_masks
 
         apply_masks(logits, grammars)
-    chosen = logits.argmax(dim=-1)
+    chosen = argmax_rows(logits)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
@@ -217,7 +226,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         # Exponential-race sampling (argmax of p / Exp(1)) equals drawing from p; the noise comes
         # from each request's own generator, so the draw does not depend on the batch.
         noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=generators[i]) for i in random_rows])
-        chosen[rows] = (probs / noise).argmax(dim=-1)
+        chosen[rows] = argmax_rows(probs / noise)
     result = Sampled(chosen.tolist())
     if raw is not None:
         result.logprobs = raw.gather(-1, chosen[:, None]).squeeze(-1).tolist()

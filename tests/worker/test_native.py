@@ -211,6 +211,21 @@ def test_silu_mul_matches_pytorch_including_saturated_gates(isa_kernels):
     assert torch.isfinite(got).all()
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 16, 49152, 49157])  # tails shorter than a vector, and none
+def test_argmax_rows_is_torchs_argmax_with_ties_infinities_and_nans(isa_kernels, vocab):
+    torch.manual_seed(vocab)
+    rows = torch.randn(9, vocab)
+    rows[1] = float("-inf")  # a row the grammar masked whole: index 0, as torch says
+    rows[2, : vocab // 2] = 3.0  # ties: the first wins
+    rows[3, -1] = float("inf")
+    rows[4, vocab // 3] = float("nan")  # NaN counts as largest, the first one wins
+    rows[4, -1] = float("nan")
+    rows[5, -1] = 50.0  # the maximum in the tail or the last vector
+    rows[6] = -rows[6].abs() - 1  # all negative
+    for x in (rows, torch.cat([rows, rows], dim=1)[:, :vocab]):  # contiguous, and rows further apart
+        assert torch.equal(isa_kernels.argmax_rows(x), x.argmax(dim=-1))
+
+
 def test_rope_and_kv_store_in_one_pass_match_the_pytorch_ops(isa_kernels):
     from inferplane.worker.attention import store_kv
     from inferplane.worker.model.llama import rope
@@ -290,10 +305,10 @@ def test_every_isa_generates_what_pytorch_generates(tiny_llama, isa_kernels, mon
 
 
 def test_the_fused_decoder_layer_gives_the_op_by_op_results(tiny_llama, isa_kernels, monkeypatch):
-    """ip_decode_layer runs the same kernels in the same order as the layer's Python: the same tokens
+    """ip_decode_layers runs the same kernels in the same order as the layer's Python: the same tokens
     and the same logprobs, for decode batches of sequences with different context lengths."""
     from inferplane.worker.llm import LLM
-    from inferplane.worker.model import llama
+    from inferplane.worker.model import fused_decode
     from inferplane.worker.sampling import SamplingParams
     from tests.worker.conftest import prompts_of_lengths
 
@@ -303,9 +318,9 @@ def test_the_fused_decoder_layer_gives_the_op_by_op_results(tiny_llama, isa_kern
     llm = LLM(tiny_llama, runtime="cpu-int8", device="cpu", num_kv_blocks=64, skip_quality_gate=True,
               kv_manager="paged")
     calls = []
-    real = isa_kernels.decode_layer
-    monkeypatch.setattr(isa_kernels, "decode_layer", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k)))
+    real = isa_kernels.decode_layers
+    monkeypatch.setattr(isa_kernels, "decode_layers", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k)))
     fused = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
     assert calls and max(calls) == len(prompts)  # decode steps of the whole batch took the fused path
-    monkeypatch.setattr(llama.DecoderLayer, "_fused_decode", lambda *a, **k: None)
+    monkeypatch.setattr(fused_decode.FusedDecode, "forward", lambda *a, **k: None)
     assert fused == [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]

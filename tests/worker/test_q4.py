@@ -136,7 +136,7 @@ def _as_q4(llm) -> int:
 
 def test_the_fused_decoder_layer_over_q4_layers_gives_the_op_by_op_results(tiny_llama, isa_kernels, monkeypatch):  # noqa: F811
     from inferplane.worker.llm import LLM
-    from inferplane.worker.model import llama
+    from inferplane.worker.model import fused_decode
     from inferplane.worker.sampling import SamplingParams
     from tests.worker.conftest import prompts_of_lengths
 
@@ -146,11 +146,11 @@ def test_the_fused_decoder_layer_over_q4_layers_gives_the_op_by_op_results(tiny_
     prompts = prompts_of_lengths([3, 17, 40, 9], 320, seed=6)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True)
     calls = []
-    real = isa_kernels.decode_layer
-    monkeypatch.setattr(isa_kernels, "decode_layer", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k)))
+    real = isa_kernels.decode_layers
+    monkeypatch.setattr(isa_kernels, "decode_layers", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k)))
     fused = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
     assert calls and max(calls) == len(prompts)
-    monkeypatch.setattr(llama.DecoderLayer, "_fused_decode", lambda *a, **k: None)
+    monkeypatch.setattr(fused_decode.FusedDecode, "forward", lambda *a, **k: None)
     assert fused == [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
 
 

@@ -16,10 +16,12 @@ from torch import nn
 from inferplane.worker import native
 from inferplane.worker.attention import AttentionBatch, PagedKVCache, paged_attention, store_kv
 from inferplane.worker.model.config import ModelConfig, ModelLoadError
+from inferplane.worker.model.fused_decode import FusedDecode
+from inferplane.worker.model.structure import WatchedModule
 from inferplane.worker.native.choice import NEVER, crossover
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(WatchedModule):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -95,7 +97,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
-class Attention(nn.Module):
+class Attention(WatchedModule):
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
         # A weight format may replace q/k/v_proj by one fused layer (quant/convert.py): one matmul, not three.
@@ -135,7 +137,7 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(t, -1))
 
 
-class MLP(nn.Module):
+class MLP(WatchedModule):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.gate_up_proj: nn.Module | None = None  # fused gate and up, like Attention.qkv_proj
@@ -154,7 +156,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(WatchedModule):
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
         self.self_attn = Attention(config, layer_index)
@@ -163,48 +165,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, rope_tables, cache, batch):
-        fused = self._fused_decode(x, rope_tables, cache, batch)
-        if fused is not None:
-            return fused
         x, h = self.post_attention_layernorm.add_and_norm(
             x, self.self_attn(self.input_layernorm(x), rope_tables, cache, batch))
         return x + self.mlp(h)
 
-    def _fused_decode(self, x, rope_tables, cache, batch) -> torch.Tensor | None:
-        """The whole layer in one C call (native ip_decode_layer), for a step of decode rows only
-        whose four linear layers are packed int8 or Q4_1 and use their kernel at this row count; None
-        where any of that does not hold (the layer then runs op by op, with the same kernels)."""
-        attn, mlp = self.self_attn, self.mlp
-        if batch.num_decodes != x.shape[0] or batch.prefills or x.dim() != 2:
-            return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        rows = x.shape[0]
-        operands = []
-        for layer in linears:  # packed Int8Linear or Q4Linear, on its kernel at this row count
-            found = layer.fused_operands() if hasattr(layer, "fused_operands") else None
-            if found is None or rows >= layer.float_rows():
-                return None
-            operands.append(found)
-        kernels = native.kernels()
-        k_cache, v_cache = cache.layer(attn.layer_index)
-        if (kernels is None or not kernels.has_int8_linear or attn.head_dim > 512
-                or not native.float32_rows(x, *rope_tables, k_cache, v_cache,
-                                           self.input_layernorm.weight, self.post_attention_layernorm.weight)
-                # (x stands in for q here: the check is on the caches' and tables' dtypes and layout)
-                or not kernels.decode_attention_applies(x.view(rows, 1, -1), k_cache, batch.decode_block_tables,
-                                                        batch.decode_context_lens)):
-            return None
-        x = x.contiguous()
-        kernels.decode_layer(
-            x, (self.input_layernorm.weight, self.post_attention_layernorm.weight), self.input_layernorm.eps,
-            tuple(operands),
-            (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.gate_up_proj.out_features // 2),
-            rope_tables, batch.slot_mapping, k_cache, v_cache, batch.decode_block_tables,
-            batch.decode_context_lens, attn.scale)
-        return x
 
-
-class LlamaBody(nn.Module):
+class LlamaBody(WatchedModule):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -222,12 +188,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
         self.head_torch_from_rows = NEVER  # set by measure_head_kernel: PyTorch's head from here on
+        self.fused_decode = FusedDecode(config, self.model)  # decode steps in one C call, where they can
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                 batch: AttentionBatch) -> torch.Tensor:
         """Returns final hidden states [T, hidden]; logits are computed only for sampled rows."""
         x = self.model.embed_tokens(input_ids)
         rope_tables = self.rotary(positions, x.dtype)
+        fused = self.fused_decode.forward(x, rope_tables, cache, batch) if x.device.type == "cpu" else None
+        if fused is not None:
+            return self.model.norm(fused)
         for layer in self.model.layers:
             x = layer(x, rope_tables, cache, batch)
         return self.model.norm(x)

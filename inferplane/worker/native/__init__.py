@@ -49,7 +49,7 @@ ISA_BUILDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
 }
 # What each kernel is called in stats, metrics and bench output.
 KERNEL_NAMES = ("int8_linear", "q4_1_linear", "f32_linear", "decode_attention", "rms_norm", "silu_mul",
-                "rope_store_kv")
+                "rope_store_kv", "argmax")
 _FEATURE_INT8_LINEAR = 1
 _FEATURE_F32_LINEAR = 2
 _FEATURE_Q4_1_LINEAR = 4
@@ -57,6 +57,15 @@ Q4_1_BLOCK = 32  # inputs per GGUF Q4_1 block
 Q4_1_BYTES = 20  # float16 scale + float16 minimum + 16 bytes of 4-bit values
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class LayerWeights(ctypes.Structure):
+    """One decoder layer as ip_decode_layers reads it (kernels.c's ip_layer_weights): the norms, the
+    four linears (qkv, o, gate_up, down) as packed int8 weight + scale, or Q4_1 blocks with a NULL
+    scale, biases or NULL, and the layer's K and V caches."""
+
+    _fields_ = [("norm1", _P), ("norm2", _P), ("w", _P * 4), ("s", _P * 4), ("bias", _P * 4),
+                ("k_cache", _P), ("v_cache", _P)]
 
 
 class NativeKernels:
@@ -84,12 +93,14 @@ class NativeKernels:
         lib.ip_rms_norm.argtypes = [_P, _P, _I, _I, _P, ctypes.c_float, _P]
         lib.ip_rms_norm.restype = None
         lib.ip_silu_mul.argtypes = [_P, _I, _I, _P]
+        lib.ip_argmax_rows.argtypes = [_P, _I, _I, _I, _P]
+        lib.ip_argmax_rows.restype = None
         lib.ip_silu_mul.restype = None
         lib.ip_rope_store_kv.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P]
         lib.ip_rope_store_kv.restype = None
-        lib.ip_decode_layer.argtypes = [_P, _I, _I, _P, _P, ctypes.c_float, *([_P] * 12), _I, _I, _I, _I,
-                                        _P, _P, _P, _P, _P, _I, _P, _I, _P, ctypes.c_float]
-        lib.ip_decode_layer.restype = ctypes.c_int
+        lib.ip_decode_layers.argtypes = [_P, _I, _I, _P, _I, ctypes.c_float, _I, _I, _I, _I, _P, _P, _P, _I, _P,
+                                         _I, _P, ctypes.c_float]
+        lib.ip_decode_layers.restype = ctypes.c_int
         features = lib.ip_features()
         self.has_int8_linear = bool(features & _FEATURE_INT8_LINEAR)
         self.has_f32_linear = bool(features & _FEATURE_F32_LINEAR)
@@ -176,6 +187,16 @@ class NativeKernels:
         self._lib.ip_silu_mul(gate_up.data_ptr(), m, width // 2, out.data_ptr())
         return out
 
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, N] float32 on the CPU (rows may be strided) -> int64 [M]: torch.argmax(x, dim=-1)'s
+        answer (the first maximum; the first NaN where a row has one)."""
+        m, n = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(m, dtype=torch.int64)
+        self._lib.ip_argmax_rows(x.data_ptr(), m, n, x.stride(0), out.data_ptr())
+        return out
+
     def rope_store_kv(self, qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor,
                       signed_sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor) -> None:
@@ -199,25 +220,19 @@ class NativeKernels:
         _check(rc, "ip_paged_decode_attention")
         return out
 
-    def decode_layer(self, x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps: float,
-                     linears: tuple, shape: tuple[int, int, int, int], rope_tables: tuple[torch.Tensor, torch.Tensor],
-                     slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float) -> None:
-        """A whole decoder layer for decode rows, x [B, hidden] updated in place (ip_decode_layer).
-        `linears`: (packed weight, scale, bias or None) for qkv, o, gate_up and down; a scale of
-        None means the weight is Q4_1 blocks (q4_1_linear's);
-        `shape`: (heads, kv_heads, head_dim, intermediate)."""
+    def decode_layers(self, x: torch.Tensor, layers: ctypes.Array, eps: float, shape: tuple[int, int, int, int],
+                      rope_tables: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, block_size: int,
+                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> None:
+        """Consecutive decoder layers for decode rows in one call (ip_decode_layers), x [B, hidden]
+        updated in place. `layers`: a ctypes array of LayerWeights (the caller keeps the tensors
+        they point to alive); `shape`: (heads, kv_heads, head_dim, intermediate)."""
         b, hidden = x.shape
         heads, kv_heads, d, inter = shape
-        flat = [t for packed, scale, bias in linears
-                for t in (packed.data_ptr(), None if scale is None else scale.data_ptr(),
-                          None if bias is None else bias.data_ptr())]
-        rc = self._lib.ip_decode_layer(
-            x.data_ptr(), b, hidden, norms[0].data_ptr(), norms[1].data_ptr(), eps, *flat, heads, kv_heads, d, inter,
-            rope_tables[0].data_ptr(), rope_tables[1].data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
-            v_cache.data_ptr(), k_cache.shape[1], block_tables.data_ptr(), block_tables.shape[1],
-            context_lens.data_ptr(), scale)
-        _check(rc, "ip_decode_layer")
+        rc = self._lib.ip_decode_layers(
+            x.data_ptr(), b, hidden, ctypes.addressof(layers), len(layers), eps, heads, kv_heads, d, inter,
+            rope_tables[0].data_ptr(), rope_tables[1].data_ptr(), slots.data_ptr(), block_size,
+            block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), scale)
+        _check(rc, "ip_decode_layers")
 
     def decode_attention_applies(self, q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
                                  context_lens: torch.Tensor) -> bool:

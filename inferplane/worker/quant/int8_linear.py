@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from inferplane.worker import native
+from inferplane.worker.model.structure import WatchedModule
 from inferplane.worker.native.choice import NEVER
 
 QMAX = 127  # symmetric: -127..127, so that negating a weight never overflows
@@ -72,31 +73,36 @@ class Int8Dispatch:
         # packed (and Q4_1) layers: from how many rows float32 GEMM over the dequantized weight is
         # faster, by (in, out, weight kind)
         self.float_from: dict[tuple[int, int, str], int] = {}
+        self.version = 0  # bumped by every change above: what is cached by row count is then stale
 
     def min_rows(self, in_features: int, out_features: int) -> int:
         return self.thresholds.get((in_features, out_features), self.default_min_rows)
 
     def set(self, in_features: int, out_features: int, min_rows: int) -> None:
         self.thresholds[(in_features, out_features)] = min_rows
+        self.version += 1
 
     def float_min_rows(self, in_features: int, out_features: int, kind: str = "int8") -> int:
         return self.float_from.get((in_features, out_features, kind), NEVER)
 
     def set_float_from(self, in_features: int, out_features: int, rows: int, kind: str = "int8") -> None:
         self.float_from[(in_features, out_features, kind)] = rows
+        self.version += 1
 
     @contextlib.contextmanager
     def int8_only(self) -> Iterator[None]:
         """Packed (and Q4_1) layers use their kernel for every row count inside (the quality gate
         measures that path: decode always takes it)."""
         saved, self.float_from = self.float_from, {}
+        self.version += 1
         try:
             yield
         finally:
             self.float_from = saved
+            self.version += 1
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(WatchedModule):
     """Drop-in replacement for `nn.Linear` (same call signature, float32 in and out)."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,

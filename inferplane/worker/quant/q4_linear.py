@@ -12,9 +12,9 @@ nothing to a second quantization; the only rounding is the input's, per block of
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from inferplane.worker import native
+from inferplane.worker.model.structure import WatchedModule
 from inferplane.worker.quant.int8_linear import Int8Dispatch
 
 BLOCK = native.Q4_1_BLOCK
@@ -69,7 +69,7 @@ def reference_linear(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor |
     return y if bias is None else y + bias
 
 
-class Q4Linear(nn.Module):
+class Q4Linear(WatchedModule):
     """y = x W^T + b with W held as Q4_1 blocks in the C kernel's layout (native.pack_q4_1).
 
     Same interface as a packed Int8Linear where the start-up measurement, the quality gate and

@@ -1,0 +1,80 @@
+"""The whole-model fused decode (model/fused_decode.py, native ip_decode_layers): one C call per
+decode step, the same bits as the layers op by op, its pointer plan built once and rebuilt when a
+layer's modules change, and runs of fusable layers around one that must run op by op."""
+
+from __future__ import annotations
+
+import pytest
+
+from inferplane.worker.model import fused_decode
+from inferplane.worker.quant.int8_linear import Int8Linear
+from inferplane.worker.quant.q4_linear import Q4Linear, quantize_q4_1
+from inferplane.worker.sampling import SamplingParams
+from tests.worker.conftest import prompts_of_lengths
+from tests.worker.test_native import isa_kernels  # noqa: F401 (the fixture: every ISA build here)
+
+PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True)
+
+
+def _llm(path):
+    from inferplane.worker.llm import LLM
+
+    # paged: a radix cache would serve a second run's prompts from the first run's KV
+    return LLM(path, runtime="cpu-int8", device="cpu", num_kv_blocks=64, skip_quality_gate=True, kv_manager="paged")
+
+
+def _record_calls(kernels, monkeypatch) -> list[tuple[int, int]]:
+    """(rows, layers) of every ip_decode_layers call from here on."""
+    calls = []
+    real = kernels.decode_layers
+    monkeypatch.setattr(kernels, "decode_layers",
+                        lambda x, layers, *a, **k: (calls.append((x.shape[0], len(layers))), real(x, layers, *a, **k)))
+    return calls
+
+
+def _op_by_op(llm, prompts, monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setattr(fused_decode.FusedDecode, "forward", lambda *a, **k: None)
+        return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, PARAMS)]
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])  # qwen2: biases on q, k and v
+def test_a_decode_step_is_one_call_whose_plan_is_built_once(model, request, isa_kernels, monkeypatch):  # noqa: F811
+    llm = _llm(request.getfixturevalue(model))
+    plan = llm.engine.loaded.model.fused_decode
+    prompts = prompts_of_lengths([3, 17, 40, 9], 320, seed=5)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    builds = plan.builds
+    calls = _record_calls(isa_kernels, monkeypatch)
+    fused = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, PARAMS)]
+    assert calls and {layers for _, layers in calls} == {3}  # every layer in the one call
+    assert max(rows for rows, _ in calls) == len(prompts)
+    assert plan.builds == builds  # steps and requests reuse it: nothing reassigns a module while serving
+    assert fused == _op_by_op(llm, prompts, monkeypatch)
+
+
+def test_a_swapped_layer_rebuilds_the_plan_and_a_layer_off_its_kernel_runs_op_by_op(tiny_llama, isa_kernels,  # noqa: F811
+                                                                                     monkeypatch):
+    """Layer 1 made Q4_1 after the plan was built: the plan is rebuilt (the old one points at the
+    int8 weights). With Q4_1 layers set to float GEMM from 2 rows, batch steps run layer 0 fused,
+    layer 1 op by op and layer 2 fused, and give what every layer op by op gives."""
+    llm = _llm(tiny_llama)
+    plan = llm.engine.loaded.model.fused_decode
+    prompts = prompts_of_lengths([3, 17, 40, 9], 320, seed=7)
+    llm.generate(prompts[:2], PARAMS)
+    builds = plan.builds
+    layer = llm.engine.loaded.model.model.layers[1]
+    for owner, attr in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                        (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+        current = getattr(owner, attr)
+        assert isinstance(current, Int8Linear)
+        setattr(owner, attr, Q4Linear(quantize_q4_1(current.dequantized_weight()), current.in_features,
+                                      current.bias, current.dispatch))
+        current.dispatch.set_float_from(current.in_features, current.out_features, 2, "q4_1")
+    calls = _record_calls(isa_kernels, monkeypatch)
+    fused = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, PARAMS)]
+    assert plan.builds == builds + 1
+    assert {(rows, layers) for rows, layers in calls if rows >= 2} == {(rows, 1) for rows, _ in calls if rows >= 2}
+    assert {layers for rows, layers in calls if rows == 1} <= {3}  # below the crossover: all three fused
+    assert max(rows for rows, _ in calls) == len(prompts)
+    assert fused == _op_by_op(llm, prompts, monkeypatch)
