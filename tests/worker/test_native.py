@@ -131,10 +131,12 @@ def _decode_case(lengths: list[int], heads: int, kv_heads: int, dim: int = 32, b
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (9, 3)])
-def test_paged_decode_attention_equals_gather_and_sdpa(isa_kernels, heads, kv_heads, monkeypatch):
-    q, k_cache, v_cache, batch = _decode_case([1, 4, 5, 13, 40], heads, kv_heads)
+@pytest.mark.parametrize("dim", [12, 24, 32, 72])  # no vectors, 3 of 8, one group of 4, 4 + 4 + 1
+@pytest.mark.parametrize("lengths", [[1, 4, 5, 13, 40], [19]])  # a task per sequence; per query head
+def test_paged_decode_attention_equals_gather_and_sdpa(isa_kernels, heads, kv_heads, dim, lengths, monkeypatch):
+    q, k_cache, v_cache, batch = _decode_case(lengths, heads, kv_heads, dim)
     kv = q[:, :kv_heads]  # this step's k, v: only prefills read them
-    scale = 32**-0.5
+    scale = dim**-0.5
     got = paged_attention(q, kv, kv, k_cache, v_cache, batch, scale)
     monkeypatch.setattr(native, "kernels", lambda: None)
     expected = paged_attention(q, kv, kv, k_cache, v_cache, batch, scale)

@@ -779,13 +779,91 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return total;
 }
 
+#if IP_VECTOR
+/* Lane i of the result: the sum of a[i]'s eight lanes (eight dot products finished at once, where
+ * one horizontal sum per product cost more than the product's own multiply-adds). */
+static inline __m256 hsum8(const __m256 a[8]) {
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* acc[0..NV) += sum over tokens of p[t] * v[offs[t] + j], 8 floats a vector, kept in registers. */
+static inline __attribute__((always_inline)) void weighted_sum(const float *p, const int64_t *offs, int64_t len,
+                                                               const float *v, float inv, float *o, const int NV) {
+    __m256 acc[4];
+    for (int i = 0; i < NV; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        const __m256 w = _mm256_set1_ps(p[t]);
+        const float *vt = v + offs[t];
+        for (int i = 0; i < NV; i++) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * i), acc[i]);
+    }
+    for (int i = 0; i < NV; i++) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
+}
+#endif
+
+/* One task: query heads [qa, qb) of one sequence (qs: its q [heads, d]) against its len tokens, whose
+ * K and V rows start at offs[t] floats into the caches. scores: (qb - qa) * len floats of scratch.
+ * Exact softmax: scores, their maximum, exp, then the values weighted by exp and scaled by 1/sum. */
+static void attend(const float *qs, int64_t qa, int64_t qb, int64_t group, int64_t d, const float *k_cache,
+                   const float *v_cache, const int64_t *offs, int64_t len, float scale, float *scores, float *o) {
+    int64_t t0 = 0;
+#if IP_VECTOR
+    if (d % 8 == 0) {
+        /* Eight tokens at a time: their keys stay in L1 while every query head of the task reads them. */
+        for (; t0 + 8 <= len; t0 += 8)
+            for (int64_t qh = qa; qh < qb; qh++) {
+                const float *qv = qs + qh * d;
+                const int64_t head = (qh / group) * d;
+                __m256 acc[8];
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+                for (int64_t j = 0; j < d; j += 8) {
+                    const __m256 qj = _mm256_loadu_ps(qv + j);
+                    for (int i = 0; i < 8; i++)
+                        acc[i] = _mm256_fmadd_ps(qj, _mm256_loadu_ps(k_cache + offs[t0 + i] + head + j), acc[i]);
+                }
+                _mm256_storeu_ps(scores + (qh - qa) * len + t0, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+            }
+    }
+#endif
+    for (int64_t t = t0; t < len; t++)
+        for (int64_t qh = qa; qh < qb; qh++)
+            scores[(qh - qa) * len + t] = dot(qs + qh * d, k_cache + offs[t] + (qh / group) * d, d) * scale;
+    for (int64_t qh = qa; qh < qb; qh++) {
+        float *s = scores + (qh - qa) * len;
+        float top = -INFINITY;
+        for (int64_t t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
+        const float total = exp_shifted(s, len, top);
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        const float *v = v_cache + (qh / group) * d;
+        float *oh = o + qh * d;
+        int64_t j = 0;
+#if IP_VECTOR
+        if (d % 8 == 0)
+            for (; j < d; j += 32) {
+                switch ((d - j) / 8) {  /* constant vector counts keep the sums in registers */
+                    case 1: weighted_sum(s, offs, len, v + j, inv, oh + j, 1); break;
+                    case 2: weighted_sum(s, offs, len, v + j, inv, oh + j, 2); break;
+                    case 3: weighted_sum(s, offs, len, v + j, inv, oh + j, 3); break;
+                    default: weighted_sum(s, offs, len, v + j, inv, oh + j, 4); break;
+                }
+            }
+#endif
+        for (; j < d; j++) {
+            float total_j = 0.0f;
+            for (int64_t t = 0; t < len; t++) total_j += s[t] * v[offs[t] + j];
+            oh[j] = total_j * inv;
+        }
+    }
+}
+
 /* q [b, heads, d] (rows q_stride apart) attends to its sequence's first context_lens[i] tokens in
  * k_cache / v_cache [blocks, block_size, kv_heads, d], found through block_tables [b, max_blocks].
- * out [b, heads, d] (rows out_stride apart). Exact softmax in two passes over a per-thread score
- * buffer. A task is one sequence and all its KV heads, so each token's keys (and values) are read
- * as one contiguous row of kv_heads * d floats: split by head, three threads each read a third of
- * every row and the KV reads, which dominate, ran at half the memory bandwidth. With fewer
- * sequences than threads, tasks split a sequence's KV heads instead. */
+ * out [b, heads, d] (rows out_stride apart). A task is one sequence and all its heads, so each
+ * token's keys (and values) are read as one contiguous row of kv_heads * d floats (split by KV head,
+ * threads each read a part of every row and the KV reads ran at half the memory bandwidth). With
+ * fewer sequences than two per thread, a task is one query head, so that a batch of one keeps both
+ * threads busy (by KV head, three tasks on two threads left one idle a third of the time). */
 int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64_t heads, int64_t kv_heads,
                               int64_t d, const float *k_cache, const float *v_cache, int64_t block_size,
                               const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
@@ -794,58 +872,29 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
     const int64_t row = kv_heads * d;  /* floats per token in the cache */
     int64_t longest = 0;
     for (int64_t i = 0; i < b; i++) longest = context_lens[i] > longest ? context_lens[i] : longest;
-    const int64_t splits = b >= 2 * (int64_t)omp_get_max_threads() ? 1 : kv_heads;
+    const int64_t splits = b >= 2 * (int64_t)omp_get_max_threads() ? 1 : heads;
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(heads * longest + 1));
-        float *acc = (float *)malloc(sizeof(float) * (size_t)(heads * d));
-        if (!scores || !acc) {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(heads * longest + 8));
+        int64_t *offs = (int64_t *)malloc(sizeof(int64_t) * (size_t)(longest + 1));
+        if (!scores || !offs) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < b * splits; task++) {
-            if (!scores || !acc) continue;
+            if (!scores || !offs) continue;
             const int64_t seq = task / splits, part = task % splits;
-            const int64_t h0 = part * kv_heads / splits, h1 = (part + 1) * kv_heads / splits;
+            const int64_t qa = part * heads / splits, qb = (part + 1) * heads / splits;
             const int64_t len = context_lens[seq];
             const int64_t *table = block_tables + seq * max_blocks;
-            const float *qs = q + seq * q_stride;
-            for (int64_t t = 0; t < len; t++) {
-                const float *keys = k_cache + (table[t / block_size] * block_size + t % block_size) * row;
-                for (int64_t h = h0; h < h1; h++)
-                    for (int64_t g = 0; g < group; g++) {
-                        const int64_t qh = h * group + g;
-                        scores[qh * len + t] = dot(qs + qh * d, keys + h * d, d) * scale;
-                    }
-            }
-            for (int64_t qh = h0 * group; qh < h1 * group; qh++) {
-                float *s = scores + qh * len;
-                float top = -INFINITY;
-                for (int64_t t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
-                const float total = exp_shifted(s, len, top);
-                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                for (int64_t t = 0; t < len; t++) s[t] *= inv;
-            }
-            memset(acc, 0, sizeof(float) * (size_t)(heads * d));
-            for (int64_t t = 0; t < len; t++) {
-                const float *values = v_cache + (table[t / block_size] * block_size + t % block_size) * row;
-                for (int64_t h = h0; h < h1; h++)
-                    for (int64_t g = 0; g < group; g++) {
-                        const int64_t qh = h * group + g;
-                        const float p = scores[qh * len + t];
-                        const float *v = values + h * d;
-                        float *a = acc + qh * d;
-#pragma omp simd
-                        for (int64_t j = 0; j < d; j++) a[j] += p * v[j];
-                    }
-            }
-            const int64_t first = h0 * group * d, count = (h1 - h0) * group * d;
-            memcpy(out + seq * out_stride + first, acc + first, sizeof(float) * (size_t)count);
+            for (int64_t t = 0; t < len; t++) offs[t] = (table[t / block_size] * block_size + t % block_size) * row;
+            attend(q + seq * q_stride, qa, qb, group, d, k_cache, v_cache, offs, len, scale, scores,
+                   out + seq * out_stride);
         }
         free(scores);
-        free(acc);
+        free(offs);
     }
     return failed ? -2 : 0;
 }
