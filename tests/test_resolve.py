@@ -17,7 +17,8 @@ SPECS = [
     {},
     {"runtime": "radix", "resources": {"gpus": 1}, "engine": {"maxNumSeqs": 512}},
     {"resources": {"gpus": 2}, "workload": {"agent": True}, "engine": {"dtype": "float16", "kvCacheMemory": "0.5"}},
-    {"runtime": "cpu-int8", "engine": {"quantizeHead": False, "maxModelLen": 512, "blockSize": 32}},
+    {"runtime": "cpu-int8", "engine": {"quantizeHead": False, "maxModelLen": 512, "blockSize": 32,
+                                      "kvCacheDtype": "float16"}},
     {"runtime": "auto", "engine": {"quantizeHead": True, "requantizeQ4": True}},
     {"resources": {"gpus": 1}, "engine": {"quantizeHead": False, "maxNumBatchedTokens": 100, "maxNumSeqs": 50}},
 ]

@@ -142,8 +142,8 @@ class PagedKVCache:
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     heads, dim = k_cache.shape[-2:]
-    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -158,8 +158,15 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
-    """q: [T, heads, d]; k, v: this step's [T, kv_heads, d] (already stored). Returns [T, heads, d]."""
+    """q: [T, heads, d]; k, v: this step's [T, kv_heads, d] (already stored). Returns [T, heads, d].
+
+    Where the cache holds a narrower dtype than q (a float16 cache under float32 compute), prefill
+    attends to this step's k and v as the cache holds them, rounded, as every later step and every
+    reader of a cached prefix does: a prompt computes the same whether it came in one chunk or
+    several, from the prefix cache or not, or forked (n > 1)."""
     heads, dim = q.shape[1:]
+    if k_cache.dtype != q.dtype and batch.prefills:
+        k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
     kv_heads = k.shape[1]
     group = heads // kv_heads
     out = torch.empty_like(q)
@@ -171,8 +178,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                                   batch.decode_context_lens, scale)
     elif nd:
         max_len = batch.decode_max_len
-        keys = _gather(k_cache, batch.decode_block_tables, max_len).transpose(1, 2)  # [B, kvh, L, d]
-        values = _gather(v_cache, batch.decode_block_tables, max_len).transpose(1, 2)
+        keys = _gather(k_cache, batch.decode_block_tables, max_len).to(q.dtype).transpose(1, 2)  # [B, kvh, L, d]
+        values = _gather(v_cache, batch.decode_block_tables, max_len).to(q.dtype).transpose(1, 2)
         query = q[:nd].view(nd, kv_heads, group, dim)
         mask = batch.decode_mask(q.dtype)
         out[:nd] = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale).reshape(
@@ -192,8 +199,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             keys, values = k[rows], v[rows]
             causal, mask = True, None
         else:
-            keys = _gather(k_cache, seg.block_table, seg.context_len)
-            values = _gather(v_cache, seg.block_table, seg.context_len)
+            keys = _gather(k_cache, seg.block_table, seg.context_len).to(q.dtype)
+            values = _gather(v_cache, seg.block_table, seg.context_len).to(q.dtype)
             causal = False
             offset = seg.context_len - seg.length
             qpos = torch.arange(seg.length, device=q.device)[:, None] + offset

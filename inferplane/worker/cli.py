@@ -92,7 +92,8 @@ async def _serve(args: argparse.Namespace) -> int:
     if not server.stop_requested.is_set():
         await server.set_serving(True)
         print_line(f"worker ready: model={name} runtime={args.runtime} grpc={args.host}:{server.port} "
-                   f"metrics={args.metrics_port or 'off'} kv_blocks={engine.kv.num_blocks}")
+                   f"metrics={args.metrics_port or 'off'} kv_blocks={engine.kv.num_blocks} "
+                   f"kv_dtype={str(engine.kv_dtype).removeprefix('torch.')}")
     await server.stop_requested.wait()
     print_line("worker draining")
     await server.drain(args.drain_grace_seconds)

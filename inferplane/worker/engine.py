@@ -64,6 +64,7 @@ class Engine:
         self.options = options
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = options.resolve_kv_cache_dtype(dtype)
         config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(options.max_model_len or config.max_position_embeddings,
@@ -71,7 +72,7 @@ class Engine:
         self.block_size = options.block_size
         num_blocks = self._num_blocks()
         self.cache = PagedKVCache(config.num_layers, num_blocks, self.block_size, config.num_kv_heads,
-                                  config.head_dim, dtype, device)
+                                  config.head_dim, self.kv_dtype, device)
         self.kv = build_kv_manager(options, num_blocks)
         self.scheduler = build_scheduler(options, self.kv)
         self.kernel_isas = kernel_isas(loaded.model) if device.type == "cpu" else {}
@@ -90,7 +91,7 @@ class Engine:
     def _num_blocks(self) -> int:
         config = self.loaded.config
         per_block = PagedKVCache.bytes_per_block(config.num_layers, self.block_size, config.num_kv_heads,
-                                                 config.head_dim, self.dtype)
+                                                 config.head_dim, self.kv_dtype)
         if self.options.num_kv_blocks is not None:
             return int(self.options.num_kv_blocks)
         budget = self.options.kv_cache_memory

@@ -63,6 +63,9 @@ class EngineOptions:
                                       "(decodes wait no longer behind a long prompt); 0: always the maximum")
     kv_cache_memory: int | float | str | None = option(
         None, "KV pool size: bytes like 2GiB, or a fraction of free GPU memory like 0.9")
+    kv_cache_dtype: str = option("auto", "what the KV cache stores: auto is the compute dtype; float16 under "
+                                         "float32 compute halves the KV memory and the bytes a decode step reads",
+                                 choices=("auto", *DTYPES))
     num_kv_blocks: int | None = option(None, "exact KV pool size; overrides kv_cache_memory (tests)", hidden=True)
     max_model_len: int | None = option(None, "longest sequence (default: the model's context)")
     kv_manager: str | None = option(None, "cpu-int8 only: the KV manager (default: the preset's, radix)",
@@ -103,6 +106,16 @@ class EngineOptions:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         return getattr(torch, self.dtype)
+
+    def resolve_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for an engine computing in `dtype`."""
+        import torch
+
+        if self.kv_cache_dtype == "auto":
+            return dtype
+        if self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be auto or one of {', '.join(DTYPES)}, got {self.kv_cache_dtype!r}")
+        return getattr(torch, self.kv_cache_dtype)
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -54,8 +54,7 @@ class FusedDecode:
             operands = [lin.fused_operands() if hasattr(lin, "fused_operands") else None for lin in linears]
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             k_cache, v_cache = cache.layer(attn.layer_index)
-            if (any(o is None for o in operands) or attn.head_dim > 512
-                    or not native.float32_rows(*norms, k_cache, v_cache)):
+            if any(o is None for o in operands) or attn.head_dim > 512 or not native.float32_rows(*norms):
                 self._linears.append(None)
                 self._weights.append(None)
                 continue
@@ -99,6 +98,7 @@ class FusedDecode:
         kernels = native.kernels()
         if (batch.num_decodes != rows or batch.prefills or x.dim() != 2 or kernels is None
                 or not kernels.has_int8_linear or not native.float32_rows(x, *rope_tables)
+                or not kernels.reads_kv_cache(cache.data)
                 or batch.decode_block_tables.dtype != torch.int64 or batch.decode_context_lens.dtype != torch.int64
                 or not batch.decode_block_tables.is_contiguous() or not batch.decode_context_lens.is_contiguous()):
             return None
@@ -118,5 +118,5 @@ class FusedDecode:
             x = x.contiguous()
             kernels.decode_layers(x, weights, config.rms_norm_eps, shape, rope_tables, batch.slot_mapping,
                                   cache.block_size, batch.decode_block_tables, batch.decode_context_lens,
-                                  config.head_dim**-0.5)
+                                  config.head_dim**-0.5, kv_half=cache.data.dtype == torch.float16)
         return x

@@ -120,7 +120,8 @@ class Attention(WatchedModule):
         kernels = native.kernels()
         if self.qkv_proj is not None:  # q and k are adjacent: one rotation for both
             qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, hd)
-            if kernels is not None and hd <= 512 and native.float32_rows(qkv, *rope_tables, k_cache):
+            if (kernels is not None and hd <= 512 and native.float32_rows(qkv, *rope_tables)
+                    and kernels.reads_kv_cache(k_cache)):
                 # rotation and the KV write in one pass over the rows
                 kernels.rope_store_kv(qkv, heads, kv_heads, *rope_tables, batch.slot_mapping, k_cache, v_cache)
                 q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]

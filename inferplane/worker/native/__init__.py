@@ -53,6 +53,7 @@ KERNEL_NAMES = ("int8_linear", "q4_1_linear", "f32_linear", "decode_attention", 
 _FEATURE_INT8_LINEAR = 1
 _FEATURE_F32_LINEAR = 2
 _FEATURE_Q4_1_LINEAR = 4
+_FEATURE_HALF_KV = 8  # float16 KV caches (F16C)
 Q4_1_BLOCK = 32  # inputs per GGUF Q4_1 block
 Q4_1_BYTES = 20  # float16 scale + float16 minimum + 16 bytes of 4-bit values
 
@@ -86,7 +87,7 @@ class NativeKernels:
         lib.ip_q4_1_dequantize.argtypes = [_P, _I, _I, _P]
         lib.ip_q4_1_dequantize.restype = None
         lib.ip_paged_decode_attention.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P,
-                                                  ctypes.c_float, _P, _I]
+                                                  ctypes.c_float, _P, _I, ctypes.c_int]
         lib.ip_paged_decode_attention.restype = ctypes.c_int
         lib.ip_f32_linear.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I]
         lib.ip_f32_linear.restype = ctypes.c_int
@@ -96,15 +97,16 @@ class NativeKernels:
         lib.ip_argmax_rows.argtypes = [_P, _I, _I, _I, _P]
         lib.ip_argmax_rows.restype = None
         lib.ip_silu_mul.restype = None
-        lib.ip_rope_store_kv.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P]
-        lib.ip_rope_store_kv.restype = None
+        lib.ip_rope_store_kv.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, ctypes.c_int]
+        lib.ip_rope_store_kv.restype = ctypes.c_int
         lib.ip_decode_layers.argtypes = [_P, _I, _I, _P, _I, ctypes.c_float, _I, _I, _I, _I, _P, _P, _P, _I, _P,
-                                         _I, _P, ctypes.c_float]
+                                         _I, _P, ctypes.c_float, ctypes.c_int]
         lib.ip_decode_layers.restype = ctypes.c_int
         features = lib.ip_features()
         self.has_int8_linear = bool(features & _FEATURE_INT8_LINEAR)
         self.has_f32_linear = bool(features & _FEATURE_F32_LINEAR)
         self.has_q4_1_linear = bool(features & _FEATURE_Q4_1_LINEAR)
+        self.has_half_kv = bool(features & _FEATURE_HALF_KV)
 
     def kernel_isas(self) -> dict[str, str]:
         """Kernel name -> the ISA it runs on here, or "torch" where this build lacks it."""
@@ -200,10 +202,12 @@ class NativeKernels:
     def rope_store_kv(self, qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor,
                       signed_sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor) -> None:
-        """qkv [T, heads + 2 kv_heads, d]: q and k rotated in place, k and v copied to their slots."""
+        """qkv [T, heads + 2 kv_heads, d]: q and k rotated in place, k and v copied to their slots
+        (converted to float16 where the caches hold it)."""
         t, _, d = qkv.shape
-        self._lib.ip_rope_store_kv(qkv.data_ptr(), t, heads, kv_heads, d, cos.data_ptr(), signed_sin.data_ptr(),
-                                   slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+        rc = self._lib.ip_rope_store_kv(qkv.data_ptr(), t, heads, kv_heads, d, cos.data_ptr(), signed_sin.data_ptr(),
+                                        slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _is_half(k_cache))
+        _check(rc, "ip_rope_store_kv")
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -216,28 +220,36 @@ class NativeKernels:
         rc = self._lib.ip_paged_decode_attention(
             q.data_ptr(), q.stride(0), b, heads, kv_heads, d, k_cache.data_ptr(), v_cache.data_ptr(), block_size,
             block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), scale, out.data_ptr(),
-            out.stride(0))
+            out.stride(0), _is_half(k_cache))
         _check(rc, "ip_paged_decode_attention")
         return out
 
     def decode_layers(self, x: torch.Tensor, layers: ctypes.Array, eps: float, shape: tuple[int, int, int, int],
                       rope_tables: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, block_size: int,
-                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> None:
+                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                      kv_half: bool = False) -> None:
         """Consecutive decoder layers for decode rows in one call (ip_decode_layers), x [B, hidden]
         updated in place. `layers`: a ctypes array of LayerWeights (the caller keeps the tensors
-        they point to alive); `shape`: (heads, kv_heads, head_dim, intermediate)."""
+        they point to alive); `shape`: (heads, kv_heads, head_dim, intermediate); `kv_half`: the
+        caches hold float16."""
         b, hidden = x.shape
         heads, kv_heads, d, inter = shape
         rc = self._lib.ip_decode_layers(
             x.data_ptr(), b, hidden, ctypes.addressof(layers), len(layers), eps, heads, kv_heads, d, inter,
             rope_tables[0].data_ptr(), rope_tables[1].data_ptr(), slots.data_ptr(), block_size,
-            block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), scale)
+            block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), scale, int(kv_half))
         _check(rc, "ip_decode_layers")
+
+    def reads_kv_cache(self, cache: torch.Tensor) -> bool:
+        """Whether the attention and KV-store kernels read and write this cache: float32, or float16
+        on builds with F16C; contiguous, on the CPU."""
+        return (cache.device.type == "cpu" and cache.is_contiguous()
+                and (cache.dtype == torch.float32 or (cache.dtype == torch.float16 and self.has_half_kv)))
 
     def decode_attention_applies(self, q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
                                  context_lens: torch.Tensor) -> bool:
         """Whether the tensors have the dtypes and layout the C kernel reads."""
-        return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+        return (q.device.type == "cpu" and q.dtype == torch.float32 and self.reads_kv_cache(k_cache)
                 and q.stride(2) == 1 and q.stride(1) == q.shape[2] and k_cache.is_contiguous()
                 and block_tables.dtype == torch.int64 and block_tables.is_contiguous()
                 and context_lens.dtype == torch.int64 and context_lens.is_contiguous())
@@ -246,6 +258,10 @@ class NativeKernels:
 def float32_rows(*tensors: torch.Tensor) -> bool:
     """Whether every tensor is contiguous float32 on the CPU: what the element-wise kernels read."""
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+def _is_half(cache: torch.Tensor) -> int:
+    return int(cache.dtype == torch.float16)
 
 
 def _check(rc: int, name: str) -> None:

@@ -744,6 +744,49 @@ int ip_f32_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const float
 
 /* ---------------------------------------------------------------- paged decode attention */
 
+/* The KV cache holds float32, or float16 (half the memory and the bytes each decode step reads; the
+ * engine's kv_cache_dtype): converted on load and on store by F16C, rounding to nearest even as
+ * PyTorch's .to(torch.float16) does. Builds without F16C report no half cache (ip_features). */
+#if defined(__F16C__) && IP_VECTOR
+#define IP_HALF_KV 1
+static inline float kv_get(const void *cache, int64_t i, const int half) {
+    return half ? _cvtsh_ss(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
+}
+static inline __m256 kv_load8(const void *cache, int64_t i, const int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i)))
+                : _mm256_loadu_ps((const float *)cache + i);
+}
+/* n floats from src to the cache at element i */
+static inline void kv_put(void *cache, int64_t i, const float *src, int64_t n, const int half) {
+    if (!half) {
+        memcpy((float *)cache + i, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + i;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i *)(dst + j), _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+    for (; j < n; j++) dst[j] = _cvtss_sh(src[j], _MM_FROUND_TO_NEAREST_INT);
+}
+#else
+#define IP_HALF_KV 0
+static inline float kv_get(const void *cache, int64_t i, const int half) {
+    (void)half;
+    return ((const float *)cache)[i];
+}
+static inline void kv_put(void *cache, int64_t i, const float *src, int64_t n, const int half) {
+    (void)half;
+    memcpy((float *)cache + i, src, sizeof(float) * (size_t)n);
+}
+#if IP_VECTOR
+static inline __m256 kv_load8(const void *cache, int64_t i, const int half) {
+    (void)half;
+    return _mm256_loadu_ps((const float *)cache + i);
+}
+#endif
+#endif
+#define IP_FEATURE_HALF_KV 8
+
 /* s[t] <- exp(s[t] - top) for t < n; returns the sum. */
 static float exp_shifted(float *s, int64_t n, float top) {
     float total = 0.0f;
@@ -765,20 +808,6 @@ static float exp_shifted(float *s, int64_t n, float top) {
     return total;
 }
 
-static inline float dot(const float *a, const float *b, int64_t d) {
-#if IP_VECTOR
-    if (d % VF_WIDTH == 0) {
-        vf acc = vf_mul(vf_load(a), vf_load(b));
-        for (int64_t j = VF_WIDTH; j < d; j += VF_WIDTH) acc = vf_fmadd(vf_load(a + j), vf_load(b + j), acc);
-        return vf_reduce_add(acc);
-    }
-#endif
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < d; j++) total += a[j] * b[j];
-    return total;
-}
-
 #if IP_VECTOR
 /* Lane i of the result: the sum of a[i]'s eight lanes (eight dot products finished at once, where
  * one horizontal sum per product cost more than the product's own multiply-adds). */
@@ -790,26 +819,29 @@ static inline __m256 hsum8(const __m256 a[8]) {
 
 /* acc[0..NV) += sum over tokens of p[t] * v[offs[t] + j], 8 floats a vector, kept in registers. */
 static inline __attribute__((always_inline)) void weighted_sum(const float *p, const int64_t *offs, int64_t len,
-                                                               const float *v, float inv, float *o, const int NV) {
+                                                               const void *v, int64_t at, float inv, float *o,
+                                                               const int NV, const int half) {
     __m256 acc[4];
     for (int i = 0; i < NV; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t t = 0; t < len; t++) {
         const __m256 w = _mm256_set1_ps(p[t]);
-        const float *vt = v + offs[t];
-        for (int i = 0; i < NV; i++) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * i), acc[i]);
+        const int64_t vt = at + offs[t];
+        for (int i = 0; i < NV; i++) acc[i] = _mm256_fmadd_ps(w, kv_load8(v, vt + 8 * i, half), acc[i]);
     }
     for (int i = 0; i < NV; i++) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
 }
 #endif
 
 /* One task: query heads [qa, qb) of one sequence (qs: its q [heads, d]) against its len tokens, whose
- * K and V rows start at offs[t] floats into the caches. scores: (qb - qa) * len floats of scratch.
- * Exact softmax: scores, their maximum, exp, then the values weighted by exp and scaled by 1/sum. */
-static void attend(const float *qs, int64_t qa, int64_t qb, int64_t group, int64_t d, const float *k_cache,
-                   const float *v_cache, const int64_t *offs, int64_t len, float scale, float *scores, float *o) {
+ * K and V rows start at offs[t] elements into the caches (float16 where `half`). scores: (qb - qa) *
+ * len floats of scratch. Exact softmax: scores, their maximum, exp, then the values weighted by exp
+ * and scaled by 1/sum. Inlined once per cache type, so the inner loops test no flag. */
+static inline __attribute__((always_inline)) void attend(
+        const float *qs, int64_t qa, int64_t qb, int64_t group, int64_t d, const void *k_cache,
+        const void *v_cache, const int64_t *offs, int64_t len, float scale, float *scores, float *o, const int half) {
     int64_t t0 = 0;
 #if IP_VECTOR
-    if (d % 8 == 0) {
+    if (d % 8 == 0 && (IP_HALF_KV || !half)) {
         /* Eight tokens at a time: their keys stay in L1 while every query head of the task reads them. */
         for (; t0 + 8 <= len; t0 += 8)
             for (int64_t qh = qa; qh < qb; qh++) {
@@ -820,38 +852,43 @@ static void attend(const float *qs, int64_t qa, int64_t qb, int64_t group, int64
                 for (int64_t j = 0; j < d; j += 8) {
                     const __m256 qj = _mm256_loadu_ps(qv + j);
                     for (int i = 0; i < 8; i++)
-                        acc[i] = _mm256_fmadd_ps(qj, _mm256_loadu_ps(k_cache + offs[t0 + i] + head + j), acc[i]);
+                        acc[i] = _mm256_fmadd_ps(qj, kv_load8(k_cache, offs[t0 + i] + head + j, half), acc[i]);
                 }
                 _mm256_storeu_ps(scores + (qh - qa) * len + t0, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
             }
     }
 #endif
     for (int64_t t = t0; t < len; t++)
-        for (int64_t qh = qa; qh < qb; qh++)
-            scores[(qh - qa) * len + t] = dot(qs + qh * d, k_cache + offs[t] + (qh / group) * d, d) * scale;
+        for (int64_t qh = qa; qh < qb; qh++) {
+            const float *qv = qs + qh * d;
+            const int64_t at = offs[t] + (qh / group) * d;
+            float total = 0.0f;
+            for (int64_t j = 0; j < d; j++) total += qv[j] * kv_get(k_cache, at + j, half);
+            scores[(qh - qa) * len + t] = total * scale;
+        }
     for (int64_t qh = qa; qh < qb; qh++) {
         float *s = scores + (qh - qa) * len;
         float top = -INFINITY;
         for (int64_t t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
         const float total = exp_shifted(s, len, top);
         const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        const float *v = v_cache + (qh / group) * d;
+        const int64_t head = (qh / group) * d;
         float *oh = o + qh * d;
         int64_t j = 0;
 #if IP_VECTOR
-        if (d % 8 == 0)
+        if (d % 8 == 0 && (IP_HALF_KV || !half))
             for (; j < d; j += 32) {
                 switch ((d - j) / 8) {  /* constant vector counts keep the sums in registers */
-                    case 1: weighted_sum(s, offs, len, v + j, inv, oh + j, 1); break;
-                    case 2: weighted_sum(s, offs, len, v + j, inv, oh + j, 2); break;
-                    case 3: weighted_sum(s, offs, len, v + j, inv, oh + j, 3); break;
-                    default: weighted_sum(s, offs, len, v + j, inv, oh + j, 4); break;
+                    case 1: weighted_sum(s, offs, len, v_cache, head + j, inv, oh + j, 1, half); break;
+                    case 2: weighted_sum(s, offs, len, v_cache, head + j, inv, oh + j, 2, half); break;
+                    case 3: weighted_sum(s, offs, len, v_cache, head + j, inv, oh + j, 3, half); break;
+                    default: weighted_sum(s, offs, len, v_cache, head + j, inv, oh + j, 4, half); break;
                 }
             }
 #endif
         for (; j < d; j++) {
             float total_j = 0.0f;
-            for (int64_t t = 0; t < len; t++) total_j += s[t] * v[offs[t] + j];
+            for (int64_t t = 0; t < len; t++) total_j += s[t] * kv_get(v_cache, offs[t] + head + j, half);
             oh[j] = total_j * inv;
         }
     }
@@ -865,9 +902,10 @@ static void attend(const float *qs, int64_t qa, int64_t qb, int64_t group, int64
  * fewer sequences than two per thread, a task is one query head, so that a batch of one keeps both
  * threads busy (by KV head, three tasks on two threads left one idle a third of the time). */
 int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64_t heads, int64_t kv_heads,
-                              int64_t d, const float *k_cache, const float *v_cache, int64_t block_size,
+                              int64_t d, const void *k_cache, const void *v_cache, int64_t block_size,
                               const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
-                              float scale, float *out, int64_t out_stride) {
+                              float scale, float *out, int64_t out_stride, int half) {
+    if (half && !IP_HALF_KV) return -1;
     const int64_t group = heads / kv_heads;
     const int64_t row = kv_heads * d;  /* floats per token in the cache */
     int64_t longest = 0;
@@ -890,8 +928,12 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
             const int64_t len = context_lens[seq];
             const int64_t *table = block_tables + seq * max_blocks;
             for (int64_t t = 0; t < len; t++) offs[t] = (table[t / block_size] * block_size + t % block_size) * row;
-            attend(q + seq * q_stride, qa, qb, group, d, k_cache, v_cache, offs, len, scale, scores,
-                   out + seq * out_stride);
+            if (half)
+                attend(q + seq * q_stride, qa, qb, group, d, k_cache, v_cache, offs, len, scale, scores,
+                       out + seq * out_stride, 1);
+            else
+                attend(q + seq * q_stride, qa, qb, group, d, k_cache, v_cache, offs, len, scale, scores,
+                       out + seq * out_stride, 0);
         }
         free(scores);
         free(offs);
@@ -1006,9 +1048,11 @@ void ip_argmax_rows(const float *x, int64_t m, int64_t n, int64_t ldx, int64_t *
 
 /* qkv [t, heads + 2 * kv_heads, d], fused q|k|v rows: rotates q and k in place (x * cos + roll(x, d/2)
  * * signed_sin, the tables already looked up for each row's position: [t, d]) and copies k and v
- * into the caches [blocks, block_size, kv_heads, d] at flat slot slots[r]. */
-void ip_rope_store_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, const float *cos,
-                      const float *signed_sin, const int64_t *slots, float *k_cache, float *v_cache) {
+ * into the caches [blocks, block_size, kv_heads, d] (float32, or float16 where f16) at flat slot
+ * slots[r]. Returns 0, -1 for a float16 cache on a build without F16C. */
+int ip_rope_store_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, const float *cos,
+                     const float *signed_sin, const int64_t *slots, void *k_cache, void *v_cache, int f16) {
+    if (f16 && !IP_HALF_KV) return -1;
     const int64_t width = (heads + 2 * kv_heads) * d, half = d / 2;
 #pragma omp parallel for schedule(static) if (t >= 8)
     for (int64_t r = 0; r < t; r++) {
@@ -1023,14 +1067,16 @@ void ip_rope_store_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, in
             }
             memcpy(x, rotated, sizeof(float) * (size_t)d);
         }
-        memcpy(k_cache + slots[r] * kv_heads * d, row + heads * d, sizeof(float) * (size_t)(kv_heads * d));
-        memcpy(v_cache + slots[r] * kv_heads * d, row + (heads + kv_heads) * d, sizeof(float) * (size_t)(kv_heads * d));
+        kv_put(k_cache, slots[r] * kv_heads * d, row + heads * d, kv_heads * d, f16);
+        kv_put(v_cache, slots[r] * kv_heads * d, row + (heads + kv_heads) * d, kv_heads * d, f16);
     }
+    return 0;
 }
 
 /* Which of the kernels above this build has (the others return -1). */
 int ip_features(void) {
-    return (IP_INT8 ? IP_FEATURE_INT8_LINEAR | IP_FEATURE_Q4_1_LINEAR : 0) | (IP_VECTOR ? IP_FEATURE_F32_LINEAR : 0);
+    return (IP_INT8 ? IP_FEATURE_INT8_LINEAR | IP_FEATURE_Q4_1_LINEAR : 0) | (IP_VECTOR ? IP_FEATURE_F32_LINEAR : 0)
+           | (IP_HALF_KV ? IP_FEATURE_HALF_KV : 0);
 }
 
 /* The instruction set this build's vector code uses: what the library was compiled for, so the
@@ -1067,7 +1113,7 @@ typedef struct {
     const uint8_t *w[4];
     const float *s[4];
     const float *bias[4];
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;  /* float32, or float16 where ip_decode_layers' `half` says so */
 } ip_layer_weights;
 
 /* A Llama decoder layer for b decode rows (one new token per sequence): the kernels above in the order
@@ -1077,14 +1123,16 @@ static int decode_layer(float *x, int64_t b, int64_t hidden, const ip_layer_weig
                         int64_t heads, int64_t kv_heads, int64_t d, int64_t inter, const float *cos,
                         const float *signed_sin, const int64_t *slots, int64_t block_size,
                         const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, float scale,
-                        float *h, float *wide, float *narrow, float *delta) {
+                        int half, float *h, float *wide, float *narrow, float *delta) {
     const int64_t qkv_width = (heads + 2 * kv_heads) * d;
     ip_rms_norm(x, NULL, b, hidden, L->norm1, eps, h);
     int rc = layer_linear(h, b, hidden, hidden, L->w[0], L->s[0], L->bias[0], qkv_width, wide, qkv_width);
     if (rc == 0) {
-        ip_rope_store_kv(wide, b, heads, kv_heads, d, cos, signed_sin, slots, L->k_cache, L->v_cache);
+        rc = ip_rope_store_kv(wide, b, heads, kv_heads, d, cos, signed_sin, slots, L->k_cache, L->v_cache, half);
+    }
+    if (rc == 0) {
         rc = ip_paged_decode_attention(wide, qkv_width, b, heads, kv_heads, d, L->k_cache, L->v_cache, block_size,
-                                       block_tables, max_blocks, context_lens, scale, narrow, heads * d);
+                                       block_tables, max_blocks, context_lens, scale, narrow, heads * d, half);
     }
     if (rc == 0) rc = layer_linear(narrow, b, heads * d, heads * d, L->w[1], L->s[1], L->bias[1], hidden, delta, hidden);
     if (rc == 0) {
@@ -1107,7 +1155,7 @@ static int decode_layer(float *x, int64_t b, int64_t hidden, const ip_layer_weig
 int ip_decode_layers(float *x, int64_t b, int64_t hidden, const ip_layer_weights *layers, int64_t n_layers,
                      float eps, int64_t heads, int64_t kv_heads, int64_t d, int64_t inter, const float *cos,
                      const float *signed_sin, const int64_t *slots, int64_t block_size, const int64_t *block_tables,
-                     int64_t max_blocks, const int64_t *context_lens, float scale) {
+                     int64_t max_blocks, const int64_t *context_lens, float scale, int half) {
     if (!(ip_features() & IP_FEATURE_INT8_LINEAR)) return -1;
     const int64_t qkv_width = (heads + 2 * kv_heads) * d;
     const int64_t widest = qkv_width > 2 * inter ? qkv_width : 2 * inter;
@@ -1118,7 +1166,7 @@ int ip_decode_layers(float *x, int64_t b, int64_t hidden, const ip_layer_weights
     int rc = (!h || !wide || !narrow || !delta) ? -2 : 0;
     for (int64_t l = 0; rc == 0 && l < n_layers; l++)
         rc = decode_layer(x, b, hidden, layers + l, eps, heads, kv_heads, d, inter, cos, signed_sin, slots,
-                          block_size, block_tables, max_blocks, context_lens, scale, h, wide, narrow, delta);
+                          block_size, block_tables, max_blocks, context_lens, scale, half, h, wide, narrow, delta);
     free(h); free(wide); free(narrow); free(delta);
     return rc;
 }
