@@ -266,6 +266,16 @@ def test_the_conversion_cache_key_follows_the_file_the_settings_and_the_switch(t
     model.write_bytes(b"two!")  # new bytes (and size): a new digest
     assert a.path != ConversionCache.for_model(str(model), {"quantize_head": False}).path
     assert ConversionCache.for_model(str(tmp_path), {}) is None  # a folder (HF checkpoint) is not hashed
+    # The gate figures stored with a conversion were measured on one kernel build: another build's
+    # start finds another key and measures its own.
+    from inferplane.worker import native
+    from inferplane.worker.quant.convert import cache_settings
+
+    keys = set()
+    for isa in native.supported_isas():
+        monkeypatch.setattr(native, "kernels", lambda isa=isa: native.kernels_for(isa))
+        keys.add(ConversionCache.for_model(str(model), cache_settings(True, 1.0, True, True)).path)
+    assert len(keys) == len(native.supported_isas())
     a.save({"conversion": {"x": torch.ones(2)}})
     assert torch.equal(a.load()["conversion"]["x"], torch.ones(2))
     monkeypatch.setenv("INFERPLANE_QUANT_CACHE", "off")

@@ -280,6 +280,18 @@ def calibration_tokens(loaded) -> list[int]:
     return torch.randint(0, loaded.config.vocab_size, (256,), generator=gen).tolist()
 
 
+def cache_settings(quantize_head: bool, multiplier: float, gated: bool, q4_blocks: bool) -> dict:
+    """What a stored conversion depends on besides the file and the code. The kernel build is part
+    of it because the stored gate figures were measured on it: the builds' float sums (norms, exp)
+    differ in their last bits, which re-rolls some rows' int8 activation rounding, and SmolLM2's
+    int8-head gate read +1.15% on the AVX-512 build and +0.36% on the AVX2 one. A start on another
+    build converts (cheaply: the same weights) and measures its own."""
+    kernels = native.kernels()
+    return {"quantize_head": quantize_head, "scale_multiplier": multiplier, "gate": gated, "q4_blocks": q4_blocks,
+            "gate_tokens": gate.STARTUP_TOKENS, "threshold_pct": gate.DEFAULT_THRESHOLD_PCT,
+            "kernels": kernels.isa if kernels is not None else "torch"}
+
+
 def _check_device(loaded) -> None:
     param = next(loaded.model.parameters())
     if param.device.type != "cpu":
@@ -301,9 +313,7 @@ def quantize_loaded_model(loaded, options) -> dict[str, float]:
     q4_blocks = not bool(getattr(options, "requantize_q4", False))
     bytes_before = model_bytes(model)
 
-    settings = {"quantize_head": quantize_head, "scale_multiplier": multiplier, "gate": not skip,
-                "q4_blocks": q4_blocks, "gate_tokens": gate.STARTUP_TOKENS, "threshold_pct": gate.DEFAULT_THRESHOLD_PCT}
-    cache = ConversionCache.for_model(loaded.path, settings)
+    cache = ConversionCache.for_model(loaded.path, cache_settings(quantize_head, multiplier, not skip, q4_blocks))
     saved = cache.load() if cache is not None else None
     report = None
     if saved is not None and "conversion" in saved and (skip or "gate" in saved):

@@ -8,9 +8,10 @@ key made of those three: the model's SHA-256 (computed once per file and remembe
 and modification time), the settings, and a hash of the modules that do the conversion. A change
 to any of them misses the cache; a file that does not load is recomputed and replaced.
 
-What is stored is ISA-independent (plain int8 weights, not a kernel's packed layout) plus the
-gate's figures, which were measured on these exact weights; a restored start reports
-`startup_cache_hit` 1 and the stored gate figures. The directory is `INFERPLANE_QUANT_CACHE`
+What is stored is plain int8 weights and file blocks, not a kernel's packed layout, plus the gate's
+figures, which were measured on these exact weights and on one kernel build: the settings name
+that build (convert.cache_settings), so a start on another build measures its own. A restored
+start reports `startup_cache_hit` 1 and the stored gate figures. The directory is `INFERPLANE_QUANT_CACHE`
 (default `~/.cache/inferplane/quant`); `INFERPLANE_QUANT_CACHE=off` disables it.
 """
 
@@ -28,7 +29,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_CODE = ("convert.py", "smooth.py", "int8_linear.py", "gguf_q8.py", "gate.py", "startup_cache.py")
+# What the conversion and its gate figures depend on: these modules, and the kernels they ran on.
+_CODE = ("convert.py", "smooth.py", "int8_linear.py", "q4_linear.py", "gguf_q8.py", "gguf_q4.py", "gate.py",
+         "startup_cache.py", "../native/kernels.c")
 _FORMAT = 1
 
 
