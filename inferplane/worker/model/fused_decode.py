@@ -98,9 +98,9 @@ class FusedDecode:
         kernels = native.kernels()
         if (batch.num_decodes != rows or batch.prefills or x.dim() != 2 or kernels is None
                 or not kernels.has_int8_linear or not native.float32_rows(x, *rope_tables)
-                or not kernels.reads_kv_cache(cache.data)
-                or batch.decode_block_tables.dtype != torch.int64 or batch.decode_context_lens.dtype != torch.int64
-                or not batch.decode_block_tables.is_contiguous() or not batch.decode_context_lens.is_contiguous()):
+                # x stands in for q: what is checked is the cache's and the tables' dtypes and layout
+                or not kernels.decode_attention_applies(x.view(rows, 1, -1), cache.data, batch.decode_block_tables,
+                                                        batch.decode_context_lens)):
             return None
         key = (structure.version(), id(cache), cache.data.data_ptr())
         if key != self._key:

@@ -250,7 +250,7 @@ class NativeKernels:
                                  context_lens: torch.Tensor) -> bool:
         """Whether the tensors have the dtypes and layout the C kernel reads."""
         return (q.device.type == "cpu" and q.dtype == torch.float32 and self.reads_kv_cache(k_cache)
-                and q.stride(2) == 1 and q.stride(1) == q.shape[2] and k_cache.is_contiguous()
+                and q.stride(2) == 1 and q.stride(1) == q.shape[2]
                 and block_tables.dtype == torch.int64 and block_tables.is_contiguous()
                 and context_lens.dtype == torch.int64 and context_lens.is_contiguous())
 
