@@ -94,9 +94,9 @@ class NativeKernels:
         lib.ip_rms_norm.argtypes = [_P, _P, _I, _I, _P, ctypes.c_float, _P]
         lib.ip_rms_norm.restype = None
         lib.ip_silu_mul.argtypes = [_P, _I, _I, _P]
+        lib.ip_silu_mul.restype = None
         lib.ip_argmax_rows.argtypes = [_P, _I, _I, _I, _P]
         lib.ip_argmax_rows.restype = None
-        lib.ip_silu_mul.restype = None
         lib.ip_rope_store_kv.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, ctypes.c_int]
         lib.ip_rope_store_kv.restype = ctypes.c_int
         lib.ip_decode_layers.argtypes = [_P, _I, _I, _P, _I, ctypes.c_float, _I, _I, _I, _I, _P, _P, _P, _I, _P,
