@@ -2,6 +2,7 @@
 
     python scripts/profile_engine.py --tinyllama --batch 256     # on a GPU: 1.1B random Llama, bf16
     python scripts/profile_engine.py --batch 16 --runtime cpu-int8  # on the CPU: SmolLM2
+    python scripts/profile_engine.py --batch 16 --runtime cpu-int8 --prompt 1000 --kv-cache-dtype float16
 
 Prints the per-step wall time and the operators that took the most self time (CPU and, on CUDA,
 device time), so that a GPU lease's few minutes show what the engine is bound by.
@@ -27,6 +28,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="decode steps profiled")
     parser.add_argument("--runtime", default="paged")
     parser.add_argument("--float-head", action="store_true", help="cpu-int8: keep the output head float32")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's dtype (auto: the compute dtype)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cuda = torch.cuda.is_available()
@@ -36,6 +38,7 @@ def main() -> None:
     else:
         source, vocab = "smollm2-135m", 49152
     extra = {"quantize_head": False} if args.float_head else {}
+    extra["kv_cache_dtype"] = args.kv_cache_dtype
     llm = LLM(source, runtime=args.runtime, device=str(device), **extra)
     prompts = _prompts(args.batch, args.prompt, vocab)
     engine = llm.engine
