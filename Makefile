@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test test-fast test-k8s services envtest lint proto crds monitoring bench bench-operator clean
+.PHONY: install up test test-fast test-k8s test-cluster cluster cluster-down images services envtest lint proto crds monitoring bench bench-operator clean
 
 $(STAMP): pyproject.toml Makefile scripts/install.sh
 	@PYTHON=$(PYTHON) scripts/install.sh
@@ -38,6 +38,24 @@ services:
 # Kubernetes tests then skip and say why.
 envtest:
 	@tests/k8s/envtest/build.sh >/dev/null || { [ -z "$$CI" ] && echo "envtest: not built; tests/k8s will skip"; }
+
+# The offline image build (deploy/image/build.py): debootstrap + buildah, cached by the hash of
+# what goes in; prints the archives and their sizes. Needs root.
+images: install
+	$(PY) deploy/image/build.py
+
+# A real one-node cluster (kubelet, containerd, runc, kube-proxy, CoreDNS in a network namespace of
+# its own) running the images above; prints how to point kubectl and helm at it. Needs root and Go.
+cluster: install services envtest
+	@tests/cluster/build.sh >/dev/null
+	$(PY) -m tests.cluster.node up
+
+cluster-down:
+	$(PY) -m tests.cluster.node down
+
+# The chart on that node (also part of `make test`).
+test-cluster: install services envtest
+	$(PY) -m pytest -q tests/cluster
 
 lint: install
 	$(PY) -m ruff check inferplane tests

@@ -6,6 +6,8 @@
 #   promtool   (Debian's prometheus package) the metrics lint the tests run
 #   alertmanager  (Debian's prometheus-alertmanager, /usr/bin/prometheus-alertmanager) the binary only:
 #              the alert routing test starts its own on loopback
+#   the node's tools  runc, the CNI plugins, iptables, conntrack (the one-node cluster, tests/cluster),
+#              debootstrap and buildah (the offline image build, deploy/image): binaries only
 # Nothing starts these for us on the project's machines. Safe to run again: what already runs is kept.
 # Needs root (apt-get, pg_ctlcluster); CI runs as root.
 set -euo pipefail
@@ -17,6 +19,12 @@ command -v etcd >/dev/null 2>&1 || packages+=(etcd-server)
 command -v promtool >/dev/null 2>&1 || packages+=(prometheus)
 command -v prometheus-alertmanager >/dev/null 2>&1 || command -v alertmanager >/dev/null 2>&1 ||
   packages+=(prometheus-alertmanager)
+command -v runc >/dev/null 2>&1 || packages+=(runc)
+[ -x /usr/lib/cni/bridge ] || packages+=(containernetworking-plugins)
+command -v iptables >/dev/null 2>&1 || packages+=(iptables)
+command -v conntrack >/dev/null 2>&1 || packages+=(conntrack)
+command -v debootstrap >/dev/null 2>&1 || packages+=(debootstrap)
+command -v buildah >/dev/null 2>&1 || packages+=(buildah)
 if [ ${#packages[@]} -gt 0 ]; then
   echo "test services: installing ${packages[*]}"
   apt-get update -q >/dev/null

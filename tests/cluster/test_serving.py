@@ -1,0 +1,70 @@
+"""The chart on a real node: helm install, pods started by the kubelet from images built here, a
+registry model fetched by the init container and answered by each runtime through the gateway.
+
+What `tests/k8s/` could not show (there, pods never run): the image's entrypoints and arguments,
+the probes passing on their own, volumes writable as the securityContext allows, DNS and Service
+routing from pod to pod (the operator asks the gateway's registry by its Service name; the gateway
+reaches workers at their pod addresses), and the fetch-model init container's download and check.
+"""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from tests.cluster.conftest import RELEASE_NS, WATCHED, Platform, kubectl_on, wait_pods_ready
+from tests.cluster.workloads import deploy, register, tenant_key, undeploy, wait_served
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+
+
+def test_the_operator_and_the_gateway_run_from_the_image_as_the_chart_says(platform: Platform,
+                                                                             kubectl) -> None:
+    for component in ("operator", "control-plane"):
+        (pod,) = wait_pods_ready(platform, RELEASE_NS, f"app.kubernetes.io/component={component}", 1, timeout=120)
+        (container,) = pod["spec"]["containers"]
+        assert container["image"] == platform.image
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        # The process really runs as the chart's user, and the root file system refuses writes.
+        who = kubectl_on(platform.node, kubectl, "exec", "-n", RELEASE_NS, pod["metadata"]["name"], "--",
+                         "python3", "-c",
+                         "import os, pathlib\n"
+                         "try:\n pathlib.Path('/opt/probe').write_text('x'); w = 'writable'\n"
+                         "except OSError: w = 'read-only'\n"
+                         "print(os.getuid(), os.getgid(), w)").stdout.split()
+        assert who == ["10001", "10001", "read-only"], who
+
+
+def _ask(client: openai.OpenAI, model: str) -> None:
+    reply = client.chat.completions.create(model=model, max_tokens=8, temperature=0,
+                                           messages=[{"role": "user", "content": "Say hello."}])
+    assert reply.choices[0].message.content, reply
+    assert reply.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(model=model, max_tokens=8, temperature=0, stream=True,
+                                                 messages=[{"role": "user", "content": "Say hello."}]))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == reply.choices[0].message.content, (streamed, reply.choices[0].message.content)
+
+
+@pytest.mark.parametrize("runtime", ["paged", "radix", "cpu-int8"])
+def test_a_registry_model_is_fetched_and_answered_by_each_runtime(platform: Platform, model_server: str,
+                                                                   runtime: str) -> None:
+    resolved = register(platform, model_server)
+    key = tenant_key(platform, "acme")
+    name = f"chat-{runtime}"
+    started = time.monotonic()
+    deploy(platform, name, runtime)
+    try:
+        (pod,) = wait_pods_ready(platform, WATCHED, f"app.kubernetes.io/instance={name}", 1)
+        print(f"\n{runtime}: InferenceDeployment applied -> worker Ready in {time.monotonic() - started:.0f} s")
+        (fetch,) = pod["status"]["initContainerStatuses"]
+        assert fetch["name"] == "fetch-model"
+        assert fetch["state"]["terminated"]["exitCode"] == 0, fetch
+        assert pod["metadata"]["annotations"]["inferplane.io/model-digest"] == resolved["sha256"]
+        wait_served(platform, key, name)
+        _ask(openai.OpenAI(base_url=f"{platform.gateway_url}/v1", api_key=key, max_retries=0, timeout=300), name)
+    finally:
+        undeploy(platform, name)
+
