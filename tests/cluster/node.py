@@ -606,13 +606,11 @@ def main() -> None:
     start = time.monotonic()
     imported = node.import_image(Path(images["image"]["archive"]), images["image"]["ref"])
     if imported:
-        print(f"cluster: imported {images['inferplane']['ref']} in {time.monotonic() - start:.0f} s")
-    print(f"cluster: node {NODE_NAME} is Ready. Point kubectl and helm at it:\n"
-          f"  export KUBECONFIG={node.kubeconfig}\n"
-          f"  kubectl get nodes\n"
-          f"images on the node: {images['inferplane']['ref']}, {images['pause']['ref']}\n"
-          f"logs: {node.directory}/*.log; stop it with `make cluster-down`")
-
+        print(f"cluster: imported {images['image']['ref']} in {time.monotonic() - start:.0f} s")
+    print(f"cluster: node {NODE_NAME} is Ready; logs in {node.directory}/*.log, `make cluster-down` stops it.\n"
+          f"Point kubectl and helm at it, and name the image the chart should run (deploy/QUICKSTART.md):\n"
+          f"export KUBECONFIG={node.kubeconfig}\n"
+          f"export IMAGE={images['image']['ref']}")
 
 if __name__ == "__main__":
     main()

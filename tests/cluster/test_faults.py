@@ -84,8 +84,8 @@ class Stream(threading.Thread):
             self.first_token.set()
 
 
-def _streams(platform: Platform, key: str, count: int) -> list[Stream]:
-    streams = [Stream(platform, key) for _ in range(count)]
+def _streams(platform: Platform, key: str, count: int, max_tokens: int = 120) -> list[Stream]:
+    streams = [Stream(platform, key, max_tokens) for _ in range(count)]
     for stream in streams:
         stream.start()
     for stream in streams:
@@ -148,7 +148,8 @@ def test_a_deleted_worker_pod_finishes_its_streams_and_is_replaced(platform: Pla
 def test_the_gateway_pod_drains_its_streams_when_deleted(platform: Platform, two_replicas: str) -> None:
     key = two_replicas
     (gateway,) = wait_pods_ready(platform, RELEASE_NS, "app.kubernetes.io/component=control-plane", 1)
-    streams = _streams(platform, key, 3)
+    # Short enough to finish within the drain (preStop 5 s + drainGraceSeconds 10 s) on a busy node.
+    streams = _streams(platform, key, 3, max_tokens=40)
     platform.node.cluster.call("DELETE", f"/api/v1/namespaces/{RELEASE_NS}/pods/{gateway['metadata']['name']}")
     outcomes = _finish(streams)
     assert outcomes == ["done"] * 3, outcomes
