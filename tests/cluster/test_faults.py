@@ -3,7 +3,8 @@
 - A worker container killed (SIGKILL, from the node) mid-stream: its streams end with an error
   event, not a hang or a cut connection; new requests go to the other replica; the kubelet
   restarts the container and it comes back Ready.
-- A worker pod deleted: it stops taking requests, finishes its streams, and is replaced.
+- A worker pod deleted: it stops taking requests, finishes its streams (within its
+  `drainGraceSeconds`), and is replaced.
 - The gateway pod deleted while streams run: they finish (the gateway drains on SIGTERM).
 - `kubectl drain` of the node: the PodDisruptionBudget lets one worker go at a time, so one
   replica keeps serving while the node is drained.
@@ -37,7 +38,8 @@ def two_replicas(platform: Platform, model_server: str) -> Iterator[str]:
     """A two-replica deployment, Ready and served; its tenant key."""
     register(platform, model_server)
     key = tenant_key(platform, "faults")
-    deploy(platform, NAME, "paged", replicas=2)
+    # Streams of 120 tokens on a 0.8-CPU worker take about half a minute: the drain must allow it.
+    deploy(platform, NAME, "paged", replicas=2, drainGraceSeconds=90)
     try:
         wait_pods_ready(platform, WATCHED, SELECTOR, 2)
         wait_served(platform, key, NAME)

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.cluster.conftest import MODEL_CACHE, Platform
-from tests.cluster.workloads import IDEPS, deploy, register, tenant_key, undeploy, wait_served
+from tests.cluster.workloads import IDEPS, deploy, register, start_phases, tenant_key, undeploy, wait_served
 from tests.k8s.cluster import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
@@ -51,7 +51,9 @@ def test_a_request_to_a_deployment_at_zero_is_held_until_a_new_pod_answers(platf
             elapsed = time.monotonic() - started
             assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["message"]["content"]
-            print(f"\nscale from zero ({case}): held request answered after {elapsed:.1f} s")
+            (pod,) = platform.pods("team-a", f"app.kubernetes.io/instance={name}")
+            print(f"\nscale from zero ({case}): held request answered after {elapsed:.1f} s "
+                  f"({start_phases(pod)})")
             assert (MODEL_CACHE / resolved["sha256"]).is_dir()
     finally:
         undeploy(platform, name)

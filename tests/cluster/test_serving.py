@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.cluster.conftest import RELEASE_NS, WATCHED, Platform, kubectl_on, wait_pods_ready
-from tests.cluster.workloads import deploy, register, tenant_key, undeploy, wait_served
+from tests.cluster.workloads import deploy, register, start_phases, tenant_key, undeploy, wait_served
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -65,7 +65,8 @@ def test_a_registry_model_is_fetched_and_answered_by_each_runtime(platform: Plat
     deploy(platform, name, runtime)
     try:
         (pod,) = wait_pods_ready(platform, WATCHED, f"app.kubernetes.io/instance={name}", 1)
-        print(f"\n{runtime}: InferenceDeployment applied -> worker Ready in {time.monotonic() - started:.0f} s")
+        print(f"\n{runtime}: InferenceDeployment applied -> worker Ready in {time.monotonic() - started:.0f} s "
+              f"({start_phases(pod)})")
         (fetch,) = pod["status"]["initContainerStatuses"]
         assert fetch["name"] == "fetch-model"
         assert fetch["state"]["terminated"]["exitCode"] == 0, fetch

@@ -98,3 +98,27 @@ def timed(what: str, started: float) -> float:
     seconds = time.monotonic() - started
     print(f"\n{what}: {seconds:.0f} s")
     return seconds
+
+
+def start_phases(pod: dict[str, Any]) -> str:
+    """Where a pod's start went, from its status times (1 s resolution): scheduling, the init
+    container (fetch-model), and the worker from its start to Ready (loading, the start-up gate)."""
+    from datetime import datetime
+
+    def at(stamp: str | None) -> datetime | None:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")) if stamp else None
+
+    status = pod.get("status") or {}
+    conditions = {c["type"]: at(c.get("lastTransitionTime")) for c in status.get("conditions") or []}
+    created = at(pod["metadata"].get("creationTimestamp"))
+    init = next(iter(status.get("initContainerStatuses") or []), {}).get("state", {}).get("terminated", {})
+    worker = next((s for s in status.get("containerStatuses") or [] if s["name"] == "worker"), {})
+    running = at((worker.get("state", {}).get("running") or {}).get("startedAt"))
+    parts = []
+    if created and conditions.get("PodScheduled"):
+        parts.append(f"scheduled {(conditions['PodScheduled'] - created).total_seconds():.0f} s")
+    if init.get("startedAt") and init.get("finishedAt"):
+        parts.append(f"fetch-model {(at(init['finishedAt']) - at(init['startedAt'])).total_seconds():.0f} s")
+    if running and conditions.get("Ready"):
+        parts.append(f"worker start to Ready {(conditions['Ready'] - running).total_seconds():.0f} s")
+    return ", ".join(parts)
