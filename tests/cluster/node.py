@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import secrets
@@ -47,9 +46,8 @@ from typing import Any
 
 import yaml
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from cryptography.x509.oid import NameOID
 
 from tests.k8s.cluster import (
     AUDIT_POLICY,
@@ -106,27 +104,6 @@ def build_binaries() -> tuple[Path, Path]:
             raise RuntimeError(f"{script} failed:\n{result.stderr[-4000:]}")
         folders.append(Path(result.stdout.split()[-1]))
     return folders[0], folders[1]
-
-
-# ---- certificates -------------------------------------------------------------------------------
-
-def _client_certificate(ca: CertificateAuthority, directory: Path, name: str, organization: str
-                        ) -> tuple[Path, Path]:
-    """A client certificate (CN = user, O = group), as the API server presents to the kubelet."""
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    now = datetime.datetime.now(datetime.UTC)
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name),
-                         x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization)])
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca.cert.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=30))
-            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-            .sign(ca.key, hashes.SHA256()))
-    cert_file, key_file = directory / f"{name}.crt", directory / f"{name}.key"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_file, key_file
 
 
 # ---- processes and the namespace ----------------------------------------------------------------
@@ -445,7 +422,7 @@ def up(pause_image: tuple[Path, str]) -> NodeCluster:
         "localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
         "kubernetes.default.svc.cluster.local"))
     kubelet_serving = ca.issue(directory, "kubelet", ips=(NODE_IP,), dns=(NODE_NAME,))
-    kubelet_client = _client_certificate(ca, directory, "kube-apiserver-kubelet-client", "system:masters")
+    kubelet_client = ca.issue_client(directory, "kube-apiserver-kubelet-client", "system:masters")
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     (directory / "sa.key").write_bytes(sa_key.private_bytes(serialization.Encoding.PEM,
                                                             serialization.PrivateFormat.PKCS8,

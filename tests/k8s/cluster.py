@@ -125,17 +125,29 @@ class CertificateAuthority:
         """A serving certificate for the given names; returns (cert file, key file)."""
         import ipaddress
 
+        alt = [x509.DNSName(d) for d in dns] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
+        return self._signed(directory, name, x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]),
+                            x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, x509.SubjectAlternativeName(alt))
+
+    def issue_client(self, directory: Path, user: str, group: str) -> tuple[Path, Path]:
+        """A client certificate: the API server reads the user from CN and a group from O (the kubelet
+        authenticates the API server this way)."""
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, user),
+                             x509.NameAttribute(NameOID.ORGANIZATION_NAME, group)])
+        return self._signed(directory, user, subject, x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH)
+
+    def _signed(self, directory: Path, name: str, subject: x509.Name, usage: x509.ObjectIdentifier,
+                *extensions: x509.ExtensionType) -> tuple[Path, Path]:
         key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         now = datetime.datetime.now(datetime.UTC)
-        alt = [x509.DNSName(d) for d in dns] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
-        cert = (x509.CertificateBuilder()
-                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-                .issuer_name(self.cert.subject).public_key(key.public_key())
-                .serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=2))
-                .add_extension(x509.SubjectAlternativeName(alt), critical=False)
-                .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-                .sign(self.key, hashes.SHA256()))
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(self.cert.subject)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=2))
+                   .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+        for extension in extensions:
+            builder = builder.add_extension(extension, critical=False)
+        cert = builder.sign(self.key, hashes.SHA256())
         cert_file, key_file = directory / f"{name}.crt", directory / f"{name}.key"
         cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
