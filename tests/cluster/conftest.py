@@ -1,8 +1,9 @@
 """Fixtures for the tests on a real one-node cluster (`tests/cluster/node.py`): images built here,
 imported into the node's containerd, the chart installed by helm, pods run by the kubelet.
 
-One node serves the whole session (bringing it up takes a minute, importing the image minutes);
-a node already started by `make cluster` is used as it is and left running. Without root, Go or
+One node serves the whole package (bringing it up takes a minute, importing the image minutes)
+and is stopped after its last test, so the rest of the suite does not share the CPU with it; a
+node already started by `make cluster` is used as it is and left running. Without root, Go or
 the Debian tools the tests skip and say why; under CI they fail (`tests/services.py`).
 """
 
@@ -50,7 +51,7 @@ def _image_builder() -> Any:
     return module
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def images() -> dict[str, Any]:
     """The project's images (built once, cached by the hash of what goes in)."""
     reason = node_module.missing_prerequisite()
@@ -62,7 +63,7 @@ def images() -> dict[str, Any]:
     return _image_builder().build_images()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def node(images: dict[str, Any]) -> Iterator[NodeCluster]:
     pause = (Path(images["pause"]["archive"]), images["pause"]["ref"])
     with node_module.session(pause) as running:
@@ -143,7 +144,7 @@ def _data_volume(node: NodeCluster) -> None:
                  "hostPath": {"path": str(DATA_DIR), "type": "Directory"}}})
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def platform(node: NodeCluster, helm: Path, images: dict[str, Any]) -> Iterator[Platform]:
     """`helm install` of the chart with the images built here; the operator and the gateway Ready."""
     cluster = node.cluster
@@ -180,7 +181,7 @@ def _healthy_url(url: str, method: str = "GET") -> bool:
         return False
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def model_server(node: NodeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The SmolLM2 GGUF served over http from the node's address: where a registry entry points."""
     folder = tmp_path_factory.mktemp("weights")
