@@ -132,10 +132,12 @@ def _data_volume(node: NodeCluster) -> None:
     for folder in (DATA_DIR, MODEL_CACHE):  # the pods run as 10001, and fsGroup skips hostPath volumes
         folder.mkdir(parents=True, exist_ok=True)
         os.chown(folder, 10001, 10001)
-    # A volume left by an earlier release is Released (its claim is gone) and never binds again.
+    # A volume left by an earlier release is Released (its claim is gone) and never binds again; one
+    # still Bound belongs to a release that is still installed (a node kept running) and stays.
     path = "/api/v1/persistentvolumes/inferplane-control-plane-data"
-    node.cluster.request("DELETE", path)
-    node.cluster.wait_gone(path, timeout=120)
+    if ((node.cluster.get(path) or {}).get("status") or {}).get("phase") == "Released":
+        node.cluster.request("DELETE", path)
+        node.cluster.wait_gone(path, timeout=120)
     node.cluster.apply({
         "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "inferplane-control-plane-data"},
         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
