@@ -75,7 +75,6 @@ DEBIAN_TOOLS = {"runc": "runc", "iptables": "iptables", "conntrack": "conntrack"
                 "ip": "iproute2"}
 CNI_DIR = Path("/usr/lib/cni")
 CNI_PLUGINS = ("bridge", "host-local", "loopback", "portmap")
-NODE_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kube-proxy", "kubelet")
 
 
 def missing_prerequisite() -> str | None:
