@@ -1,0 +1,39 @@
+"""Priority bands: the one list of them, their order, and the default.
+
+A band is set on a tenant, on a key (which overrides its tenant's) and on a deployment (the band
+its requests get when neither key nor tenant sets one). The gateway resolves a request's band with
+`resolve_band` and sends it to the worker (`GenerateRequest.priority`); the worker's flow control
+(worker/fair_share.py) admits a higher band first and, when slots or blocks run out, preempts a
+lower band first. Within a band, tenants share the replica fairly.
+
+The names are part of the API (admin bodies, the CLI, the CRD), so they live here, at the bottom
+of the layers, where every component reads them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Band = Literal["critical", "standard", "batch"]
+BANDS: tuple[Band, ...] = ("critical", "standard", "batch")  # most urgent first
+DEFAULT_BAND: Band = "standard"
+
+
+def band_rank(band: str | None) -> int:
+    """0 for the most urgent band; "" or None is the default band. An unknown name is a ValueError
+    naming the field, so a worker never guesses what an old or new gateway meant."""
+    if not band:
+        return BANDS.index(DEFAULT_BAND)
+    try:
+        return BANDS.index(band)  # type: ignore[arg-type]
+    except ValueError:
+        raise ValueError(f"priority: {band!r} is not a band (expected one of {', '.join(BANDS)})") from None
+
+
+def resolve_band(key_band: str | None, tenant_band: str | None, deployment_band: str | None = None) -> Band:
+    """A request's band: the key's, else its tenant's, else its deployment's, else the default."""
+    for band in (key_band, tenant_band, deployment_band):
+        if band:
+            band_rank(band)
+            return band  # type: ignore[return-value]
+    return DEFAULT_BAND
