@@ -30,6 +30,8 @@ WORKER_TREE_NODES = "inferplane_worker_prefix_cache_tree_nodes"
 WORKER_NATIVE_KERNELS = "inferplane_worker_native_kernels"  # how many of the kernels run in C
 WORKER_NATIVE_KERNEL = "inferplane_worker_native_kernel"  # 1 per {kernel, isa}; isa="torch": PyTorch's op
 WORKER_WEIGHTS_INFO = "inferplane_worker_weights_info"
+WORKER_TENANT_SEQUENCES = "inferplane_worker_tenant_sequences"  # labels state (running|waiting), band, tenant
+WORKER_FAIR_SHARE_PREEMPTIONS = "inferplane_worker_fair_share_preemptions"  # slots taken back for a share or band
 # prometheus_client's process collector, which every worker registers: a restart moves it.
 PROCESS_START_TIME = "process_start_time_seconds"
 
@@ -39,7 +41,8 @@ GATEWAY_LATENCY = "inferplane_gateway_request_seconds"
 GATEWAY_TTFT = "inferplane_gateway_time_to_first_token_seconds"
 GATEWAY_TOKENS = "inferplane_gateway_tokens"  # labels model, kind
 GATEWAY_LIMITER_STORE_ERRORS = "inferplane_gateway_limiter_store_errors"
-KEY_REQUESTS = "inferplane_key_requests"  # labels tenant, key, result ("admitted"|"rate_limited"|"quota_exceeded")
+# labels tenant, key, result ("admitted"|"rate_limited"|"quota_exceeded"|"concurrency_limited")
+KEY_REQUESTS = "inferplane_key_requests"
 TENANT_TOKENS = "inferplane_tenant_tokens"  # labels tenant, model, kind ("prompt"|"completion")
 TENANT_QUOTA_TOKENS = "inferplane_tenant_quota_tokens"  # label tenant; only tenants with a quota
 TENANT_QUOTA_USED_TOKENS = "inferplane_tenant_quota_used_tokens"  # label tenant; this month, reservations included

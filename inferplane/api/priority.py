@@ -17,13 +17,14 @@ from typing import Literal
 Band = Literal["critical", "standard", "batch"]
 BANDS: tuple[Band, ...] = ("critical", "standard", "batch")  # most urgent first
 DEFAULT_BAND: Band = "standard"
+DEFAULT_RANK = BANDS.index(DEFAULT_BAND)
 
 
 def band_rank(band: str | None) -> int:
     """0 for the most urgent band; "" or None is the default band. An unknown name is a ValueError
     naming the field, so a worker never guesses what an old or new gateway meant."""
     if not band:
-        return BANDS.index(DEFAULT_BAND)
+        return DEFAULT_RANK
     try:
         return BANDS.index(band)  # type: ignore[arg-type]
     except ValueError:

@@ -28,6 +28,8 @@ class _Submit:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     unfinished: int = 1  # choices still running (n > 1 streams them all on one queue)
+    tenant: str = ""  # flow control (fair_share.py): whose share, and which band
+    priority: str = ""
 
 
 class RequestStream:
@@ -81,11 +83,12 @@ class AsyncEngine:
             return len(self._streams) + len(self._submits)
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-               cache_salt: str = "") -> RequestStream:
+               cache_salt: str = "", *, tenant: str = "", priority: str = "") -> RequestStream:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._wake:
-            self._submits.append(_Submit(request_id, prompt, params, cache_salt, queue, loop, params.n))
+            self._submits.append(_Submit(request_id, prompt, params, cache_salt, queue, loop, params.n,
+                                         tenant=tenant, priority=priority))
             self._wake.notify()
         return RequestStream(request_id, queue, self.abort, params.n)
 
@@ -119,7 +122,8 @@ class AsyncEngine:
             # Only this thread touches the engine.
             for sub in submits:
                 try:
-                    self.engine.add_request(sub.prompt, sub.params, sub.request_id, sub.cache_salt)
+                    self.engine.add_request(sub.prompt, sub.params, sub.request_id, sub.cache_salt,
+                                            tenant=sub.tenant, priority=sub.priority)
                     self._streams[sub.request_id] = sub
                 except ValueError as exc:
                     self._deliver(sub, exc)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inferplane.api.priority import BANDS, band_rank
 from inferplane.api.tokenizer import IncrementalDetokenizer
 from inferplane.worker.attention import PagedKVCache
 from inferplane.worker.kv.paged import blocks_for
@@ -24,6 +25,7 @@ from inferplane.worker.sampling import SamplingParams
 from inferplane.worker.sequence import Sequence
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
+QUEUE_STAT_PREFIX = "queue:"  # stats key queue:<running|waiting>:<band>:<tenant> -> sequences
 _GPU_DEFAULT_KV_FRACTION = 0.85
 
 
@@ -129,8 +131,12 @@ class Engine:
         return self._grammars.new_state(constraint)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str = "") -> Sequence:
+                    request_id: str | None = None, cache_salt: str = "", *, tenant: str = "",
+                    priority: str = "") -> Sequence:
+        """Queues a request (its `params.n` choices). `tenant` and `priority` (a band name) place
+        its sequences in flow control (fair_share.py); a bad band is a ValueError naming it."""
         params = params or SamplingParams()
+        band = band_rank(priority)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
@@ -156,6 +162,8 @@ class Engine:
             raise ValueError(f"request_id: {request_id!r} is already running")
         choices = [self._new_sequence(request_id, index, token_ids, params, max_tokens, cache_salt)
                    for index in range(params.n)]
+        for seq in choices:
+            seq.tenant, seq.band = tenant, band
         leader = choices[0]
         leader.forks = choices[1:]
         self._groups[request_id] = choices
@@ -211,6 +219,8 @@ class Engine:
         sampled = 0
         for item in plan.scheduled:
             seq = item.seq
+            prompt_part = max(0, min(item.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens))
+            self.scheduler.fair.charge(seq.tenant, prompt_part, item.num_new_tokens - prompt_part)
             seq.num_computed_tokens += item.num_new_tokens
             self.kv.on_computed(seq)
             if seq.forks and seq.num_computed_tokens >= seq.num_prompt_tokens:
@@ -234,7 +244,7 @@ class Engine:
                 continue
             child.prompt_logprobs = list(leader.prompt_logprobs)  # the same prompt: scored once
             copies = None
-            if len(self.scheduler.running) < self.options.max_num_seqs:
+            if self.scheduler.may_fork(child):  # a free slot, and not one another tenant is owed
                 copies = self.kv.fork(leader, child)
             if copies is None:
                 self.scheduler.add(child)
@@ -361,7 +371,11 @@ class Engine:
             forked_shared_blocks=self.counters.forked_shared_blocks,
             fork_fallbacks=self.counters.fork_fallbacks,
             blocks_allocated_total=self.kv.pool.allocations,
+            fair_share_preemptions=self.scheduler.fair.preemptions,
         )
+        # Per tenant and band: what flow control is doing (worker/metrics.py labels these).
+        for (state, tenant, band), count in self.scheduler.tenant_queues().items():
+            stats[f"{QUEUE_STAT_PREFIX}{state}:{BANDS[band]}:{tenant}"] = float(count)
         if self.device.type == "cpu":  # which jobs run on the C kernels (and which ISA), which on PyTorch ops
             stats["native_kernels"] = float(sum(isa != "torch" for isa in self.kernel_isas.values()))
             stats.update({f"native_kernel:{name}:{isa}": 1.0 for name, isa in self.kernel_isas.items()})

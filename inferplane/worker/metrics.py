@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from inferplane.api import metric_names as m
-from inferplane.worker.engine import StepOutput
+from inferplane.worker.engine import QUEUE_STAT_PREFIX, StepOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2)
@@ -28,6 +28,7 @@ _COUNTER_STATS = {
     "prefix_query_tokens": m.WORKER_PREFIX_QUERY_TOKENS,
     "prefix_hit_tokens": m.WORKER_PREFIX_HIT_TOKENS,
     "evicted_blocks": m.WORKER_PREFIX_EVICTED_BLOCKS,
+    "fair_share_preemptions": m.WORKER_FAIR_SHARE_PREEMPTIONS,
 }
 _GAUGE_STATS = {
     "num_running": m.WORKER_RUNNING,
@@ -65,6 +66,13 @@ class _EngineStatsCollector:
                                        labels=[*names, "kernel", "isa"])
             for kernel, isa in kernels:
                 family.add_metric([*values, kernel, isa], 1.0)
+            yield family
+        queues = [(key.split(":", 3)[1:], value) for key, value in stats.items() if key.startswith(QUEUE_STAT_PREFIX)]
+        if queues:
+            family = GaugeMetricFamily(m.WORKER_TENANT_SEQUENCES, "sequences per tenant and priority band, "
+                                       "running or waiting (flow control)", labels=[*names, "state", "band", "tenant"])
+            for (state, band, tenant), value in queues:
+                family.add_metric([*values, state, band, tenant], float(value))
             yield family
         gate = {k: v for k, v in stats.items() if k.startswith(("gate_", "weight_bytes"))}
         if gate:

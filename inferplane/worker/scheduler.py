@@ -6,13 +6,20 @@ prefills in progress take a chunk), then waiting ones. When blocks run out the n
 sequence is preempted: its blocks are freed and it goes back to the front of the queue to be
 recomputed. The oldest sequence is always served first and, alone, always fits (requests that
 could never fit are refused at admission), so the engine cannot deadlock.
+
+Between tenants and priority bands, flow control (fair_share.py) decides: running sequences are
+served band by band (oldest first within a band), admission follows the fair order, a victim for
+blocks is taken from the least urgent band and the greediest tenant, and a waiting sequence whose
+tenant is under its share of the slots (or whose band is more urgent) takes a slot from a tenant
+over its share. With one tenant in one band, all of this is the plain order above.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
+from inferplane.worker.fair_share import FairShare
 from inferplane.worker.sequence import Sequence, SequenceStatus
 from inferplane.worker.step_budget import StepBudget
 
@@ -42,14 +49,27 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.fair = FairShare(max_num_seqs)
 
     def add(self, seq: Sequence) -> None:
+        self.fair.activate(seq.tenant)
         self.waiting.append(seq)
 
     def admit_forked(self, seq: Sequence) -> None:
         """A choice that already holds its prompt's KV (forked, n > 1) joins the running batch."""
+        self.fair.activate(seq.tenant)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+
+    def may_fork(self, seq: Sequence) -> bool:
+        """Whether a forked choice may take a free slot now: yes unless another tenant (or a more
+        urgent band) is waiting for one while this tenant already holds its share."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        others = [w for w in self.waiting if w.tenant != seq.tenant or w.band < seq.band]
+        if not others:
+            return True
+        return sum(1 for r in self.running if r.tenant == seq.tenant) < self.fair.share()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -63,14 +83,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _order_waiting(self) -> None:
-        """Hook for the radix runtime's cache-aware ordering; paged serves first come, first served."""
-
     def schedule(self) -> SchedulerOutput:
         budget = self.step_budget.tokens_for(len(self.running))
         scheduled: list[ScheduledSequence] = []
         preempted = 0
-        queue = list(self.running)  # oldest first
+        fair_preempted = self._preempt_for_waiting()
+        queue = sorted(self.running, key=lambda s: s.band)  # most urgent band first, oldest first in it
         kept: list[Sequence] = []
         while queue:
             seq = queue.pop(0)
@@ -79,7 +97,9 @@ class Scheduler:
                 kept.append(seq)
                 continue
             while not self.kv.allocate(seq, n):
-                victim = queue.pop() if queue else seq
+                victim = self.fair.block_victim([seq, *queue])
+                if victim is not seq:
+                    queue.remove(victim)
                 self._preempt(victim)
                 preempted += 1
                 if victim is seq:
@@ -91,7 +111,8 @@ class Scheduler:
             budget -= n
         self.running = kept
         if not preempted:
-            self._order_waiting()
+            if not fair_preempted:  # else the waiting queue already starts with those the slots were freed for
+                self._order_waiting()
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
                 self.kv.match_prefix(seq)
@@ -108,7 +129,48 @@ class Scheduler:
                 budget -= n
         # Decode rows first: the model runner batches them into one attention call.
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(scheduled, preempted + fair_preempted)
+
+    def _order_waiting(self) -> None:
+        """The fair order between tenants and bands; each runtime's own order within a tenant
+        (paged: first come, first served; radix: see radix_scheduler.py, which calls this last)."""
+        if len(self.waiting) > 1:
+            self.waiting = deque(self.fair.admission_order(list(self.waiting), self.running))
+
+    def _preempt_for_waiting(self) -> int:
+        """When every slot is taken, frees slots for the waiting sequences entitled to one (a more
+        urgent band, or a tenant under its share), taking them from the tenants over their share,
+        and puts those sequences at the head of the queue so that admission gives them the slots
+        (not the preempted ones back). None while nobody else waits."""
+        if len(self.running) < self.max_num_seqs or not self.waiting:
+            return 0
+        busy = {s.tenant for s in self.running} | {s.tenant for s in self.waiting}
+        self.fair.deactivate_idle(busy)
+        order = self.fair.admission_order(list(self.waiting), self.running)
+        first: list[Sequence] = []
+        granted: Counter[str] = Counter()
+        refused: set[tuple[int, str]] = set()  # a refusal holds for the step: preempting others never undoes it
+        for seq in order:
+            if (seq.band, seq.tenant) in refused:
+                continue
+            if not self.fair.entitled(seq, self.running, granted[seq.tenant]):
+                refused.add((seq.band, seq.tenant))
+                continue
+            victim = self.fair.victim(seq, self.running)
+            if victim is None:
+                refused.add((seq.band, seq.tenant))
+                continue
+            self.running.remove(victim)
+            self._preempt(victim)
+            self.fair.preemptions += 1
+            first.append(seq)
+            granted[seq.tenant] += 1
+            if len(first) >= self.max_num_seqs // 2:  # never turn the whole batch over in one step
+                break
+        if first:
+            chosen = set(first)
+            self.waiting = deque(first + [s for s in self.waiting if s not in chosen])
+        return len(first)
 
     def finish(self, seq: Sequence) -> None:
         """Removes a finished or aborted sequence wherever it is and frees its blocks."""
@@ -118,3 +180,15 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
+        if not any(s.tenant == seq.tenant for s in self.running) and \
+                not any(s.tenant == seq.tenant for s in self.waiting):
+            self.fair.active.discard(seq.tenant)
+
+    def tenant_queues(self) -> dict[tuple[str, str, int], int]:
+        """(state, tenant, band) -> sequences: what the per-tenant queue metrics report."""
+        counts: dict[tuple[str, str, int], int] = {}
+        for state, seqs in (("running", self.running), ("waiting", self.waiting)):
+            for seq in seqs:
+                key = (state, seq.tenant, seq.band)
+                counts[key] = counts.get(key, 0) + 1
+        return counts

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from inferplane.api.priority import DEFAULT_RANK
 from inferplane.worker.sampling import SamplingParams
 
 
@@ -51,6 +52,10 @@ class Sequence:
     # prefill chunks compute them; a recompute after preemption does not add them twice.
     prompt_logprobs: list = field(default_factory=list)
     prompt_logprobs_sent: bool = False  # they go out once, with the choice's first output
+    # Flow control (fair_share.py): the tenant whose share this sequence counts against, and its
+    # priority band's rank (api/priority.py: 0 is the most urgent).
+    tenant: str = ""
+    band: int = DEFAULT_RANK
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -128,7 +128,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             params = params_from_proto(request.params)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        stream = engine.submit(request.request_id or uuid.uuid4().hex, prompt, params, request.cache_salt)
+        stream = engine.submit(request.request_id or uuid.uuid4().hex, prompt, params, request.cache_salt,
+                               tenant=request.tenant, priority=request.priority)
         try:
             async for out in stream:
                 yield _response(out)

@@ -65,6 +65,7 @@ class RadixScheduler(Scheduler):
 
     def _order_waiting(self) -> None:
         if not self.waiting or len(self.waiting) > self.fcfs_threshold:
+            super()._order_waiting()
             return
         bs = self.kv.block_size
         matched = {seq: self.kv.peek_match(seq) for seq in self.waiting}
@@ -82,7 +83,8 @@ class RadixScheduler(Scheduler):
                 continue
             self._claim(seq, first, claimed)
             admissible.append(seq)
-        self.waiting = deque(admissible)
+        # Between tenants and bands the fair order decides; this order holds within each.
+        self.waiting = deque(self.fair.admission_order(admissible, self.running))
         self._order = order
 
     def _claim(self, seq: Sequence, first_block: int, claimed: set[int]) -> None:
