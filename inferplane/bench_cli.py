@@ -10,6 +10,7 @@ BENCHMARKS = {
     "scenarios": ("inferplane.bench.scenarios", "radix vs paged: multi-turn, agent, no reuse"),
     "cpu": ("inferplane.bench.cpu", "cpu-int8 vs our float32 engine vs HF float32 generate"),
     "gateway": ("inferplane.bench.gateway", "gateway requests/s and added latency vs direct worker calls"),
+    "fairness": ("inferplane.bench.fairness", "two tenants on one replica: interactive TTFT alone and under floods"),
     "autoscale": ("inferplane.bench.autoscale", "local stack: steady, 10x burst, idle, one request"),
     "operator": ("inferplane.operator.bench", "200 InferenceDeployments against the API server of $KUBECONFIG"),
 }

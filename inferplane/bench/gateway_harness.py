@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -71,6 +71,7 @@ class GatewayProcess:
     key: str
     port: int
     grpc_port: int
+    keys: dict[str, str] = field(default_factory=dict)  # tenant -> its key (`--tenant`)
 
     @property
     def base_url(self) -> str:
@@ -109,19 +110,19 @@ def start_gateway(workers: list[str], *, log_path: str | None = None, timeout: f
             raise RuntimeError(f"gateway exited with {proc.wait()} before it was ready (log: {log_path})")
         if line.startswith("{"):
             ready = json.loads(line)
-            return GatewayProcess(proc, ready["key"], ready["port"], ready["grpc_port"])
+            return GatewayProcess(proc, ready["key"], ready["port"], ready["grpc_port"], ready.get("keys", {}))
     proc.kill()
     raise TimeoutError("gateway not ready in time")
 
 
 # -- the serving process ---------------------------------------------------------------------------
 
-def _create_key(gateway) -> str:
+def _create_key(gateway, tenant: str = TENANT, priority: str | None = None) -> str:
     from inferplane.control_plane import auth, tenants
 
     with gateway.sessions.begin() as session:
-        tenants.create_tenant(session, TENANT, actor="bench")
-        created = auth.create_key(session, TENANT, actor="bench", scopes=auth.DEFAULT_SCOPES)
+        tenants.create_tenant(session, tenant, actor="bench", priority=priority)
+        created = auth.create_key(session, tenant, actor="bench", scopes=auth.DEFAULT_SCOPES)
     return created.secret
 
 
@@ -138,6 +139,10 @@ async def _serve(args: argparse.Namespace) -> int:
                                    drain_grace_seconds=args.drain_grace_seconds)
         gateway = Gateway(settings)
         key = _create_key(gateway)  # before start(): the key cache loads it on its first refresh
+        keys = {}
+        for spec in args.tenant:
+            name, _, band = spec.partition(":")
+            keys[name] = _create_key(gateway, name, band or None)
         await gateway.start()
         try:
             info = await gateway.channels.stub(args.worker[0]).Info(worker_pb2.InfoRequest(), timeout=30)
@@ -146,7 +151,7 @@ async def _serve(args: argparse.Namespace) -> int:
             gateway.router.set_route(args.served_model_name, [deployment])
             gateway.catalog.put(ServedModel(name=args.served_model_name, tokenizer=TextTokenizer.from_wire(info),
                                             max_model_len=info.max_model_len, cache_isolation="shared"))
-            print(json.dumps({"key": key, "port": args.port, "grpc_port": args.grpc_port}), flush=True)
+            print(json.dumps({"key": key, "keys": keys, "port": args.port, "grpc_port": args.grpc_port}), flush=True)
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -168,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-outstanding", type=int, default=1024, help="per replica before it counts as full")
     serve.add_argument("--health-poll-interval", type=float, default=2.0)
     serve.add_argument("--drain-grace-seconds", type=float, default=30.0)
+    serve.add_argument("--tenant", action="append", default=[],
+                       help="NAME[:BAND] another tenant with a key of its own (repeatable); BAND: api/priority.py")
     args = parser.parse_args(argv)
     return aio.run(_serve(args))
 

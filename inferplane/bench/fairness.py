@@ -1,0 +1,314 @@
+"""Two tenants on one replica: does a flooding tenant raise an interactive tenant's latency?
+
+One worker (the tiny model, the radix runtime, `--max-num-seqs` slots) behind one gateway, each in
+its own process. The interactive tenant sends short streamed chats one at a time and records the
+time to the first token (TTFT); a poller reads `/healthz` every 20 ms. First the interactive tenant
+runs alone; then under each flood the issue named (issue 29), sent by a second tenant of the same
+band:
+
+- `grammar-choices`: three copies of a 100,000-entry `guided_choice` in a loop;
+- `grammar-regex`: eight copies of `guided_regex: "(a{1000}){1000}"` in a loop;
+- `fan-out`: `n` = every slot, `max_tokens` 900;
+- `fan-out+logprobs`: the same with `logprobs`, `top_logprobs` 20;
+- `big-bodies`: unauthenticated 200 MB chunked POSTs to the admin API;
+- `backlog`: a steady backlog of long generations (twice as many as there are slots).
+
+It prints, per case, the interactive TTFT p50/p99, p99 under the flood over p99 alone (goal <= 2),
+and the `/healthz` p99 (goal <= 50 ms). Then the flooding tenant's throughput (completion tokens/s)
+with its backlog alone against the same backlog while the interactive tenant is active (goal >= 90%),
+and a `batch`-band tenant's backlog against a `critical` tenant's TTFT (goal p99 <= 2x alone).
+
+Everything runs on this machine's CPUs; the figures are what they are here (the ratio is the
+point: both sides of it are measured in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+CHAT = [{"role": "user", "content": "hello, how are you today?"}]
+PROBE_MAX_TOKENS = 4
+
+
+@dataclass
+class Probe:
+    ttft_ms: list[float] = field(default_factory=list)
+    errors: int = 0
+
+    def pct(self, q: float) -> float:
+        if not self.ttft_ms:
+            return float("nan")
+        ordered = sorted(self.ttft_ms)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class Health:
+    latency_ms: list[float] = field(default_factory=list)
+
+    def pct(self, q: float) -> float:
+        ordered = sorted(self.latency_ms) or [float("nan")]
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Tenants:
+    """The gateway's base URL and one key per tenant."""
+
+    def __init__(self, base_url: str, keys: dict[str, str], model: str):
+        self.base_url = base_url
+        self.keys = keys
+        self.model = model
+
+    def headers(self, tenant: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[tenant]}"}
+
+
+async def _ttft(client: httpx.AsyncClient, t: Tenants, tenant: str) -> float:
+    """Milliseconds from sending a streamed chat to its first content chunk."""
+    body = {"model": t.model, "messages": CHAT, "max_tokens": PROBE_MAX_TOKENS, "stream": True, "temperature": 0}
+    start = time.perf_counter()
+    async with client.stream("POST", f"{t.base_url}/v1/chat/completions", json=body,
+                             headers=t.headers(tenant)) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise RuntimeError(f"probe: HTTP {response.status_code}: {response.text[:200]}")
+        first = None
+        async for line in response.aiter_lines():
+            if first is None and line.startswith("data: {") and '"content":"' in line.replace(" ", ""):
+                chunk = json.loads(line[6:])
+                if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                    first = (time.perf_counter() - start) * 1000
+        if first is None:
+            raise RuntimeError("probe: the stream had no content")
+        return first
+
+
+async def probe(t: Tenants, tenant: str, samples: int) -> Probe:
+    result = Probe()
+    async with httpx.AsyncClient(timeout=300) as client:
+        for _ in range(samples):
+            try:
+                result.ttft_ms.append(await _ttft(client, t, tenant))
+            except Exception:  # noqa: BLE001 - counted and shown, never hidden
+                result.errors += 1
+    return result
+
+
+async def poll_health(base_url: str, stop: asyncio.Event, health: Health) -> None:
+    async with httpx.AsyncClient(timeout=60) as client:
+        while not stop.is_set():
+            start = time.perf_counter()
+            with contextlib.suppress(httpx.HTTPError):
+                await client.get(f"{base_url}/healthz")
+            health.latency_ms.append((time.perf_counter() - start) * 1000)
+            await asyncio.sleep(0.02)
+
+
+# -- floods -----------------------------------------------------------------------------------------
+
+FloodCall = Callable[[httpx.AsyncClient], Awaitable[int]]  # returns completion tokens served
+
+
+def _chat_call(t: Tenants, tenant: str, **extra) -> FloodCall:
+    async def call(client: httpx.AsyncClient) -> int:
+        body = {"model": t.model, "messages": CHAT, "temperature": 0, **extra}
+        response = await client.post(f"{t.base_url}/v1/chat/completions", json=body, headers=t.headers(tenant))
+        if response.status_code != 200:
+            return 0
+        return int(response.json().get("usage", {}).get("completion_tokens", 0))
+    return call
+
+
+def _big_body_call(t: Tenants, megabytes: int) -> FloodCall:
+    async def chunks():
+        block = b"x" * (1 << 20)
+        for _ in range(megabytes):
+            yield block
+
+    async def call(client: httpx.AsyncClient) -> int:
+        with contextlib.suppress(httpx.HTTPError):
+            await client.post(f"{t.base_url}/admin/v1/tenants", content=chunks(),
+                              headers={"Content-Type": "application/json"})
+        return 0
+    return call
+
+
+def flood_cases(t: Tenants, slots: int) -> dict[str, tuple[FloodCall, int]]:
+    """Name -> (one flood request, how many run at once)."""
+    flood = "flood"
+    choices = [f"c{i}" for i in range(100_000)]
+    return {
+        "grammar-choices": (_chat_call(t, flood, guided_choice=choices, max_tokens=8), 3),
+        "grammar-regex": (_chat_call(t, flood, guided_regex="(a{1000}){1000}", max_tokens=8), 8),
+        "fan-out": (_chat_call(t, flood, n=slots, max_tokens=900), 1),
+        "fan-out+logprobs": (_chat_call(t, flood, n=slots, max_tokens=900, logprobs=True,
+                                        top_logprobs=20), 1),
+        "big-bodies": (_big_body_call(t, 200), 2),
+        "backlog": (_chat_call(t, flood, max_tokens=900), 2 * slots),
+    }
+
+
+async def run_flood(call: FloodCall, copies: int, stop: asyncio.Event, served: list[tuple[float, int]]) -> None:
+    """`copies` loops re-sending `call` until `stop`; each served answer is (finish time, tokens)."""
+    limits = httpx.Limits(max_connections=copies + 4, max_keepalive_connections=copies + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def loop() -> None:
+            while not stop.is_set():
+                try:
+                    tokens = await call(client)
+                except httpx.HTTPError:
+                    tokens = 0
+                    await asyncio.sleep(0.05)
+                served.append((time.perf_counter(), tokens))
+
+        tasks = [asyncio.create_task(loop()) for _ in range(copies)]
+        await stop.wait()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def measure(t: Tenants, tenant: str, samples: int, flood: tuple[FloodCall, int] | None,
+                  warmup_s: float) -> tuple[Probe, Health]:
+    stop, health = asyncio.Event(), Health()
+    tasks = [asyncio.create_task(poll_health(t.base_url, stop, health))]
+    if flood is not None:
+        tasks.append(asyncio.create_task(run_flood(flood[0], flood[1], stop, [])))
+        await asyncio.sleep(warmup_s)
+    result = await probe(t, tenant, samples)
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return result, health
+
+
+async def throughput(t: Tenants, tenant: str, copies: int, seconds: float, *,
+                     alongside: Callable[[], Awaitable[object]] | None = None) -> float:
+    """Completion tokens/s the tenant's backlog (`copies` long generations at once) is served,
+    counted over `seconds` after a warm-up, optionally while `alongside` runs."""
+    stop, served = asyncio.Event(), []
+    call = _chat_call(t, tenant, max_tokens=100)
+    flood = asyncio.create_task(run_flood(call, copies, stop, served))
+    await asyncio.sleep(seconds / 4)
+    start = time.perf_counter()
+    side = asyncio.create_task(_repeat(alongside, start + seconds)) if alongside else None
+    await asyncio.sleep(seconds)
+    end = time.perf_counter()
+    stop.set()
+    if side is not None:
+        side.cancel()
+        await asyncio.gather(side, return_exceptions=True)
+    await flood
+    return sum(tokens for when, tokens in served if start <= when <= end) / (end - start)
+
+
+async def _repeat(job: Callable[[], Awaitable[object]], until: float) -> None:
+    while time.perf_counter() < until:
+        await job()
+
+
+def _row(name: str, p: Probe, h: Health, alone_p99: float) -> str:
+    ratio = p.pct(0.99) / alone_p99 if alone_p99 else float("nan")
+    return (f"  {name:<18} TTFT p50 {p.pct(0.5):8.1f} ms  p99 {p.pct(0.99):8.1f} ms  x{ratio:6.2f} of alone"
+            f"   /healthz p99 {h.pct(0.99):7.1f} ms   samples {len(p.ttft_ms)} errors {p.errors}")
+
+
+async def run(args: argparse.Namespace, t: Tenants) -> dict:
+    slots = args.max_num_seqs
+    results: dict = {"cases": {}}
+    await probe(t, "interactive", 3)  # warm-up: connections, the first request's one-time costs
+    await probe(t, "critical", 3)
+    alone, health = await measure(t, "interactive", args.samples, None, 0)
+    print("interactive tenant: streamed chats one at a time, max_tokens "
+          f"{PROBE_MAX_TOKENS}; TTFT from send to first content chunk", flush=True)
+    print(_row("alone", alone, health, alone.pct(0.99)), flush=True)
+    results["alone"] = {"p50": alone.pct(0.5), "p99": alone.pct(0.99), "healthz_p99": health.pct(0.99)}
+    cases = flood_cases(t, slots)
+    for name in args.cases or list(cases):
+        p, h = await measure(t, "interactive", args.samples, cases[name], args.warmup)
+        print(_row(name, p, h, alone.pct(0.99)), flush=True)
+        results["cases"][name] = {"p50": p.pct(0.5), "p99": p.pct(0.99), "healthz_p99": h.pct(0.99),
+                                  "ratio": p.pct(0.99) / alone.pct(0.99), "errors": p.errors}
+    copies = 2 * slots
+    by_itself = await throughput(t, "flood", copies, args.throughput_seconds)
+    with_probe = await throughput(t, "flood", copies, args.throughput_seconds,
+                                  alongside=lambda: probe(t, "interactive", 1))
+    share = with_probe / by_itself if by_itself else float("nan")
+    print(f"\nflooding tenant's backlog ({copies} generations at once, max_tokens 100): "
+          f"{by_itself:.0f} tokens/s alone, {with_probe:.0f} tokens/s beside the interactive tenant "
+          f"({share:.0%}, goal >= 90%)", flush=True)
+    results["throughput"] = {"alone": by_itself, "beside_interactive": with_probe, "share": share}
+    critical_alone, _ = await measure(t, "critical", args.samples, None, 0)
+    batch_flood = (_chat_call(t, "batch", max_tokens=900), copies)
+    critical, h = await measure(t, "critical", args.samples, batch_flood, args.warmup)
+    print("\npriority: a critical tenant's chats beside a batch tenant's backlog", flush=True)
+    print(_row("critical alone", critical_alone, Health(), critical_alone.pct(0.99)), flush=True)
+    print(_row("critical + batch", critical, h, critical_alone.pct(0.99)), flush=True)
+    results["priority"] = {"alone_p99": critical_alone.pct(0.99), "p99": critical.pct(0.99),
+                           "ratio": critical.pct(0.99) / critical_alone.pct(0.99)}
+    worst = max([c["ratio"] for c in results["cases"].values()] + [results["priority"]["ratio"]])
+    worst_health = max([c["healthz_p99"] for c in results["cases"].values()] + [results["alone"]["healthz_p99"]])
+    print(f"\nworst p99 ratio {worst:.2f} (goal <= 2); worst /healthz p99 {worst_health:.1f} ms (goal <= 50); "
+          f"median of the per-case p50s {statistics.median(c['p50'] for c in results['cases'].values()):.1f} ms",
+          flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="inferplane bench fairness", description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", default=None, help="where the tiny model is kept (created if missing)")
+    parser.add_argument("--runtime", default="radix", choices=["paged", "radix"])
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--samples", type=int, default=40, help="interactive chats per case")
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds a flood runs before the probe starts")
+    parser.add_argument("--throughput-seconds", type=float, default=20.0)
+    parser.add_argument("--cases", nargs="*", default=None, help="only these flood cases")
+    parser.add_argument("--json", default=None, help="also write the figures here")
+    parser.add_argument("--logs", default=None, help="folder for the worker's and gateway's logs")
+    args = parser.parse_args(argv)
+
+    from inferplane.bench.gateway import _model_dir
+    from inferplane.bench.gateway_harness import free_port, start_gateway, start_worker, wait_serving
+
+    model = _model_dir(args.model_dir)
+    logs = args.logs or tempfile.mkdtemp(prefix="inferplane-bench-fairness-")
+    os.makedirs(logs, exist_ok=True)
+    port = free_port()
+    worker = start_worker(model, port, "--runtime", args.runtime, "--max-num-seqs", str(args.max_num_seqs),
+                          "--max-model-len", "1024", log_path=os.path.join(logs, "worker.log"))
+    gateway = None
+    try:
+        address = f"127.0.0.1:{port}"
+        wait_serving(address, worker)
+        tenants = ("interactive", "flood", "critical:critical", "batch:batch")
+        gateway = start_gateway([address], log_path=os.path.join(logs, "gateway.log"),
+                                extra=tuple(arg for name in tenants for arg in ("--tenant", name)))
+        print(f"tiny model, {args.runtime} runtime, {args.max_num_seqs} slots; {os.cpu_count()} CPUs; "
+              f"logs: {logs}", flush=True)
+        results = asyncio.run(run(args, Tenants(gateway.base_url, gateway.keys, "tiny")))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        worker.terminate()
+        try:
+            worker.wait(timeout=30)
+        except Exception:  # noqa: BLE001
+            worker.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
