@@ -3,6 +3,12 @@
 The model runs on one thread that owns the engine outright; gRPC handlers on the event loop only
 put work into an inbox and read their own result queue. So no engine state is ever touched by two
 threads, and a slow step never blocks the event loop.
+
+A structured-output request's grammar is compiled first, on a small pool (`GrammarLimits.
+compile_threads`; llguidance drops the GIL while it compiles), and only then put into the inbox:
+compiling never stalls the engine's steps, and a request still compiling holds no batch slot. It
+counts in `num_in_flight` all along (the autoscaler and the drain read it) and can be aborted;
+an aborted request's grammar, once compiled, is only cached, never handed to the engine.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from inferplane.worker.engine import Engine, StepOutput
@@ -72,6 +79,8 @@ class AsyncEngine:
         self._submits: list[_Submit] = []
         self._aborts: list[str] = []
         self._streams: dict[str, _Submit] = {}
+        self._compiling: dict[str, _Submit] = {}  # grammars on the compile pool, not yet in the inbox
+        self._compile_pool: ThreadPoolExecutor | None = None  # made on the first constrained request
         self._stopped = False
         self.last_stats: dict[str, float] = engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -80,27 +89,92 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         with self._wake:
-            return len(self._streams) + len(self._submits)
+            return len(self._streams) + len(self._submits) + len(self._compiling)
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                cache_salt: str = "", *, tenant: str = "", priority: str = "") -> RequestStream:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        sub = _Submit(request_id, prompt, params, cache_salt, queue, loop, params.n, tenant=tenant, priority=priority)
+        stream = RequestStream(request_id, queue, self.abort, params.n)
+        if params.constraint is not None:
+            try:
+                ready = self._cached(params.constraint)
+            except ValueError as exc:  # a refusal the cache remembers
+                self._deliver(sub, exc)
+                return stream
+            if not ready:
+                self._compile_first(sub)
+                return stream
         with self._wake:
-            self._submits.append(_Submit(request_id, prompt, params, cache_salt, queue, loop, params.n,
-                                         tenant=tenant, priority=priority))
+            self._submits.append(sub)
             self._wake.notify()
-        return RequestStream(request_id, queue, self.abort, params.n)
+        return stream
+
+    def _compile_first(self, sub: _Submit) -> None:
+        with self._wake:
+            if sub.request_id in self._compiling:
+                self._deliver(sub, ValueError(f"request_id: {sub.request_id!r} is already running"))
+                return
+            self._compiling[sub.request_id] = sub
+            if self._compile_pool is None:
+                from inferplane.worker.structured import LIMITS
+
+                self._compile_pool = ThreadPoolExecutor(LIMITS.compile_threads, thread_name_prefix="grammar-compile")
+            self._compile_pool.submit(self._compile, sub)
+
+    def _cached(self, constraint) -> bool:
+        """Whether the grammar is compiled already (then attached to the constraint, so the engine
+        thread only copies it); GrammarError if the cache holds its refusal. False: compile first."""
+        compiler = self.engine._grammars
+        return compiler is not None and compiler.prepare_cached(constraint)
+
+    def _compile(self, sub: _Submit) -> None:
+        """On the compile pool: compiles the grammar, then hands the request to the engine unless it
+        was aborted meanwhile (the grammar stays cached either way)."""
+        with self._wake:
+            if self._compiling.get(sub.request_id) is not sub:
+                return  # aborted while it waited for a compile thread: nothing to compile
+        error: BaseException | None = None
+        try:
+            self.engine.grammar_compiler().prepare(sub.params.constraint)
+        except ValueError as exc:  # GrammarError: a 400 naming the field
+            error = exc
+        except Exception as exc:  # never leave the request hanging
+            log.exception("compiling a structured-output grammar failed")
+            error = RuntimeError(f"compiling the structured-output grammar failed: {type(exc).__name__}")
+        with self._wake:
+            if self._compiling.get(sub.request_id) is not sub:
+                return  # aborted while compiling
+            del self._compiling[sub.request_id]
+            if error is None:
+                self._submits.append(sub)
+                self._wake.notify()
+        if error is not None:
+            self._deliver(sub, error)
 
     def abort(self, request_id: str) -> None:
         with self._wake:
-            self._aborts.append(request_id)
-            self._wake.notify()
+            sub = self._compiling.pop(request_id, None)
+            if sub is None:
+                self._aborts.append(request_id)
+                self._wake.notify()
+                return
+        # Still compiling: the engine never saw it. Its compile finishes into the cache only.
+        for index in range(sub.params.n):
+            out = StepOutput(request_id, [], [], "", True, "abort", index=index)
+            self._finished(out)
+            self._deliver(sub, out)
 
     def stop(self) -> None:
         with self._wake:
             self._stopped = True
             self._wake.notify()
+            compiling, self._compiling = list(self._compiling.values()), {}
+        for sub in compiling:
+            self._deliver(sub, RuntimeError("the engine stopped"))
+        if self._compile_pool is not None:
+            self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self._thread.join(timeout=10)
 
     def _deliver(self, sub: _Submit, item) -> None:
@@ -146,6 +220,9 @@ class AsyncEngine:
                 self._streams.clear()
             for out in outputs:
                 sub = self._streams.get(out.request_id)
+                if out.error is not None:  # the request failed (its grammar gave up): fail the stream
+                    self._failed(out, sub)
+                    continue
                 if out.finished:
                     self._finished(out)
                     if sub is not None:
@@ -155,6 +232,18 @@ class AsyncEngine:
                 if sub is not None:
                     self._deliver(sub, out)
             self.last_stats = self.engine.stats()  # a snapshot Stats can read without a lock
+
+    def _failed(self, out: StepOutput, sub: _Submit | None) -> None:
+        """One choice ended in error: the request fails (its other choices are aborted) and its
+        stream raises the error (a ValueError naming the field: the worker's INVALID_ARGUMENT)."""
+        from inferplane.worker.structured import GrammarError
+
+        self._finished(out)
+        self._streams.pop(out.request_id, None)
+        for other in self.engine.abort(out.request_id):
+            self._finished(other)
+        if sub is not None:
+            self._deliver(sub, GrammarError(out.error))
 
     def _finished(self, out: StepOutput) -> None:
         if self._on_finished is not None:

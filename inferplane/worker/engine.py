@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -47,6 +48,9 @@ class StepOutput:
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per new token
     index: int = 0  # the choice (n > 1); request_id is the request's, shared by its choices
     prompt_logprobs: list | None = None  # params.prompt_logprobs: on the first output (sampling.TokenLogprob)
+    # finish_reason "error": why, one line naming the request field (a structured output the grammar
+    # engine gave up on); the worker answers it as an error, not as a finished answer.
+    error: str | None = None
 
 
 @dataclass
@@ -79,6 +83,7 @@ class Engine:
         self.scheduler = build_scheduler(options, self.kv)
         self.kernel_isas = kernel_isas(loaded.model) if device.type == "cpu" else {}
         self._grammars = None  # structured.GrammarCompiler, made when a request first needs it
+        self._grammars_lock = threading.Lock()  # AsyncEngine's compile pool may be the first to need it
         self.eos_ids = set(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -119,16 +124,22 @@ class Engine:
             raise ValueError("prompt: this model has no tokenizer; send token ids")
         return self.tokenizer.encode(prompt)
 
-    def _grammar_state(self, constraint):
-        """A grammar state for a structured-output request (the compiler is built on first use:
-        a worker that never serves one never loads the grammar engine)."""
+    def grammar_compiler(self):
+        """The structured-output compiler (built on first use: a worker that never serves one never
+        loads the grammar engine). Thread-safe: AsyncEngine compiles on its own pool, off this thread."""
         if self.tokenizer is None:
             raise ValueError("response_format: structured outputs need the model's tokenizer")
-        if self._grammars is None:
-            from inferplane.worker.structured import GrammarCompiler
+        with self._grammars_lock:
+            if self._grammars is None:
+                from inferplane.worker.structured import GrammarCompiler
 
-            self._grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size, sorted(self.eos_ids))
-        return self._grammars.new_state(constraint)
+                self._grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size, sorted(self.eos_ids))
+            return self._grammars
+
+    def _grammar_state(self, constraint):
+        """A grammar state for a structured-output request: from the grammar AsyncEngine compiled
+        (GrammarCompiler.prepare) before handing the request here, else compiled now (LLM)."""
+        return self.grammar_compiler().new_state(constraint)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str = "", *, tenant: str = "",
@@ -276,9 +287,19 @@ class Engine:
         # A stop token (EOS, or one of stop_token_ids) ends the request and, as with OpenAI and
         # vLLM, is not part of the answer: no text, no logprob, not a completion token.
         stop_token = token in seq.params.stop_token_ids or (not seq.params.ignore_eos and token in self.eos_ids)
-        if seq.grammar is not None and not stop_token:
-            seq.grammar.accept(token)
-            if seq.grammar.is_terminated():
+        if seq.grammar is not None:
+            # A grammar that gave up (a fuel bound, an empty mask) or refused the token means the
+            # output breaks the constraint: an error, never a "stop" with text that does not match.
+            error = seq.grammar.failure
+            if error is None and not stop_token and not seq.grammar.accept(token):
+                error = seq.grammar.refusal(token)
+            if error is not None:
+                self._finish(seq, "error")
+                out = self._output(seq, [], [], "")
+                out.num_output_tokens -= 1
+                out.error = error
+                return out
+            if not stop_token and seq.grammar.is_terminated():
                 reason = "stop"  # the document is complete: no need to spend a step on EOS
         if stop_token:
             reason, delta = "stop", ""

@@ -62,9 +62,10 @@ def _constraint(kind: str, spec: str):
 
     if kind == "choice":
         try:
-            return Constraint(kind, json.loads(spec))
+            choices = json.loads(spec)
         except ValueError as exc:
-            raise GrammarError(f"response_format: choice is not a JSON list of strings: {exc}") from None
+            raise GrammarError(f"structured_outputs: choice is not a JSON list of strings: {exc}") from None
+        return Constraint(kind, choices)  # its own GrammarError (a bound, a non-string) names the field
     return Constraint(kind, spec or None)
 
 
