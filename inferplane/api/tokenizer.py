@@ -8,6 +8,7 @@ gateway rebuilds it from what the worker sends (`TextTokenizer.from_wire`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +23,8 @@ class TextTokenizer:
     eos_token: str | None = None
     add_bos: bool = False
     special_ids: set[int] = field(default_factory=set)
+    # token_text's answers: at most one per id of the vocabulary.
+    _token_texts: dict[int, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def bos_token_id(self) -> int | None:
@@ -39,6 +42,16 @@ class TextTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One id decoded on its own, special tokens included: how logprobs name a token. Cached,
+        since an answer with top logprobs names millions of tokens from a few thousand ids."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if token_id < self.tokenizer.get_vocab_size(with_added_tokens=True):  # not an id it does not know
+                self._token_texts[token_id] = text
+        return text
 
     def to_wire(self) -> dict:
         """The fields of worker.proto's InfoResponse that rebuild this tokenizer elsewhere."""
@@ -64,16 +77,24 @@ class TextTokenizer:
                             tools)
 
 
-def _render_chat(template: str, messages, add_generation_prompt: bool, bos: str | None, eos: str | None,
-                 tools: list[dict] | None = None) -> str:
+def _raise_exception(message: str):
+    raise ValueError(f"chat template: {message}")
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_chat(template: str):
+    """The template compiled once: compiling took milliseconds of the gateway's event loop per chat
+    request, rendering takes microseconds. (A compiled jinja2 template renders safely from any thread.)"""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message: str):
-        raise ValueError(f"chat template: {message}")
-
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(template)
+
+
+def _render_chat(template: str, messages, add_generation_prompt: bool, bos: str | None, eos: str | None,
+                 tools: list[dict] | None = None) -> str:
+    return _compiled_chat(template).render(
         messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos or "", eos_token=eos or "",
         tools=tools or None,
     )

@@ -9,13 +9,13 @@ them, see `fast_path.py`) both call `Completions`, so there is one implementatio
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from inferplane.control_plane.auth import Principal
+from inferplane.control_plane.gateway.answer_json import JsonStyle, PiecewiseJSONResponse, TokenJson, in_slices, joined
 from inferplane.control_plane.gateway.context import GatewayContext
 from inferplane.control_plane.gateway.errors import error_response, sse_error
 from inferplane.control_plane.gateway.inference import ChatTools, PreparedRequest
@@ -31,26 +31,44 @@ KEEPALIVE_INTERVAL = 5.0
 Message = worker_pb2.GenerateResponse
 
 
-class _Collected:
-    """One whole (non-streamed) choice gathered from the worker stream."""
+class _Choice:
+    """One whole (non-streamed) choice, its logprobs already JSON: per array of OpenAI's logprobs
+    object (chat: content; completions: tokens, token_logprobs, top_logprobs, text_offset), the
+    items' text as the messages brought them, separators included, gathered into pieces of about
+    PIECE characters (encoded as each fills, so the end has little left to do)."""
 
-    def __init__(self) -> None:
+    PIECE = 1 << 18
+
+    def __init__(self, arrays: int, sep: str) -> None:
         self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top: list[worker_pb2.TopLogprobs] = []
         self.final: Message | None = None
-        self.prompt_scored: Message | None = None  # the message carrying the prompt's logprobs (echo)
+        self.sep = sep
+        self.arrays: list[list[bytes]] = [[] for _ in range(arrays)]  # the filled pieces
+        self.filling: list[list[str]] = [[] for _ in range(arrays)]  # each array's piece being filled
+        self.sizes = [0] * arrays  # characters in each piece being filled
+        self.empty = [True] * arrays  # no item yet: the next needs no separator
 
-    def add(self, msg: Message) -> None:
-        if msg.prompt_logprobs:
-            self.prompt_scored = msg
-        self.text.append(msg.text)
-        self.token_ids.extend(msg.token_ids)
-        self.logprobs.extend(msg.logprobs)
-        self.top.extend(msg.top_logprobs)
-        if msg.finished:
-            self.final = msg
+    def extend(self, runs: Sequence[str]) -> None:
+        for k, run in enumerate(runs):
+            if not run:
+                continue
+            if not self.empty[k]:
+                run = self.sep + run
+            self.empty[k] = False
+            self.filling[k].append(run)
+            self.sizes[k] += len(run)
+            if self.sizes[k] >= self.PIECE:
+                self._fill(k)
+
+    def _fill(self, k: int) -> None:
+        if self.filling[k]:
+            self.arrays[k].append("".join(self.filling[k]).encode())
+            self.filling[k], self.sizes[k] = [], 0
+
+    def pieces(self, k: int) -> list[bytes]:
+        """Array k's items, all of them."""
+        self._fill(k)
+        return self.arrays[k]
 
 
 def _reason(msg: Message | None) -> str | None:
@@ -61,16 +79,29 @@ def _reason(msg: Message | None) -> str | None:
 
 class _Shape:
     """What one endpoint's responses look like: the whole answer, stream chunks, the usage chunk.
-    A request has `prepared.choices` choices (n per prompt); every message names its `index`."""
+    A request has `prepared.choices` choices (n per prompt); every message names its `index`.
+
+    Logprobs, the bulk of a large answer, are written as JSON text as each message arrives
+    (answer_json.py): `absorb` for a whole answer, `chunk` for a stream."""
 
     prefix = ""
     whole_object = chunk_object = ""
+    arrays = 0  # arrays of a choice's logprobs object that grow with its tokens
 
     def __init__(self, body: CompletionRequest | ChatCompletionRequest, prepared: PreparedRequest) -> None:
         self.body = body
         self.prepared = prepared
         self.id = f"{self.prefix}-{prepared.request_id}"
         self.created = int(time.time())
+        self.json = JsonStyle(compact=not body.stream)
+        self.tokens = TokenJson(prepared.model.tokenizer, self.json)
+        self.chunk_opening = self._opening(self.chunk_object)
+
+    def _opening(self, kind: str) -> str:
+        """An answer's or chunk's JSON up to its choices' `[`."""
+        s = self.json
+        return s.obj([("id", s.dumps(self.id)), ("object", s.dumps(kind)), ("created", str(self.created)),
+                      ("model", s.dumps(self.body.model))])[:-1] + s.item + s.field("choices") + "["
 
     def envelope(self, kind: str, choices: list[dict], finals: dict[int, Message] | None = None,
                  with_usage: bool = False) -> dict:
@@ -87,32 +118,46 @@ class _Shape:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def token_texts(self, ids) -> list[str]:
-        return [self.prepared.model.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    async def absorb(self, choice: _Choice, msg: Message) -> None:
+        """Adds a message to the choice it belongs to, its logprobs written as JSON now."""
+        choice.text.append(msg.text)
+        if msg.finished:
+            choice.final = msg
+        runs = await self.logprob_runs(msg)
+        if runs is not None:
+            choice.extend(runs)
 
-    def alternatives(self, top) -> list[list[tuple[str, float]]]:
-        """Per token: its best alternatives as (text, logprob), best first."""
-        return [list(zip(self.token_texts(t.token_ids), t.logprobs, strict=True)) for t in top]
+    async def whole(self, choices: dict[int, _Choice]) -> list[bytes]:
+        """The whole answer's JSON, in pieces; the loop gets a turn after each choice."""
+        s = self.json
+        finals = {i: c.final for i, c in choices.items() if c.final is not None}
+        pieces = [self._opening(self.whole_object).encode()]
+        for count, index in enumerate(sorted(choices)):
+            if count:
+                pieces.append(s.item.encode())
+                await asyncio.sleep(0)
+            pieces.extend(self.whole_choice(index, choices[index]))
+        pieces.append(("]" + s.item + s.field("usage") + s.dumps(self.usage(finals)) + "}").encode())
+        return pieces
 
-    def whole(self, results: dict[int, _Collected]) -> dict:
-        finals = {i: r.final for i, r in results.items() if r.final is not None}
-        choices = [self.whole_choice(i, results[i]) for i in sorted(results)]
-        return self.envelope(self.whole_object, choices, finals, with_usage=True)
+    async def chunk(self, msg: Message) -> str | None:
+        """A stream chunk's JSON for `msg`, or None when the shape holds it back."""
+        return self.chunk_opening + self.json.obj(await self.chunk_choice(msg)) + "]}"
 
-    def chunk(self, msg: Message) -> dict | None:
-        """A stream chunk for `msg`, or None when the shape holds it back."""
-        return self.envelope(self.chunk_object, [self.chunk_choice(msg)])
+    def final_chunk(self, msg: Message) -> str:
+        return self.json.dumps(self.envelope(self.chunk_object, [self.final_choice(msg)]))
 
-    def final_chunk(self, msg: Message) -> dict:
-        return self.envelope(self.chunk_object, [self.final_choice(msg)])
+    def usage_chunk(self, finals: dict[int, Message]) -> str:
+        return self.json.dumps(self.envelope(self.chunk_object, [], finals, with_usage=True))
 
-    def usage_chunk(self, finals: dict[int, Message]) -> dict:
-        return self.envelope(self.chunk_object, [], finals, with_usage=True)
-
-    def whole_choice(self, index: int, result: _Collected) -> dict:
+    async def logprob_runs(self, msg: Message) -> list[str] | None:
+        """The message's items of each logprobs array, as JSON (None: no logprobs asked for)."""
         raise NotImplementedError
 
-    def chunk_choice(self, msg: Message) -> dict:
+    def whole_choice(self, index: int, choice: _Choice) -> list[bytes]:
+        raise NotImplementedError
+
+    async def chunk_choice(self, msg: Message) -> list[tuple[str, str]]:
         raise NotImplementedError
 
     def final_choice(self, msg: Message) -> dict:
@@ -122,6 +167,7 @@ class _Shape:
 class _TextShape(_Shape):
     prefix = "cmpl"
     whole_object = chunk_object = "text_completion"
+    arrays = 4  # tokens, token_logprobs, top_logprobs, text_offset
     body: CompletionRequest
 
     def __init__(self, body: CompletionRequest, prepared: PreparedRequest) -> None:
@@ -132,6 +178,7 @@ class _TextShape(_Shape):
         self.unechoed = set(range(prepared.choices)) if body.echo else set()
         # Characters returned so far per choice: text_offset counts from the start of its text.
         self.offsets = {i: len(self._echo(i)) for i in range(prepared.choices)}
+        self.prompt_runs: dict[int, tuple[str, str]] = {}  # per prompt: its tokens and text_offset items
 
     def _echo(self, index: int) -> str:
         return self.echoes[index // self.prepared.n] if self.echoes else ""
@@ -142,55 +189,108 @@ class _TextShape(_Shape):
         self.unechoed.discard(index)
         return self._echo(index)
 
-    def logprobs(self, index: int, ids, values, top, prompt: Message | None = None) -> dict | None:
+    def _top(self, top: worker_pb2.TopLogprobs) -> str:
+        """One token's alternatives as OpenAI's completions give them: {text: logprob}, best first
+        (two ids with the same text are one key, with the later one's logprob, as a dict makes it)."""
+        s, key = self.json, self.tokens.key
+        alternatives = {key(i)[0]: lp for i, lp in zip(top.token_ids, top.logprobs, strict=True)}
+        return "{" + s.item.join(f"{k}{s.key}{s.number(lp)}" for k, lp in alternatives.items()) + "}"
+
+    def _tops(self, tops) -> Callable[[int, int], str]:
+        return lambda start, stop: self.json.item.join(map(self._top, tops[start:stop]))
+
+    async def logprob_runs(self, msg: Message) -> list[str] | None:
         """OpenAI's completions logprobs; with echo, the prompt's tokens first (the first has none)."""
         if self.body.logprobs is None:
             return None
-        texts = self.token_texts(ids)
-        offsets = []
-        for text in texts:
-            offsets.append(self.offsets[index])
-            self.offsets[index] += len(text)
-        top_logprobs = [dict(a) for a in self.alternatives(top)] if self.body.logprobs else None
-        out = {"tokens": texts, "token_logprobs": list(values), "top_logprobs": top_logprobs, "text_offset": offsets}
-        return self._with_prompt(index, out, prompt) if prompt is not None else out
+        s, key, index = self.json, self.tokens.key, msg.index
+        ids = msg.token_ids
 
-    def _with_prompt(self, index: int, out: dict, prompt: Message) -> dict:
-        ids = self.prepared.prompts[index // self.prepared.n]
-        texts = self.token_texts(ids)
-        offsets, position = [], 0
-        for text in texts:
-            offsets.append(position)
-            position += len(text)
-        top = [None, *(dict(a) for a in self.alternatives(prompt.prompt_top_logprobs))] if self.body.logprobs else None
-        return {"tokens": texts + out["tokens"],
-                "token_logprobs": [None, *prompt.prompt_logprobs, *out["token_logprobs"]],
-                "top_logprobs": top + out["top_logprobs"] if top is not None else None,
-                "text_offset": offsets + out["text_offset"]}
+        def offsets(start: int, stop: int) -> str:
+            out, position = [], self.offsets[index]
+            for i in ids[start:stop]:
+                out.append(str(position))
+                position += key(i)[1]
+            self.offsets[index] = position
+            return s.item.join(out)
 
-    def whole_choice(self, index: int, result: _Collected) -> dict:
-        return {"index": index, "text": self._take_echo(index) + "".join(result.text),
-                "finish_reason": _reason(result.final),
-                "logprobs": self.logprobs(index, result.token_ids, result.logprobs, result.top,
-                                          result.prompt_scored if self.echoes else None)}
+        runs = [await in_slices(len(ids), lambda a, b: s.item.join(key(i)[0] for i in ids[a:b]), s.item),
+                await in_slices(len(msg.logprobs), lambda a, b: s.numbers(msg.logprobs[a:b]), s.item),
+                await in_slices(len(msg.top_logprobs), self._tops(msg.top_logprobs), s.item),
+                await in_slices(len(ids), offsets, s.item)]
+        if self.echoes and msg.prompt_logprobs:
+            first = await self._prompt_runs(msg)
+            runs = [joined(s.item, pair) for pair in zip(first, runs, strict=True)]
+        return runs
 
-    def chunk_choice(self, msg: Message) -> dict:
-        prompt = msg if self.echoes and msg.prompt_logprobs else None
-        return {"index": msg.index, "text": self._take_echo(msg.index) + msg.text, "finish_reason": None,
-                "logprobs": self.logprobs(msg.index, msg.token_ids, msg.logprobs, msg.top_logprobs, prompt)}
+    async def _prompt_runs(self, msg: Message) -> list[str]:
+        """The prompt's items, ahead of the choice's first tokens: its tokens from offset 0, the first
+        token without a logprob (or alternatives), each other scored as the worker says."""
+        s, key = self.json, self.tokens.key
+        part = msg.index // self.prepared.n
+        if part not in self.prompt_runs:  # the same for every choice of the prompt
+            ids = self.prepared.prompts[part]
+            position = 0
+
+            def offsets(start: int, stop: int) -> str:
+                nonlocal position
+                out = []
+                for i in ids[start:stop]:
+                    out.append(str(position))
+                    position += key(i)[1]
+                return s.item.join(out)
+
+            self.prompt_runs[part] = (
+                await in_slices(len(ids), lambda a, b: s.item.join(key(i)[0] for i in ids[a:b]), s.item),
+                await in_slices(len(ids), offsets, s.item))
+        tokens, offsets_run = self.prompt_runs[part]
+        values, tops = msg.prompt_logprobs, msg.prompt_top_logprobs
+        scored = await in_slices(len(values), lambda a, b: s.numbers(values[a:b]), s.item)
+        top = await in_slices(len(tops), self._tops(tops), s.item)
+        return [tokens, joined(s.item, ["null", scored]), joined(s.item, ["null", top]), offsets_run]
+
+    def _logprobs(self, runs: Sequence[str]) -> str:
+        """A logprobs object around its arrays' items (top_logprobs null unless asked for)."""
+        s = self.json
+        top = f"[{runs[2]}]" if self.body.logprobs else "null"
+        return s.obj([("tokens", f"[{runs[0]}]"), ("token_logprobs", f"[{runs[1]}]"), ("top_logprobs", top),
+                      ("text_offset", f"[{runs[3]}]")])
+
+    def whole_choice(self, index: int, choice: _Choice) -> list[bytes]:
+        s = self.json
+        head = s.obj([("index", str(index)), ("text", s.dumps(self._take_echo(index) + "".join(choice.text))),
+                      ("finish_reason", s.dumps(_reason(choice.final)))])[:-1] + s.item + s.field("logprobs")
+        if self.body.logprobs is None:
+            return [(head + "null}").encode()]
+        # The logprobs object as _logprobs writes it, its arrays' items as they were absorbed.
+        names = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        pieces = [(head + "{").encode()]
+        for count, name in enumerate(names):
+            opening = (s.item if count else "") + s.field(name)
+            if name == "top_logprobs" and not self.body.logprobs:
+                pieces.append((opening + "null").encode())
+                continue
+            pieces.append((opening + "[").encode())
+            pieces.extend(choice.pieces(count))
+            pieces.append(b"]")
+        pieces.append(b"}}")
+        return pieces
+
+    async def chunk_choice(self, msg: Message) -> list[tuple[str, str]]:
+        s = self.json
+        runs = await self.logprob_runs(msg)
+        return [("index", str(msg.index)), ("text", s.dumps(self._take_echo(msg.index) + msg.text)),
+                ("finish_reason", "null"), ("logprobs", "null" if runs is None else self._logprobs(runs))]
 
     def final_choice(self, msg: Message) -> dict:
         return {"index": msg.index, "text": self._take_echo(msg.index), "finish_reason": _reason(msg),
                 "logprobs": None}
 
 
-def _entry(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-
 class _ChatShape(_Shape):
     prefix = "chatcmpl"
     whole_object, chunk_object = "chat.completion", "chat.completion.chunk"
+    arrays = 1  # content
     body: ChatCompletionRequest
 
     def __init__(self, body: ChatCompletionRequest, prepared: PreparedRequest) -> None:
@@ -205,12 +305,31 @@ class _ChatShape(_Shape):
         self.tool_names = {t.function.name for t in body.tools or []}
         self.call_text: dict[int, list[str]] = {}
 
-    def logprobs(self, ids, values, top) -> dict | None:
+    async def logprob_runs(self, msg: Message) -> list[str] | None:
+        """logprobs.content's entries: each token {token, logprob, bytes, top_logprobs}, its
+        alternatives {token, logprob, bytes}."""
         if not self.body.logprobs:
             return None
-        alternatives = self.alternatives(top) if self.body.top_logprobs else [[] for _ in ids]
-        return {"content": [{**_entry(t, lp), "top_logprobs": [_entry(a, alp) for a, alp in alt]}
-                            for t, lp, alt in zip(self.token_texts(ids), values, alternatives, strict=False)]}
+        s, entry, number = self.json, self.tokens.entry, self.json.number
+        ids, values, tops = msg.token_ids, msg.logprobs, msg.top_logprobs
+        with_top = bool(self.body.top_logprobs)
+        count = min(len(ids), len(values), len(tops) if with_top else len(ids))
+
+        def alternatives(top: worker_pb2.TopLogprobs) -> str:
+            out = []
+            for i, lp in zip(top.token_ids, top.logprobs, strict=True):
+                head, tail, _ = entry(i)
+                out.append(head + number(lp) + tail)
+            return s.item.join(out)
+
+        def entries(start: int, stop: int) -> str:
+            out = []
+            for k in range(start, stop):
+                head, _, opening = entry(ids[k])
+                out.append(head + number(values[k]) + opening + (alternatives(tops[k]) if with_top else "") + "]}")
+            return s.item.join(out)
+
+        return [await in_slices(count, entries, s.item)]
 
     def _answer(self, text: str, reason: str | None) -> tuple[str | None, list[dict] | None, str | None]:
         """(content, tool_calls, finish_reason) of a whole answer."""
@@ -220,27 +339,34 @@ class _ChatShape(_Shape):
                                              names=self.tool_names)
         return content, calls or None, reason
 
-    def whole_choice(self, index: int, result: _Collected) -> dict:
-        content, calls, reason = self._answer("".join(result.text), _reason(result.final))
+    def whole_choice(self, index: int, choice: _Choice) -> list[bytes]:
+        s = self.json
+        content, calls, reason = self._answer("".join(choice.text), _reason(choice.final))
         message: dict = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
-        return {"index": index, "message": message, "finish_reason": reason,
-                "logprobs": self.logprobs(result.token_ids, result.logprobs, result.top)}
+        head = s.obj([("index", str(index)), ("message", s.dumps(message)),
+                      ("finish_reason", s.dumps(reason))])[:-1] + s.item + s.field("logprobs")
+        if not self.body.logprobs:
+            return [(head + "null}").encode()]
+        return [(head + "{" + s.field("content") + "[").encode(), *choice.pieces(0), b"]}}"]
 
-    def chunk(self, msg: Message) -> dict | None:
+    async def chunk(self, msg: Message) -> str | None:
         if self.calling or self.parsing:
             self.call_text.setdefault(msg.index, []).append(msg.text)
             return None
-        return super().chunk(msg)
+        return await super().chunk(msg)
 
-    def chunk_choice(self, msg: Message) -> dict:
+    async def chunk_choice(self, msg: Message) -> list[tuple[str, str]]:
+        s = self.json
         delta = {"content": msg.text}
         if msg.index not in self.sent_role:
             delta["role"] = "assistant"
             self.sent_role.add(msg.index)
-        return {"index": msg.index, "delta": delta, "finish_reason": None,
-                "logprobs": self.logprobs(msg.token_ids, msg.logprobs, msg.top_logprobs)}
+        runs = await self.logprob_runs(msg)
+        logprobs = "null" if runs is None else "{" + s.field("content") + f"[{runs[0]}]}}"
+        return [("index", str(msg.index)), ("delta", s.dumps(delta)), ("finish_reason", "null"),
+                ("logprobs", logprobs)]
 
     def final_choice(self, msg: Message) -> dict:
         index = msg.index
@@ -309,12 +435,12 @@ class Completions:
         if shape.body.stream:
             return await self._respond_streaming(shape, params)
         first, stream = await self._open(shape.prepared, params)
-        results = {i: _Collected() for i in range(shape.prepared.choices)}
-        results[first.index].add(first)
+        choices = {i: _Choice(shape.arrays, shape.json.item) for i in range(shape.prepared.choices)}
+        await shape.absorb(choices[first.index], first)
         async for msg in stream:
-            results[msg.index].add(msg)
-        self._count_tokens(shape.prepared, {i: r.final for i, r in results.items() if r.final is not None})
-        return JSONResponse(shape.whole(results))
+            await shape.absorb(choices[msg.index], msg)
+        self._count_tokens(shape.prepared, {i: c.final for i, c in choices.items() if c.final is not None})
+        return PiecewiseJSONResponse(await shape.whole(choices))
 
     async def _respond_streaming(self, shape: _Shape, params: worker_pb2.SamplingParams) -> Response:
         """A failure in the first moments (no replica, bad input) is still a proper HTTP status; a
@@ -354,12 +480,12 @@ class Completions:
                     if isinstance(msg, str):  # a keep-alive comment while queued
                         yield msg
                         continue
-                    chunk = shape.chunk(msg) if msg.text or msg.token_ids or msg.prompt_logprobs else None
+                    chunk = await shape.chunk(msg) if msg.text or msg.token_ids or msg.prompt_logprobs else None
                     if chunk is not None:
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                        yield f"data: {chunk}\n\n"
                     if msg.finished:  # this choice is done; the stream ends when all are
                         finals[msg.index] = msg
-                        yield f"data: {json.dumps(shape.final_chunk(msg))}\n\n"
+                        yield f"data: {shape.final_chunk(msg)}\n\n"
             except Exception as exc:  # broken after the headers went out: a clean error event
                 yield sse_error(exc)
                 return
@@ -367,7 +493,7 @@ class Completions:
                 await messages.aclose()
             self._count_tokens(shape.prepared, finals)
             if shape.body.include_usage:
-                yield f"data: {json.dumps(shape.usage_chunk(finals))}\n\n"
+                yield f"data: {shape.usage_chunk(finals)}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
