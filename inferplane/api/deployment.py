@@ -22,6 +22,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
+from inferplane.api.priority import Band
 from inferplane.api.quantities import (
     KV_CACHE_MEMORY_PATTERN,
     kv_cache_fraction,
@@ -222,6 +223,9 @@ class InferenceDeploymentSpec(Section):
     cache_isolation: Literal["tenant", "shared"] = Field("tenant", description=(
         "tenant keeps each tenant's cached prefixes apart; shared reuses them across tenants, only if every "
         "deployment with the same served name is shared."))
+    priority: Band | None = Field(None, description=(
+        "The priority band of this model's requests whose API key and tenant set none (unset: standard). "
+        "A replica admits the most urgent band first and, short of room, preempts the least urgent first."))
     workload: WorkloadHints = section_default("Traffic hints that runtime auto chooses from.")
     tenant: Annotated[str, Field(pattern=r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$")] | None = Field(
         None, description="The tenant that owns this deployment: its alerts carry this tenant label and reach "

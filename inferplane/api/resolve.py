@@ -6,8 +6,8 @@ builds its KV manager and weights from an entry, and `resolve` fills what a spec
 one. `resolve` is the only place that turns `runtime: auto` into a runtime (and says why, for the
 status), picks device and dtype and merges presets with the spec's `engine` section; the operator
 (pod specs), the gateway's cluster sync, local mode and the worker's command line all take its
-answer, so they cannot disagree. It also holds the one rule for cache isolation across the
-deployments behind a served name.
+answer, so they cannot disagree. It also holds the one rule for cache isolation, and the one for
+the default priority band, across the deployments behind a served name.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from inferplane.api.deployment import ConcreteRuntime, InferenceDeploymentSpec
+from inferplane.api.priority import band_rank
 from inferplane.api.quantities import parse_quantity
 
 
@@ -136,3 +137,14 @@ def served_cache_isolation(isolations: Iterable[str]) -> str:
     """
     isolations = list(isolations)
     return "shared" if isolations and all(i == "shared" for i in isolations) else "tenant"
+
+
+def served_priority(bands: Iterable[str | None]) -> str | None:
+    """The default band of a served model name from its deployments' `priority`s (None: none set).
+
+    The gateway picks the band before it routes, so one name has one default: when deployments
+    disagree, the most urgent any of them asks for wins (an owner who set critical is not lowered
+    by a sibling deployment); the key's and tenant's bands still come first (priority.resolve_band).
+    """
+    chosen = [band for band in bands if band]
+    return min(chosen, key=band_rank) if chosen else None

@@ -32,6 +32,7 @@ from inferplane.control_plane import audit
 from inferplane.control_plane.errors import Forbidden, InvalidInput, NotFound, Unauthenticated
 from inferplane.control_plane.orm import ApiKey, Tenant, utcnow
 from inferplane.control_plane.periodic import PeriodicThread
+from inferplane.control_plane.tenants import validate_priority, validate_sequence_limit
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,11 @@ TenantScope = str | AllTenants
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: `tenant_id` None means a platform admin (JWT or bootstrap key)."""
+    """Who is calling: `tenant_id` None means a platform admin (JWT or bootstrap key).
+
+    A key's principal carries everything the request path decides with (limits, bands), read from
+    the key cache, so admitting a request never touches the database.
+    """
 
     subject: str
     tenant_id: str | None
@@ -79,6 +84,12 @@ class Principal:
     via: str  # "key" | "jwt" | "bootstrap"
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    # Priority bands (api/priority.py), each None when unset: the key's overrides its tenant's.
+    priority: str | None = None
+    tenant_priority: str | None = None
+    # Sequences in flight at once: this key's, and all of its tenant's keys' together (None: no limit).
+    max_concurrent_sequences: int | None = None
+    tenant_max_concurrent_sequences: int | None = None
 
     @property
     def key_id(self) -> str | None:
@@ -108,6 +119,8 @@ class KeyInfo:
     expires_at: datetime | None
     revoked_at: datetime | None
     last_used_at: datetime | None
+    priority: str | None = None
+    max_concurrent_sequences: int | None = None
 
     @property
     def active(self) -> bool:
@@ -134,6 +147,8 @@ def _key_info(row: ApiKey) -> KeyInfo:
         expires_at=row.expires_at,
         revoked_at=row.revoked_at,
         last_used_at=row.last_used_at,
+        priority=row.priority,
+        max_concurrent_sequences=row.max_concurrent_sequences,
     )
 
 
@@ -191,11 +206,19 @@ def create_key(
     expires_in: timedelta | None = None,
     requests_per_minute: int | None = None,
     tokens_per_minute: int | None = None,
+    priority: str | None = None,
+    max_concurrent_sequences: int | None = None,
 ) -> CreatedKey:
-    """Creates a key for `tenant_id` (NotFound if no such tenant); the secret is returned only here."""
+    """Creates a key for `tenant_id` (NotFound if no such tenant); the secret is returned only here.
+
+    `priority`: the key's band (None: its tenant's). `max_concurrent_sequences`: the key's own limit
+    on sequences in flight; not above its tenant's (which holds for all its keys together anyway).
+    """
     scope_tuple = parse_scopes(scopes)
     _positive_or_none("requests_per_minute", requests_per_minute)
     _positive_or_none("tokens_per_minute", tokens_per_minute)
+    validate_priority(priority)
+    validate_sequence_limit(max_concurrent_sequences)
     if expires_in is not None and expires_in <= timedelta(0):
         raise InvalidInput("a key's lifetime must be positive")
     tenant = session.get(Tenant, tenant_id)
@@ -205,6 +228,11 @@ def create_key(
                                           tenant.key_requests_per_minute_max, tenant_id)
     tokens_per_minute = _within_ceiling("tokens_per_minute", tokens_per_minute, tenant.key_tokens_per_minute_max,
                                         tenant_id)
+    if max_concurrent_sequences is not None and tenant.max_concurrent_sequences is not None \
+            and max_concurrent_sequences > tenant.max_concurrent_sequences:
+        raise InvalidInput(f"max_concurrent_sequences: at most {tenant.max_concurrent_sequences} for tenant "
+                           f"{tenant_id!r} (its own limit), got {max_concurrent_sequences}",
+                           param="max_concurrent_sequences")
     key_id = secrets.token_hex(8)
     secret = "".join(secrets.choice(_SECRET_ALPHABET) for _ in range(43))
     now = utcnow()
@@ -216,6 +244,8 @@ def create_key(
         scopes=" ".join(scope_tuple),
         requests_per_minute=requests_per_minute,
         tokens_per_minute=tokens_per_minute,
+        priority=priority,
+        max_concurrent_sequences=max_concurrent_sequences,
         created_at=now,
         updated_at=now,
         expires_at=now + expires_in if expires_in is not None else None,
@@ -231,6 +261,8 @@ def create_key(
         detail={
             "scopes": list(scope_tuple),
             "expires_at": row.expires_at.isoformat() if row.expires_at else None,
+            "priority": priority,
+            "max_concurrent_sequences": max_concurrent_sequences,
         },
     )
     return CreatedKey(secret=f"{KEY_PREFIX}{key_id}_{secret}", info=_key_info(row))
@@ -282,6 +314,18 @@ class _CachedKey:
     expires_at: float | None  # epoch seconds
     requests_per_minute: int | None
     tokens_per_minute: int | None
+    priority: str | None = None
+    max_concurrent_sequences: int | None = None
+
+
+@dataclass(frozen=True)
+class _CachedTenant:
+    """What the key cache keeps of a tenant: its keys' ceilings and its flow control."""
+
+    key_requests_per_minute_max: int | None = None
+    key_tokens_per_minute_max: int | None = None
+    priority: str | None = None
+    max_concurrent_sequences: int | None = None
 
 
 def verify_bootstrap_key(presented: str, configured: str | None) -> Principal:
@@ -330,8 +374,8 @@ class KeyCache:
         self._overlap = overlap
         self._clock = clock
         self._keys: dict[str, _CachedKey] = {}
-        # Each tenant's key ceilings (requests/min, tokens/min): keys made before a ceiling obey it too.
-        self._ceilings: dict[str, tuple[int | None, int | None]] = {}
+        # Each tenant's key ceilings (keys made before a ceiling obey it too) and flow control.
+        self._tenants: dict[str, _CachedTenant] = {}
         self._watermark: datetime | None = None
         self._last_full = float("-inf")
         self._used: dict[str, float] = {}
@@ -372,9 +416,11 @@ class KeyCache:
             if not full:
                 query = query.where(ApiKey.updated_at >= self._watermark - self._overlap)
             rows = list(session.scalars(query))
-            tenants = {t.id: (t.key_requests_per_minute_max, t.key_tokens_per_minute_max)
+            tenants = {t.id: _CachedTenant(t.key_requests_per_minute_max, t.key_tokens_per_minute_max, t.priority,
+                                           t.max_concurrent_sequences)
                        for t in session.execute(select(Tenant.id, Tenant.key_requests_per_minute_max,
-                                                       Tenant.key_tokens_per_minute_max))}
+                                                       Tenant.key_tokens_per_minute_max, Tenant.priority,
+                                                       Tenant.max_concurrent_sequences))}
         fresh = {r.id: self._cached(r) for r in rows if r.revoked_at is None}
         gone = {r.id for r in rows if r.revoked_at is not None}
         newest = max((r.updated_at for r in rows), default=None)
@@ -387,7 +433,7 @@ class KeyCache:
                     keys.pop(key_id, None)
                 keys.update(fresh)
             self._keys = {k: v for k, v in keys.items() if v.tenant_id in tenants}
-            self._ceilings = tenants
+            self._tenants = tenants
             if newest is not None and (self._watermark is None or newest > self._watermark):
                 self._watermark = newest
             if self._watermark is None:
@@ -406,6 +452,8 @@ class KeyCache:
             expires_at=row.expires_at.timestamp() if row.expires_at else None,
             requests_per_minute=row.requests_per_minute,
             tokens_per_minute=row.tokens_per_minute,
+            priority=row.priority,
+            max_concurrent_sequences=row.max_concurrent_sequences,
         )
 
     def verify(self, presented: str, scope: str | None = None) -> Principal:
@@ -423,14 +471,18 @@ class KeyCache:
         if scope is not None and scope not in cached.scopes:
             raise Forbidden(f"this API key lacks the {scope!r} scope")
         self._used[key_id] = now
-        rpm_max, tpm_max = self._ceilings.get(cached.tenant_id, (None, None))
+        tenant = self._tenants.get(cached.tenant_id) or _CachedTenant()
         return Principal(
             subject=f"key:{key_id}",
             tenant_id=cached.tenant_id,
             scopes=cached.scopes,
             via="key",
-            requests_per_minute=_capped(cached.requests_per_minute, rpm_max),
-            tokens_per_minute=_capped(cached.tokens_per_minute, tpm_max),
+            requests_per_minute=_capped(cached.requests_per_minute, tenant.key_requests_per_minute_max),
+            tokens_per_minute=_capped(cached.tokens_per_minute, tenant.key_tokens_per_minute_max),
+            priority=cached.priority,
+            tenant_priority=tenant.priority,
+            max_concurrent_sequences=cached.max_concurrent_sequences,
+            tenant_max_concurrent_sequences=tenant.max_concurrent_sequences,
         )
 
     def _flush_last_used(self) -> None:

@@ -10,6 +10,7 @@ import re
 from datetime import timedelta
 from typing import Any
 
+from inferplane.api.priority import BANDS
 from inferplane.control_plane.cli_common import add_db_arguments, cli_actor, print_json, run_cli_command
 
 _DURATION_RE = re.compile(r"^(\d+)([smhdw]?)$")
@@ -37,6 +38,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="requests per minute (default: the tenant's ceiling, else unlimited)")
     create.add_argument("--tpm", type=int, default=None,
                         help="tokens per minute (default: the tenant's ceiling, else unlimited)")
+    create.add_argument("--priority", choices=BANDS, default=None,
+                        help="priority band of its requests (default: the tenant's)")
+    create.add_argument("--max-concurrent-sequences", type=int, default=None,
+                        help="sequences it may have in flight at once, at most the tenant's (default: no limit of "
+                             "its own)")
     create.add_argument("--json", action="store_true")
     add_db_arguments(create)
     listing = sub.add_parser("list", help="list keys (never their secrets)")
@@ -61,6 +67,8 @@ def _create(args: argparse.Namespace, sessions: Any) -> int:
             expires_in=args.expires_in,
             requests_per_minute=args.rpm,
             tokens_per_minute=args.tpm,
+            priority=args.priority,
+            max_concurrent_sequences=args.max_concurrent_sequences,
         )
     if args.json:
         print_json({"key": created.secret, **_as_dict(created.info)})

@@ -1,13 +1,27 @@
-"""`inferplane tenants create|list|set-webhook|list-webhooks|remove-webhook`: platform-admin tenant
-management straight on the database. The webhook commands manage where a tenant's alerts are sent
-(see `control_plane.alerts`), with the same URL validation as the admin API."""
+"""`inferplane tenants create|update|list|set-webhook|list-webhooks|remove-webhook`: platform-admin
+tenant management straight on the database. `update` changes a tenant's flow control (priority band,
+concurrent-sequence limit). The webhook commands manage where a tenant's alerts are sent (see
+`control_plane.alerts`), with the same URL validation as the admin API."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+from inferplane.api.priority import BANDS
 from inferplane.control_plane.cli_common import add_db_arguments, cli_actor, print_json, run_cli_command
+
+NONE = "none"  # what `update` takes to remove a band or a limit
+
+
+def _limit_or_none(text: str) -> int | None:
+    """`update`'s value of a limit: a number, or "none" to remove it."""
+    if text.strip().lower() == NONE:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid limit {text!r}: a positive integer or {NONE!r}") from None
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -20,8 +34,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="ceiling for every key's requests per minute (default: none)")
     create.add_argument("--key-tpm-max", type=int, default=None,
                         help="ceiling for every key's tokens per minute (default: none)")
+    create.add_argument("--priority", choices=BANDS, default=None,
+                        help="priority band of its requests, unless a key sets its own (default: the deployment's, "
+                             "else standard)")
+    create.add_argument("--max-concurrent-sequences", type=int, default=None,
+                        help="sequences all its keys may have in flight at once (default: no limit)")
     create.add_argument("--json", action="store_true")
     add_db_arguments(create)
+    update = sub.add_parser("update", help="change a tenant's priority band or concurrent-sequence limit")
+    update.add_argument("tenant_id")
+    update.add_argument("--priority", choices=(*BANDS, NONE), default=None,
+                        help=f"priority band ({NONE!r} removes it)")
+    update.add_argument("--max-concurrent-sequences", type=_limit_or_none, default=argparse.SUPPRESS,
+                        metavar="N", help=f"sequences in flight at once ({NONE!r} removes the limit)")
+    update.add_argument("--json", action="store_true")
+    add_db_arguments(update)
     listing = sub.add_parser("list", help="list tenants")
     listing.add_argument("--json", action="store_true")
     add_db_arguments(listing)
@@ -56,11 +83,31 @@ def _create(args: argparse.Namespace, sessions: Any) -> int:
             monthly_token_quota=args.quota,
             key_requests_per_minute_max=args.key_rpm_max,
             key_tokens_per_minute_max=args.key_tpm_max,
+            priority=args.priority,
+            max_concurrent_sequences=args.max_concurrent_sequences,
         )
     if args.json:
         print_json(tenant)
     else:
         print(f"created tenant {tenant.id}")
+    return 0
+
+
+def _update(args: argparse.Namespace, sessions: Any) -> int:
+    """Only the options given change (as the admin API's PATCH)."""
+    from inferplane.control_plane.tenants import get_tenant, set_flow_control
+
+    with sessions.begin() as s:
+        tenant = get_tenant(s, args.tenant_id)
+        priority = tenant.priority if args.priority is None else None if args.priority == NONE else args.priority
+        limit = getattr(args, "max_concurrent_sequences", tenant.max_concurrent_sequences)
+        tenant = set_flow_control(s, args.tenant_id, actor=cli_actor(), priority=priority,
+                                  max_concurrent_sequences=limit)
+    if args.json:
+        print_json(tenant)
+    else:
+        print(f"updated tenant {tenant.id}: priority {tenant.priority or 'unset'}, max concurrent sequences "
+              f"{tenant.max_concurrent_sequences or 'unlimited'}")
     return 0
 
 
@@ -81,9 +128,12 @@ def _list(args: argparse.Namespace, sessions: Any) -> int:
 
 def _set_webhook(args: argparse.Namespace, sessions: Any) -> int:
     from inferplane.control_plane.alerts.webhooks import set_webhook
+    from inferplane.control_plane.outbound import OutboundPolicy
 
+    # The gateway's allow-list, from the same variable: a URL it would refuse is refused here too.
+    outbound = OutboundPolicy.from_env()
     with sessions.begin() as s:
-        result = set_webhook(s, args.tenant_id, args.url, actor=cli_actor(), secret=args.secret)
+        result = set_webhook(s, args.tenant_id, args.url, actor=cli_actor(), secret=args.secret, outbound=outbound)
     if args.json:
         print_json({**result.webhook.__dict__, "created": result.created, "secret": result.generated_secret})
         return 0
@@ -118,6 +168,6 @@ def _remove_webhook(args: argparse.Namespace, sessions: Any) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    command = {"create": _create, "list": _list, "set-webhook": _set_webhook, "list-webhooks": _list_webhooks,
-               "remove-webhook": _remove_webhook}[args.tenants_command]
+    command = {"create": _create, "update": _update, "list": _list, "set-webhook": _set_webhook,
+               "list-webhooks": _list_webhooks, "remove-webhook": _remove_webhook}[args.tenants_command]
     return run_cli_command(command, args)

@@ -15,6 +15,13 @@ class ControlPlaneError(ValueError):
 
     status: int = 400
     code: str = "invalid_request_error"
+    # The request field to blame (OpenAI's error `param`), when one is: "n" for too many choices.
+    param: str | None = None
+
+    def __init__(self, message: str = "", *, param: str | None = None):
+        super().__init__(message)
+        if param is not None:
+            self.param = param
 
 
 class InvalidInput(ControlPlaneError):
@@ -25,7 +32,8 @@ class InvalidInput(ControlPlaneError):
 
 
 class RequestTooLarge(InvalidInput):
-    """400: the request alone needs more tokens than the key's per-minute budget ever holds."""
+    """400: the request alone needs more than a limit ever allows (tokens than the key's per-minute
+    budget holds, sequences than its tenant's or key's concurrent-sequence limit): waiting never helps."""
 
     code = "request_too_large"
 
@@ -81,6 +89,12 @@ class RateLimited(ControlPlaneError):
     def retry_after_header(self) -> str:
         """The `Retry-After` header value: whole seconds, rounded up, at least 1 (0 invites a hot loop)."""
         return str(max(1, math.ceil(self.retry_after)))
+
+
+class ConcurrencyLimited(RateLimited):
+    """429: the key's or tenant's limit on sequences in flight at once is reached; retry when one ends."""
+
+    code = "concurrency_limit_exceeded"
 
 
 class QuotaExceeded(RateLimited):

@@ -65,6 +65,10 @@ class Tenant(Base):
     # Ceilings for every key of the tenant (NULL: none); a tenant admin cannot mint keys above them.
     key_requests_per_minute_max: Mapped[int | None] = mapped_column(BigInteger)
     key_tokens_per_minute_max: Mapped[int | None] = mapped_column(BigInteger)
+    # Flow control (api/priority.py): the band its requests get unless their key sets one (NULL: the
+    # deployment's, else the default), and the sequences all its keys may have in flight at once.
+    priority: Mapped[str | None] = mapped_column(String(16))
+    max_concurrent_sequences: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
 
 
@@ -88,6 +92,9 @@ class ApiKey(Base):
     scopes: Mapped[str] = mapped_column(String(255), nullable=False)
     requests_per_minute: Mapped[int | None] = mapped_column(Integer)
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
+    # The key's band (NULL: its tenant's) and its own limit on sequences in flight (NULL: none).
+    priority: Mapped[str | None] = mapped_column(String(16))
+    max_concurrent_sequences: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

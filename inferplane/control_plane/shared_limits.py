@@ -77,14 +77,38 @@ class LimiterUnavailable(ControlPlaneError):
     code = "rate_limiter_unavailable"
 
 
+class StoreFailures:
+    """How a limiter backed by Redis meets Redis failing: counted (by failure mode), logged at most
+    every 10 s, and with failure "closed" refused with a 503. Shared by the rate limiter here and
+    the sequence limiter (shared_concurrency.py), which answer an outage alike."""
+
+    def __init__(self, failure: Literal["open", "closed"], errors: Counter | None = None):
+        if failure not in ("open", "closed"):
+            raise ValueError(f"failure: must be 'open' or 'closed', got {failure!r}")
+        self.failure = failure
+        self._errors = errors
+        self._last_warning = 0.0
+
+    def failed(self, exc: Exception, *, refuse: bool = True) -> None:
+        """Records a failed store call; raises `LimiterUnavailable` when `refuse` and failing closed."""
+        if self._errors is not None:
+            self._errors.labels(self.failure).inc()
+        now = time.monotonic()
+        if now - self._last_warning > 10:
+            self._last_warning = now
+            action = "refusing requests" if self.failure == "closed" else "limiting per replica meanwhile"
+            log.warning("rate-limit store unreachable (%s); %s", exc, action)
+        if refuse and self.failure == "closed":
+            raise LimiterUnavailable("the rate limiter is unavailable; retry shortly") from exc
+
+
 class RedisKeyLimiter:
     """`KeyLimiter` with its buckets in Redis (see the module docstring for failure handling)."""
 
     def __init__(self, url: str, *, failure: Literal["open", "closed"] = "open", period: float = 60.0,
                  prefix: str = "inferplane:ratelimit", timeout: float = 0.5,
                  fallback: RateLimiter | None = None, errors: Counter | None = None):
-        if failure not in ("open", "closed"):
-            raise ValueError(f"failure: must be 'open' or 'closed', got {failure!r}")
+        self._failures = StoreFailures(failure, errors)
         self.failure = failure
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self._admit = self.client.register_script(_ADMIT)
@@ -92,8 +116,6 @@ class RedisKeyLimiter:
         self._period_ms = int(period * 1000)
         self._prefix = prefix
         self.fallback = fallback or RateLimiter(period=period)
-        self._last_warning = 0.0
-        self._errors = errors
 
     def _key(self, key_id: str, kind: str, capacity: int | None) -> str:
         # The capacity is part of the key, so changing a key's limit starts a fresh bucket.
@@ -129,15 +151,7 @@ class RedisKeyLimiter:
             self.fallback.adjust(key_id, limits, tokens)
 
     def _store_failed(self, exc: Exception, *, refuse: bool = True) -> None:
-        if self._errors is not None:
-            self._errors.labels(self.failure).inc()
-        now = time.monotonic()
-        if now - self._last_warning > 10:
-            self._last_warning = now
-            action = "refusing requests" if self.failure == "closed" else "limiting per replica meanwhile"
-            log.warning("rate-limit store unreachable (%s); %s", exc, action)
-        if refuse and self.failure == "closed":
-            raise LimiterUnavailable("the rate limiter is unavailable; retry shortly") from exc
+        self._failures.failed(exc, refuse=refuse)
 
     async def close(self) -> None:
         await self.client.aclose()

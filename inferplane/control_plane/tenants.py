@@ -1,7 +1,11 @@
-"""Tenants: create, list, look up, set quota and key ceilings, delete (platform-admin operations).
+"""Tenants: create, list, look up, set quota, key ceilings and flow control, delete (platform-admin
+operations).
 
 A tenant's key ceilings cap the rate limits any of its keys may have, so a tenant admin minting
-keys cannot exceed what the platform sold the tenant (see auth.create_key and KeyCache).
+keys cannot exceed what the platform sold the tenant (see auth.create_key and KeyCache). Its flow
+control is a priority band (api/priority.py; a key's own band overrides it) and a limit on the
+sequences all its keys may have in flight at once (gateway: concurrency.py), so one tenant cannot
+take every slot of a replica.
 
 A tenant's id is a short slug chosen by the admin; it is the handle in CLIs, metrics and usage rows,
 so it is validated strictly (lower-case, DNS-label-like) and never changes.
@@ -16,6 +20,7 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from inferplane.api.priority import BANDS, band_rank
 from inferplane.control_plane import audit
 from inferplane.control_plane.errors import Conflict, InvalidInput, NotFound
 from inferplane.control_plane.orm import Tenant, utcnow
@@ -31,11 +36,42 @@ class TenantInfo:
     created_at: datetime
     key_requests_per_minute_max: int | None = None
     key_tokens_per_minute_max: int | None = None
+    priority: str | None = None
+    max_concurrent_sequences: int | None = None
 
 
 def _info(row: Tenant) -> TenantInfo:
     return TenantInfo(row.id, row.display_name, row.monthly_token_quota, row.created_at,
-                      row.key_requests_per_minute_max, row.key_tokens_per_minute_max)
+                      row.key_requests_per_minute_max, row.key_tokens_per_minute_max, row.priority,
+                      row.max_concurrent_sequences)
+
+
+# The columns are 32-bit INTEGERs; no replica runs anywhere near this many sequences anyway.
+SEQUENCE_LIMIT_MAX = 2**31 - 1
+
+
+def validate_sequence_limit(value: int | None) -> int | None:
+    """A limit on sequences in flight (tenant's or key's): a positive integer, or None (no limit)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or not 0 < value <= SEQUENCE_LIMIT_MAX):
+        raise InvalidInput(f"max_concurrent_sequences: must be a positive integer up to {SEQUENCE_LIMIT_MAX} or "
+                           f"unset, got {value!r}", param="max_concurrent_sequences")
+    return value
+
+
+def validate_priority(priority: str | None) -> str | None:
+    """A band name of api/priority.BANDS or None (unset); anything else is a 400 naming `priority`.
+    Shared with auth.create_key: a key's band is checked by the same words."""
+    if priority is None:
+        return None
+    try:
+        if not isinstance(priority, str) or not priority:
+            raise ValueError
+        band_rank(priority)
+    except ValueError:
+        raise InvalidInput(f"priority: {priority!r} is not a band (expected one of {', '.join(BANDS)})",
+                           param="priority") from None
+    return priority
 
 
 def _validate_ceiling(name: str, value: int | None) -> int | None:
@@ -68,17 +104,22 @@ def create_tenant(
     monthly_token_quota: int | None = None,
     key_requests_per_minute_max: int | None = None,
     key_tokens_per_minute_max: int | None = None,
+    priority: str | None = None,
+    max_concurrent_sequences: int | None = None,
 ) -> TenantInfo:
     """Raises `Conflict` if the id is taken. `monthly_token_quota=None` means unlimited."""
     validate_tenant_id(tenant_id)
     _validate_quota(monthly_token_quota)
     _validate_ceiling("key_requests_per_minute_max", key_requests_per_minute_max)
     _validate_ceiling("key_tokens_per_minute_max", key_tokens_per_minute_max)
+    validate_priority(priority)
+    validate_sequence_limit(max_concurrent_sequences)
     if session.get(Tenant, tenant_id) is not None:
         raise Conflict(f"tenant {tenant_id!r} already exists")
     row = Tenant(
         id=tenant_id, display_name=display_name, monthly_token_quota=monthly_token_quota, created_at=utcnow(),
         key_requests_per_minute_max=key_requests_per_minute_max, key_tokens_per_minute_max=key_tokens_per_minute_max,
+        priority=priority, max_concurrent_sequences=max_concurrent_sequences,
     )
     session.add(row)
     session.flush()
@@ -90,7 +131,8 @@ def create_tenant(
         tenant_id=tenant_id,
         detail={"monthly_token_quota": monthly_token_quota,
                 "key_requests_per_minute_max": key_requests_per_minute_max,
-                "key_tokens_per_minute_max": key_tokens_per_minute_max},
+                "key_tokens_per_minute_max": key_tokens_per_minute_max,
+                "priority": priority, "max_concurrent_sequences": max_concurrent_sequences},
     )
     return _info(row)
 
@@ -110,6 +152,23 @@ def set_key_ceilings(session: Session, tenant_id: str, *, actor: str, requests_p
     audit.record(session, actor=actor, action="tenant.set_key_ceilings", target=tenant_id, tenant_id=tenant_id,
                  detail={"key_requests_per_minute_max": requests_per_minute_max,
                          "key_tokens_per_minute_max": tokens_per_minute_max})
+    return _info(row)
+
+
+def set_flow_control(session: Session, tenant_id: str, *, actor: str, priority: str | None,
+                     max_concurrent_sequences: int | None) -> TenantInfo:
+    """Sets (None: removes) the tenant's band and its limit on sequences in flight; gateways apply
+    them from their next key-cache refresh (requests already admitted keep what they were given)."""
+    validate_priority(priority)
+    validate_sequence_limit(max_concurrent_sequences)
+    row = session.get(Tenant, tenant_id)
+    if row is None:
+        raise NotFound(f"tenant {tenant_id!r} not found")
+    row.priority = priority
+    row.max_concurrent_sequences = max_concurrent_sequences
+    session.flush()
+    audit.record(session, actor=actor, action="tenant.set_flow_control", target=tenant_id, tenant_id=tenant_id,
+                 detail={"priority": priority, "max_concurrent_sequences": max_concurrent_sequences})
     return _info(row)
 
 

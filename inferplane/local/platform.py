@@ -19,7 +19,7 @@ import yaml
 
 from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
 from inferplane.api.model_resolution import ModelResolutionError
-from inferplane.api.resolve import served_cache_isolation
+from inferplane.api.resolve import served_cache_isolation, served_priority
 from inferplane.api.tokenizer import TextTokenizer
 from inferplane.control_plane import auth, registry, tenants
 from inferplane.control_plane.autoscale.autoscaler import Autoscaler, AutoscalerMetrics
@@ -27,6 +27,7 @@ from inferplane.control_plane.autoscale.settings import autoscale_settings, watc
 from inferplane.control_plane.errors import Conflict, NotFound
 from inferplane.control_plane.gateway.catalog import ServedModel
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
+from inferplane.control_plane.outbound import ENV_OUTBOUND_ALLOW, split_entries
 from inferplane.control_plane.routing import Deployment
 from inferplane.local import runstate
 from inferplane.local.supervisor import LocalDeployment, Replica, Supervisor, SupervisorScaler
@@ -98,7 +99,10 @@ class LocalPlatform:
                                    grpc_port=grpc_port, bootstrap_key=self.admin_key,
                                    salt_secret=bytes.fromhex(salt_file.read_text().strip()),
                                    model_roots=(str(home / "models"),),
-                                   alert_webhook_secret=alert_file.read_text().strip())
+                                   alert_webhook_secret=alert_file.read_text().strip(),
+                                   # as in a cluster: webhooks and http(s) model URIs reach public
+                                   # addresses, and the internal ones this variable lists (a local receiver)
+                                   outbound_allow=tuple(split_entries(os.environ.get(ENV_OUTBOUND_ALLOW))))
         self.gateway = Gateway(settings)
         self.supervisor = Supervisor(home, on_ready=self._replica_ready)
         self.autoscaler = Autoscaler(
@@ -143,7 +147,8 @@ class LocalPlatform:
         uri = model.uri or ""
         with self.gateway.sessions.begin() as session:
             try:
-                registry.register_model(session, uri, actor="inferplane-up", name=manifest.name)
+                registry.register_model(session, uri, actor="inferplane-up", name=manifest.name,
+                                        outbound=self.gateway.context.outbound)
             except Conflict:
                 pass
         return uri.removeprefix("file://")
@@ -209,10 +214,11 @@ class LocalPlatform:
         """Adds the served model to the catalog with the tokenizer and context length the worker reports."""
         info = await self.gateway.channels.stub(replica.address).Info(worker_pb2.InfoRequest(), timeout=30)
         served = deployment.served_model_name
-        isolation = served_cache_isolation(d.spec.cache_isolation for d in self.supervisor.deployments.values()
-                                           if d.served_model_name == served)
+        specs = [d.spec for d in self.supervisor.deployments.values() if d.served_model_name == served]
         self.gateway.catalog.put(ServedModel(name=served, tokenizer=TextTokenizer.from_wire(info),
-                                             max_model_len=info.max_model_len, cache_isolation=isolation))
+                                             max_model_len=info.max_model_len,
+                                             cache_isolation=served_cache_isolation(s.cache_isolation for s in specs),
+                                             priority=served_priority(s.priority for s in specs)))
 
     async def wait_ready(self, timeout: float) -> bool:
         loop = asyncio.get_running_loop()

@@ -230,9 +230,9 @@ def platform_dashboard() -> dashboard_builder.Dashboard:
               "s"),
         graph("Tokens/s by model and kind", [
             Query(counter_rate(m.GATEWAY_TOKENS, model, ("model", "kind")), "{{model}} {{kind}}")]),
-        graph("Rate-limited and quota-exceeded requests/s", [
-            Query(counter_rate(m.KEY_REQUESTS, selector(result="rate_limited|quota_exceeded"), ("result",)),
-                  "{{result}}")], "reqps"),
+        graph("Refused requests/s (rate limit, quota, concurrency)", [
+            Query(counter_rate(m.KEY_REQUESTS, selector(result="rate_limited|quota_exceeded|concurrency_limited"),
+                               ("result",)), "{{result}}")], "reqps"),
     ))
     tenant_rates = counter_rate(m.TENANT_TOKENS, model, ("tenant",))
     usage = Row("Tenants and usage", (
@@ -289,6 +289,21 @@ def deployment_dashboard() -> dashboard_builder.Dashboard:
         graph("Queue", [Query(gauge_value(m.WORKER_WAITING, workers), "waiting"),
                         Query(gauge_value(m.WORKER_RUNNING, workers), "running")], width=8),
     ))
+    flow_control = Row("Flow control", (
+        graph("Waiting sequences by tenant and band", [
+            Query(gauge_value(m.WORKER_TENANT_SEQUENCES, selector(namespace="$namespace", service="$deployment",
+                                                                   model="$model", state="waiting"),
+                              ("tenant", "band")), "{{tenant}} ({{band}})")], width=8,
+              description="Sequences queued on the workers, per tenant and priority band"),
+        graph("Running sequences by tenant and band", [
+            Query(gauge_value(m.WORKER_TENANT_SEQUENCES, selector(namespace="$namespace", service="$deployment",
+                                                                   model="$model", state="running"),
+                              ("tenant", "band")), "{{tenant}} ({{band}})")], width=8,
+              description="Batch slots each tenant holds: its fair share, or more while nobody else waits"),
+        graph("Fair-share preemptions/s", [Query(counter_rate(m.WORKER_FAIR_SHARE_PREEMPTIONS, workers),
+                                                 "preemptions/s")], width=8,
+              description="Slots taken back from a tenant over its share, or from a less urgent band"),
+    ))
     scaling = Row("Scaling", (
         replicas_panel(ONE_DEPLOYMENT, "Replicas desired vs ready"),
         graph("Autoscaler replicas", [
@@ -310,7 +325,7 @@ def deployment_dashboard() -> dashboard_builder.Dashboard:
     ]
     return dashboard("inferplane-deployment", "Inferplane / Deployment",
                      "One deployment: its workers' latency, throughput and engine, and its autoscaler.", variables,
-                     [latency, throughput, engine, scaling])
+                     [latency, throughput, engine, flow_control, scaling])
 
 
 def tenant_dashboard() -> dashboard_builder.Dashboard:

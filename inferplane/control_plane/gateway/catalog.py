@@ -22,6 +22,7 @@ class ServedModel:
     max_model_len: int
     owner_tenant: str | None = None  # None: every tenant may use it
     cache_isolation: str = "tenant"  # "tenant": per-tenant radix namespaces; "shared": one
+    priority: str | None = None  # the band its requests get when neither key nor tenant sets one
     created: int = field(default_factory=lambda: int(time.time()))
     owned_by: str = "inferplane"
 

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sqlalchemy.exc import DBAPIError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from inferplane.control_plane.errors import ControlPlaneError, RateLimited
 from inferplane.control_plane.routing import NoReplicaAvailable, RoutingError, StreamBrokenAfterStart, UnknownModel
@@ -74,7 +75,7 @@ def error_response(status: int, message: str, code: str | None = None, param: st
 
 def param_of(exc: BaseException) -> str | None:
     """The request parameter an error names (a worker's INVALID_ARGUMENT says it first), if any."""
-    return exc.param if isinstance(exc, GatewayError) else None
+    return exc.param if isinstance(exc, (GatewayError, ControlPlaneError)) else None
 
 
 def as_error(exc: BaseException) -> tuple[int, str, str | None, dict[str, str] | None]:
@@ -141,6 +142,12 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 405:  # Starlette names the first route's methods; a path may have several
             headers["Allow"] = _allowed_methods(request)
         return error_response(exc.status_code, str(exc.detail), None, headers=headers or None)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect):
+        # A route reading the body itself (`request.body()`) when the client went away, or when
+        # LimitsAndMetrics cut the body off at the limit (the client has its 413 and this is dropped).
+        return error_response(400, "the client disconnected before sending the whole body", None)
 
     async def _known(request: Request, exc: Exception):
         status, message, code, headers = as_error(exc)

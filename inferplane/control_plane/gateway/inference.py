@@ -1,9 +1,11 @@
 """The request path shared by the REST and gRPC tenant APIs.
 
 authenticate (done by the caller) → authorize the model → tokenize and check the context length →
-reserve the request's worst case (prompt + max_tokens) against the tenant's quota and the key's
-token limit → route to a replica (prefix affinity, load, retry before the first token) → stream →
-record usage off the request path and refund what the reservation did not use.
+hold its sequences against the key's and tenant's concurrency limits → reserve the request's worst
+case (prompt + max_tokens) against the tenant's quota and the key's token limit → route to a
+replica (prefix affinity, load, retry before the first token) → stream, telling the worker the
+tenant and priority band it schedules by → record usage off the request path, refund what the
+reservation did not use and give the sequences back.
 
 Without an explicit max_tokens, the generation is capped so that its reservation fits what the
 key may spend in a minute and what the tenant has left this month: such a request is served
@@ -20,16 +22,29 @@ from dataclasses import dataclass
 
 import grpc
 
+from inferplane.api.priority import DEFAULT_BAND, resolve_band
 from inferplane.control_plane.auth import SCOPE_INFER, Principal
 from inferplane.control_plane.autoscale.activator import Activator
-from inferplane.control_plane.errors import QuotaExceeded, RateLimited, RequestTooLarge
+from inferplane.control_plane.concurrency import (
+    InProcessSequenceLimiter,
+    SequenceHold,
+    SequenceLimiter,
+    SequenceLimits,
+)
+from inferplane.control_plane.errors import ConcurrencyLimited, QuotaExceeded, RateLimited, RequestTooLarge
 from inferplane.control_plane.gateway.catalog import Catalog, ServedModel
 from inferplane.control_plane.gateway.errors import GatewayError
 from inferplane.control_plane.gateway.metrics import GatewayMetrics
 from inferplane.control_plane.gateway.tool_formats import tool_format
 from inferplane.control_plane.gateway.worker_client import WorkerChannels
 from inferplane.control_plane.limits import KeyLimiter, KeyLimits, QuotaTracker
-from inferplane.control_plane.routing import Router, RouteRequest, route_and_stream, tenant_cache_salt
+from inferplane.control_plane.routing import (
+    Router,
+    RouteRequest,
+    StreamBrokenAfterStart,
+    route_and_stream,
+    tenant_cache_salt,
+)
 from inferplane.control_plane.usage import UsageRecorder
 from inferplane.v1 import worker_pb2
 
@@ -57,6 +72,8 @@ class PreparedRequest:
     reserved: int = 0  # tokens held against the key's limit and the tenant's quota until settled
     settled: bool = False
     tool_format: str | None = None  # the template's tool-call format, when tools were rendered into it
+    priority: str = DEFAULT_BAND  # the band the worker schedules its sequences in (key > tenant > deployment)
+    hold: SequenceHold | None = None  # its sequences counted against concurrency limits until settled
 
     @property
     def token_ids(self) -> list[int]:
@@ -77,11 +94,15 @@ def _limits(principal: Principal) -> KeyLimits:
     return KeyLimits(requests_per_minute=principal.requests_per_minute, tokens_per_minute=principal.tokens_per_minute)
 
 
+def _sequence_limits(principal: Principal) -> SequenceLimits:
+    return SequenceLimits(key=principal.max_concurrent_sequences, tenant=principal.tenant_max_concurrent_sequences)
+
+
 class InferenceService:
     def __init__(self, catalog: Catalog, router: Router, channels: WorkerChannels, *, limiter: KeyLimiter,
                  quota: QuotaTracker | None, usage: UsageRecorder | None, salt_secret: bytes,
                  request_timeout: float = 600.0, activator: Activator | None = None,
-                 metrics: GatewayMetrics | None = None):
+                 metrics: GatewayMetrics | None = None, sequences: SequenceLimiter | None = None):
         self.catalog = catalog
         self.router = router
         self.channels = channels
@@ -93,6 +114,7 @@ class InferenceService:
         self._settling: set[asyncio.Task] = set()
         self.activator = activator or Activator()
         self.metrics = metrics
+        self.sequences = sequences or InProcessSequenceLimiter()
 
     async def prepare(self, principal: Principal, model_name: str, *, prompt: str | None = None,
                       messages: list[dict[str, str]] | None = None, max_tokens: int | None = None,
@@ -127,16 +149,29 @@ class InferenceService:
             max_tokens = max_tokens if max_tokens is not None else self._implicit_max_tokens(
                 principal, limits, prompt_tokens, room, choices)
             prepared = PreparedRequest(uuid.uuid4().hex, principal, model, token_lists, max_tokens, n=n,
-                                       reserved=prompt_tokens + choices * max_tokens, tool_format=fmt)
-            if self.quota is not None and tenant is not None:
-                self.quota.reserve(tenant, prepared.reserved)
-            if principal.key_id is not None:
-                try:
-                    await self.limiter.admit(principal.key_id, limits, tokens=prepared.reserved)
-                except BaseException:
-                    if self.quota is not None and tenant is not None:
-                        self.quota.release(tenant, prepared.reserved)
-                    raise
+                                       reserved=prompt_tokens + choices * max_tokens, tool_format=fmt,
+                                       priority=resolve_band(principal.priority, principal.tenant_priority,
+                                                             model.priority))
+            # Sequences first: unlike a rate-limit admission, a hold is given back without a trace
+            # when a later check refuses the request.
+            prepared.hold = await self.sequences.acquire(principal.key_id, tenant, _sequence_limits(principal),
+                                                         choices)
+            try:
+                if self.quota is not None and tenant is not None:
+                    self.quota.reserve(tenant, prepared.reserved)
+                if principal.key_id is not None:
+                    try:
+                        await self.limiter.admit(principal.key_id, limits, tokens=prepared.reserved)
+                    except BaseException:
+                        if self.quota is not None and tenant is not None:
+                            self.quota.release(tenant, prepared.reserved)
+                        raise
+            except BaseException:
+                self._release_sequences(prepared)
+                raise
+        except ConcurrencyLimited:
+            self._count_admission(principal, "concurrency_limited")
+            raise
         except QuotaExceeded:
             self._count_admission(principal, "quota_exceeded")
             raise
@@ -208,7 +243,8 @@ class InferenceService:
         def replica_stream(token_ids: list[int], part: int) -> AsyncIterator[worker_pb2.GenerateResponse]:
             request_id = prepared.request_id if len(prepared.prompts) == 1 else f"{prepared.request_id}-{part}"
             request = worker_pb2.GenerateRequest(request_id=request_id, params=params, cache_salt=salt,
-                                                 token_ids=worker_pb2.TokenIds(ids=token_ids))
+                                                 token_ids=worker_pb2.TokenIds(ids=token_ids), tenant=tenant or "",
+                                                 priority=prepared.priority)
 
             def call(endpoint):
                 return self.channels.stub(endpoint.address).Generate(request, timeout=self.request_timeout)
@@ -228,6 +264,14 @@ class InferenceService:
                 yield message
         except grpc.aio.AioRpcError as exc:
             raise _worker_error(exc) from exc
+        except StreamBrokenAfterStart as exc:
+            # A worker that refuses the request after it began answering (a structured output its
+            # grammar engine gave up on: INVALID_ARGUMENT naming the field) is the request's error,
+            # a 400 (an error event when streaming), not a replica failure.
+            cause = exc.__cause__
+            if isinstance(cause, grpc.aio.AioRpcError) and cause.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise _worker_error(cause) from exc
+            raise
         finally:
             self._account(prepared, completion_tokens, served)
 
@@ -235,12 +279,14 @@ class InferenceService:
         self.settle(prepared, completion_tokens, served=served)
 
     def settle(self, prepared: PreparedRequest, completion_tokens: int, *, served: bool) -> None:
-        """Once per request: bill the tenant only if a worker served it (no replica, or a failure
-        before the first token, is a metric, not usage), give the quota reservation back once the
-        usage is recorded, and refund the key's bucket what the reservation did not use."""
+        """Once per request: give its sequences back, bill the tenant only if a worker served it (no
+        replica, or a failure before the first token, is a metric, not usage), give the quota
+        reservation back once the usage is recorded, and refund the key's bucket what the
+        reservation did not use."""
         if prepared.settled:
             return
         prepared.settled = True
+        self._release_sequences(prepared)  # first: nothing below may keep a slot taken
         principal = prepared.principal
         used = prepared.prompt_tokens + completion_tokens if served else 0
         if served and self.usage is not None and principal.tenant_id is not None:
@@ -257,6 +303,12 @@ class InferenceService:
                 self.limiter.adjust(principal.key_id, _limits(principal), used - prepared.reserved))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
+
+    def _release_sequences(self, prepared: PreparedRequest) -> None:
+        """Gives the request's sequences back, once (a second call finds no hold)."""
+        hold, prepared.hold = prepared.hold, None
+        if hold is not None:
+            self.sequences.release(hold)
 
 
 async def merged(streams: list[AsyncIterator[worker_pb2.GenerateResponse]],

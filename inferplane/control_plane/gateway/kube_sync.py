@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import grpc
 
 from inferplane.api.deployment import GROUP, PLURAL, VERSION, InferenceDeploymentSpec, SpecError
-from inferplane.api.resolve import resolve, served_cache_isolation
+from inferplane.api.resolve import resolve, served_cache_isolation, served_priority
 from inferplane.api.tokenizer import TextTokenizer
 from inferplane.control_plane.autoscale.autoscaler import Autoscaler
 from inferplane.control_plane.autoscale.settings import AutoscaleSettings, autoscale_settings, watch
@@ -66,6 +66,7 @@ class ResourceRoute:
     model_fingerprint: str  # changes whenever what the workers load (and so Info) may change
     autoscaling: AutoscaleSettings | None = None  # None: the spec's replicas are the user's
     replicas: int = 1  # spec.replicas (the autoscaler writes it too): the metrics' desired replicas
+    priority: str | None = None  # spec.priority: the default band of the served model's requests
 
     @property
     def key(self) -> tuple[str, str]:
@@ -98,7 +99,7 @@ def resource_route(obj: Mapping[str, Any]) -> ResourceRoute:
         served_model_name=spec.served_model_name(name), weight=float(spec.serving.weight),
         tier=Tier(spec.serving.tier), block_size=resolve(spec).block_size,
         cache_isolation=spec.cache_isolation, model_fingerprint=_fingerprint(raw_spec),
-        autoscaling=autoscale_settings(spec), replicas=spec.replicas)
+        autoscaling=autoscale_settings(spec), replicas=spec.replicas, priority=spec.priority)
 
 
 def resource_routes(objs: Iterable[Mapping[str, Any]]) -> list[ResourceRoute]:
@@ -275,7 +276,8 @@ class KubernetesCatalogSync:
             if not addresses:
                 continue
             isolation = served_cache_isolation(m.cache_isolation for m in members)
-            trigger = (tuple(m.model_fingerprint for m in members), isolation, tuple(sorted(addresses)))
+            band = served_priority(m.priority for m in members)
+            trigger = (tuple(m.model_fingerprint for m in members), isolation, band, tuple(sorted(addresses)))
             previous = self._published.get(model)
             if previous is not None and previous.trigger == trigger:
                 continue
@@ -283,7 +285,7 @@ class KubernetesCatalogSync:
             if info is None or self._table.get(model) != members:
                 continue  # no replica answered (next round retries), or the model changed meanwhile
             entry = ServedModel(name=model, tokenizer=TextTokenizer.from_wire(info), max_model_len=info.max_model_len,
-                                cache_isolation=isolation)
+                                cache_isolation=isolation, priority=band)
             if previous is not None:
                 entry.created = previous.created  # /v1/models shows when the model appeared, not the last refresh
             self.catalog.put(entry)

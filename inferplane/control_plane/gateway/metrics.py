@@ -17,7 +17,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from inferplane.api import metric_names as m
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-KEY_RESULTS = ("admitted", "rate_limited", "quota_exceeded")
+KEY_RESULTS = ("admitted", "rate_limited", "quota_exceeded", "concurrency_limited")
 
 
 class GatewayMetrics:
