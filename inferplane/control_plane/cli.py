@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         default=[r for r in (env("INFERPLANE_MODEL_ROOTS") or "").split(os.pathsep) if r],
                         help="a folder a platform admin may register weights from over the admin API (repeatable; "
                              "default: $INFERPLANE_MODEL_ROOTS, separated by ':'; none: aliases only)")
+    parser.add_argument("--outbound-allow", action="append", metavar="CIDR|HOST",
+                        default=[e for e in re.split(r"[,\s]+", env("INFERPLANE_OUTBOUND_ALLOW") or "") if e],
+                        help="an internal destination tenants' alert webhooks and admins' http(s) model sources may "
+                             "reach: a CIDR or address (10.20.0.0/16, 127.0.0.1) or a host name (hooks.corp.example, "
+                             "*.corp.example); repeatable. Without any, they reach public addresses only: loopback, "
+                             "private, link-local (cloud metadata) and other internal addresses are refused "
+                             "(default: $INFERPLANE_OUTBOUND_ALLOW, comma-separated)")
     limits = parser.add_argument_group("rate limits across gateway replicas (off: each replica limits alone)")
     limits.add_argument("--rate-limit-redis-url", default=env("INFERPLANE_RATE_LIMIT_REDIS_URL"),
                         help="redis://[:password@]host:6379/0 holding the keys' token buckets, shared by every "
@@ -191,6 +199,12 @@ def gateway_settings(args: argparse.Namespace) -> Any:
         raise UsageError("--drain-grace-seconds must not be negative")
     if args.alert_retry_base_seconds <= 0 or args.alert_max_attempts < 1:
         raise UsageError("--alert-retry-base-seconds must be positive and --alert-max-attempts at least 1")
+    from inferplane.control_plane.outbound import OutboundPolicy
+
+    try:
+        OutboundPolicy.parse(args.outbound_allow)
+    except ValueError as exc:
+        raise UsageError(f"--outbound-allow: {exc}") from exc
     return GatewaySettings(
         db_url=db_url(args), host=args.host, port=args.port, grpc_port=args.grpc_port or None,
         bootstrap_key=_read_secret(args.bootstrap_key_file, "INFERPLANE_BOOTSTRAP_KEY", "bootstrap key"),
@@ -202,7 +216,8 @@ def gateway_settings(args: argparse.Namespace) -> Any:
         rate_limit_redis_url=args.rate_limit_redis_url or None, rate_limit_unreachable=args.rate_limit_unreachable,
         alert_webhook_secret=_read_secret(args.alert_webhook_secret_file, "INFERPLANE_ALERT_WEBHOOK_SECRET",
                                           "alert webhook secret"),
-        alert_retry_base_delay=args.alert_retry_base_seconds, alert_max_attempts=args.alert_max_attempts)
+        alert_retry_base_delay=args.alert_retry_base_seconds, alert_max_attempts=args.alert_max_attempts,
+        outbound_allow=tuple(args.outbound_allow))
 
 
 # ---- running ---------------------------------------------------------------------------------------

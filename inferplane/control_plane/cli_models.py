@@ -1,7 +1,9 @@
 """`inferplane models register|list|show|versions|delete|verify`: the model registry from a shell.
 
 The CLI acts as a platform admin on the database it points at; `--tenant` registers a tenant's
-model (private unless `--public`) or, for list/show, shows what that tenant would see.
+model (private unless `--public`) or, for list/show, shows what that tenant would see. An
+http(s):// source on an internal address is fetched only when `$INFERPLANE_OUTBOUND_ALLOW` allows it,
+as the gateway's `--outbound-allow` does (the reason a fetch failed is logged on stderr).
 """
 
 from __future__ import annotations
@@ -73,8 +75,10 @@ def _print_one(m: Any) -> None:
 
 
 def _register(args: argparse.Namespace, sessions: Any) -> int:
+    from inferplane.control_plane.outbound import OutboundPolicy
     from inferplane.control_plane.registry import register_model
 
+    outbound = OutboundPolicy.from_env()
     with sessions.begin() as s:
         model = register_model(
             s,
@@ -86,6 +90,7 @@ def _register(args: argparse.Namespace, sessions: Any) -> int:
             owner_tenant_id=args.tenant,
             visibility="public" if args.public or not args.tenant else "private",
             expected_sha256=args.sha256,
+            outbound=outbound,
         )
     if args.json:
         print_json(model)

@@ -17,12 +17,19 @@ existence does not leak.
 
 Registering from a server path reads the gateway's file system, so over the API it is a platform
 admin's power, confined to configured roots (`confine_source`); tenants register aliases.
+
+Registering from an `http(s)://` URI makes the gateway connect where the caller says, so it goes
+through the outbound policy (`control_plane.outbound`: public addresses, plus the operator's
+allow-list), and a failed fetch answers one plain message, "cannot fetch the model from <url>",
+whatever went wrong: a refused connection, a timeout and an internal service's 401 would otherwise
+tell apart closed, filtered and open ports. The reason goes to the gateway's log.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import re
 import threading
@@ -30,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
 from sqlalchemy import or_, select
@@ -42,8 +49,16 @@ from inferplane.control_plane.auth import ALL_TENANTS, TenantScope
 from inferplane.control_plane.errors import Conflict, Forbidden, InvalidInput, NotFound
 from inferplane.control_plane.orm import Model, Tenant, utcnow
 from inferplane.storage.digest import folder_files, sha256_file, sha256_folder
+from inferplane.storage.uris import parse_model_uri
+
+if TYPE_CHECKING:
+    from inferplane.control_plane.outbound import OutboundPolicy
+
+log = logging.getLogger(__name__)
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
+# Names that are admin API paths under /admin/v1/models/ (GET .../resolve), not model references.
+RESERVED_NAMES = frozenset({"resolve"})
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 PLATFORM = ""  # the platform's namespace (no tenant id is empty)
@@ -311,17 +326,36 @@ def _inspect_local(path: Path, expected_sha256: str | None) -> _Inspected:
     return _Inspected(path.as_uri(), fmt, meta, status, detail)
 
 
-def _inspect_remote(uri: str, expected_sha256: str | None, cache_root: Path | None) -> _Inspected:
+def _inspect_remote(uri: str, expected_sha256: str | None, cache_root: Path | None,
+                    outbound: OutboundPolicy | None) -> _Inspected:
     """Fetches into the digest-keyed cache (verifying against `expected_sha256` when given), then
-    reads the header as for a local file; the row keeps the remote URI, which workers fetch."""
+    reads the header as for a local file; the row keeps the remote URI, which workers fetch.
+
+    http(s): every connection (redirects too) is checked against `outbound` (None: public addresses
+    only), and so is the host before a cache hit could skip the network: an internal URL is never
+    recorded for the workers to fetch. Failures answer one message (see the module docstring)."""
+    from inferplane.control_plane.outbound import AddressNotAllowed, GuardedTransport, OutboundPolicy, check_url
     from inferplane.storage.cache import default_cache_root
     from inferplane.storage.fetch import DigestMismatch, FetchError, fetch_model
 
+    http = uri_scheme(uri) in ("http", "https")
+    policy = outbound or OutboundPolicy()
     try:
-        fetched = fetch_model(uri, cache_root or default_cache_root(), sha256=expected_sha256)
+        if http:
+            check_url(uri, policy)
+        fetched = fetch_model(uri, cache_root or default_cache_root(), sha256=expected_sha256,
+                              http_transport=GuardedTransport(policy) if http else None)
     except DigestMismatch as e:
         return _Inspected(uri, "gguf" if not uri.endswith("/") else "hf", None, "failed", str(e))
-    except (FetchError, ValueError) as e:
+    except (FetchError, AddressNotAllowed) as e:
+        log.warning("registering %s: %s", uri, e)
+        if isinstance(e, AddressNotAllowed) or isinstance(e.__cause__, AddressNotAllowed):
+            raise InvalidInput(f"cannot fetch the model from {uri}: its host is an internal address this gateway "
+                               "does not connect to (allow it with --outbound-allow)") from None
+        if http:
+            raise InvalidInput(f"cannot fetch the model from {uri}") from None
+        raise InvalidInput(f"cannot fetch {uri}: {e}") from None  # s3: the operator's endpoint, no port to probe
+    except ValueError as e:  # a malformed URI or digest: found before any connection
         raise InvalidInput(f"cannot fetch {uri}: {e}") from None
     inspected = _inspect_local(fetched.path, expected_sha256)
     return _Inspected(uri, inspected.format, inspected.meta, inspected.status, inspected.detail)
@@ -349,6 +383,7 @@ def register_model(
     expected_sha256: str | None = None,
     model_format: str | None = None,
     cache_root: Path | None = None,
+    outbound: OutboundPolicy | None = None,
 ) -> ModelInfo:
     """Registers weights at `source`: a path, `file://` URI or alias such as "smollm2-135m"; an
     `http(s)://` or `s3://` URI (fetched into the cache at `cache_root` to be checked and read); or
@@ -358,23 +393,34 @@ def register_model(
     visibility = private for a tenant's model, public for a platform model. A checksum mismatch
     or unreadable metadata still records the row, with status `failed` and the reason, so the admin
     sees it in `list`; the caller checks `status`. Raises `InvalidInput` for a missing path or bad
-    names, `Conflict` if the version exists or the name belongs to another owner.
+    names, `Conflict` if the version exists or the name belongs to another owner. `outbound`: where
+    an http(s) source may be fetched from besides public addresses (None: nowhere else).
     """
     if expected_sha256 is not None:
         expected_sha256 = expected_sha256.lower()
         if not SHA256_RE.match(expected_sha256):
-            raise InvalidInput("expected sha256 must be 64 hex digits")
+            raise InvalidInput("expected sha256 must be 64 hex digits", param="sha256")
     scheme = uri_scheme(source)
     if scheme == "file":
         path, alias = resolve_source(source)
         default_name = alias or (path.stem if path.is_file() else path.name)
     else:
+        if scheme == "pvc":  # nothing here reads a claim, so nothing else would parse (and refuse) the URI
+            try:
+                parse_model_uri(str(source))
+            except ValueError as e:
+                raise InvalidInput(f"source: {e}", param="source") from None
         default_name = PurePosixPath(urlparse(str(source)).path.rstrip("/")).name.removesuffix(".gguf")
     name = name or default_name
     if not NAME_RE.match(name):
-        raise InvalidInput(f"invalid model name {name!r}: letters, digits, '.', '_', '-', '/'; up to 128")
+        raise InvalidInput(f"invalid model name {name!r}: letters, digits, '.', '_', '-', '/'; up to 128",
+                           param="name")
+    if name in RESERVED_NAMES:
+        raise InvalidInput(f"model name {name!r} is reserved: /admin/v1/models/{name} is an endpoint of the "
+                           "admin API, so such a model could not be deleted by name; choose another name",
+                           param="name")
     if version is not None and not VERSION_RE.match(version):
-        raise InvalidInput(f"invalid model version {version!r}")
+        raise InvalidInput(f"invalid model version {version!r}", param="version")
     visibility = visibility or ("private" if owner_tenant_id else "public")
     if visibility not in ("public", "private"):
         raise InvalidInput(f"visibility must be public or private, got {visibility!r}")
@@ -399,7 +445,7 @@ def register_model(
     elif scheme == "pvc":
         inspected = _pvc_entry(str(source), expected_sha256, model_format)
     else:
-        inspected = _inspect_remote(str(source), expected_sha256, cache_root)
+        inspected = _inspect_remote(str(source), expected_sha256, cache_root, outbound)
     meta = inspected.meta
     now = utcnow()
     row = Model(

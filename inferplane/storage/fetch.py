@@ -15,11 +15,15 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from inferplane.storage import cache
 from inferplane.storage.digest import digest, size_bytes
 from inferplane.storage.errors import DigestMismatch, FetchError
 from inferplane.storage.uris import ModelURI, parse_model_uri
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = ["DigestMismatch", "FetchError", "FetchResult", "fetch_model"]
 
@@ -37,7 +41,8 @@ class FetchResult:
 
 
 def fetch_model(uri: str, cache_root: Path | str, *, sha256: str | None = None,
-                s3_endpoint_url: str | None = None, timeout: float = 60) -> FetchResult:
+                s3_endpoint_url: str | None = None, timeout: float = 60,
+                http_transport: httpx.BaseTransport | None = None) -> FetchResult:
     """The weights at `uri`, fetched into `cache_root` (unless cached already) and verified.
 
     `sha256` is the digest the registry recorded; a download that does not match is deleted and
@@ -46,6 +51,7 @@ def fetch_model(uri: str, cache_root: Path | str, *, sha256: str | None = None,
     would only double the disk they take; it is verified in place. A pvc:// URI is a `ValueError`:
     the operator mounts the claim and the caller passes the mounted path as a file URI.
     `timeout` bounds each network wait (connect, each read), not the whole transfer.
+    `http_transport` carries http(s) downloads (the registry's refuses internal addresses).
     Raises `ValueError` (bad URI or digest), `FetchError` (the network or the store said no).
     """
     parsed = parse_model_uri(uri)
@@ -70,7 +76,8 @@ def fetch_model(uri: str, cache_root: Path | str, *, sha256: str | None = None,
                 return _cached(hit, expected)
         cache.remove_stale_tmp(root, key)
         started = time.perf_counter()
-        content = _download(parsed, cache.partial_dir(root, key), s3_endpoint_url=s3_endpoint_url, timeout=timeout)
+        content = _download(parsed, cache.partial_dir(root, key), s3_endpoint_url=s3_endpoint_url, timeout=timeout,
+                            http_transport=http_transport)
         return _verify_and_commit(root, key, parsed, content, expected, time.perf_counter() - started)
 
 
@@ -90,7 +97,8 @@ def _cached(path: Path, sha256: str) -> FetchResult:
     return FetchResult(path, sha256, size_bytes(path), False, 0.0, 0.0)
 
 
-def _download(uri: ModelURI, partial: Path, *, s3_endpoint_url: str | None, timeout: float) -> Path:
+def _download(uri: ModelURI, partial: Path, *, s3_endpoint_url: str | None, timeout: float,
+              http_transport: httpx.BaseTransport | None = None) -> Path:
     """Downloads (resuming) into `partial`; returns the downloaded file or folder inside it."""
     if uri.scheme == "s3":
         from inferplane.storage.s3_source import download_s3
@@ -99,7 +107,7 @@ def _download(uri: ModelURI, partial: Path, *, s3_endpoint_url: str | None, time
     from inferplane.storage.http_source import download_http
 
     cache.keep_only(partial, uri.basename)
-    download_http(uri.url or "", partial / uri.basename, timeout=timeout)
+    download_http(uri.url or "", partial / uri.basename, timeout=timeout, transport=http_transport)
     return partial / uri.basename
 
 

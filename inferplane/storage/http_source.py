@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from inferplane.storage.errors import FetchError
+
+if TYPE_CHECKING:
+    import httpx
 
 _CONTENT_RANGE_RE = re.compile(r"^bytes\s+(?:(\d+)-\d+|\*)/(\d+|\*)$")
 
 
-def download_http(url: str, dest: Path, *, timeout: float) -> None:
+def download_http(url: str, dest: Path, *, timeout: float, transport: httpx.BaseTransport | None = None) -> None:
     """Downloads `url` into the file `dest`, appending to what is there when the server answers
     `Range: bytes=<size>-` with 206, starting over when it answers 200. Raises `FetchError` on a
-    non-2xx status or a transfer error; what arrived before an error stays in `dest` for next time."""
+    non-2xx status or a transfer error (chained from the httpx error, so a caller can tell its
+    kind); what arrived before an error stays in `dest` for next time. `transport`: where the
+    connections go through (the control plane passes one that refuses internal addresses, for
+    redirects too; None: httpx's own, and the environment's proxies)."""
     import httpx
 
     for _ in range(2):  # a second pass only after the partial file was found unusable and deleted
@@ -27,7 +34,7 @@ def download_http(url: str, dest: Path, *, timeout: float) -> None:
         if offset:
             headers["Range"] = f"bytes={offset}-"
         try:
-            with httpx.Client(timeout=timeout, follow_redirects=True) as client, \
+            with httpx.Client(timeout=timeout, follow_redirects=True, transport=transport) as client, \
                     client.stream("GET", url, headers=headers) as response:
                 status = response.status_code
                 if status == 416 and offset:

@@ -112,15 +112,18 @@ def signed_correctly(headers: dict[str, str], body: bytes, secret: str) -> bool:
 async def test_an_alert_reaches_its_tenant_through_a_real_alertmanager(tmp_path: Path) -> None:
     binary = alertmanager_binary()
     gateway_port, am_port = free_port(), free_port()
+    # The receivers listen on loopback, which the gateway refuses by default: allowed explicitly.
     gw = Gateway(GatewaySettings(db_url=f"sqlite:///{tmp_path / 'gw.db'}", port=gateway_port,
-                                 alert_webhook_secret=SECRET, alert_retry_base_delay=0.2, alert_poll_interval=1.0))
+                                 alert_webhook_secret=SECRET, alert_retry_base_delay=0.2, alert_poll_interval=1.0,
+                                 outbound_allow=("127.0.0.1/32",)))
     receivers = Receivers({"acme": 2})
     with gw.sessions.begin() as s:
         keys = {}
         for tenant in ("acme", "globex"):
             tenants.create_tenant(s, tenant, actor="test")
             keys[tenant] = auth.create_key(s, tenant, actor="test").secret
-            set_webhook(s, tenant, f"{receivers.url}/{tenant}", actor="test", secret=HOOK_SECRETS[tenant])
+            set_webhook(s, tenant, f"{receivers.url}/{tenant}", actor="test", secret=HOOK_SECRETS[tenant],
+                        outbound=gw.context.outbound)
     gw.keys.refresh()
     secret_file = tmp_path / "alertmanager-secret"
     secret_file.write_text(SECRET + "\n")
@@ -181,7 +184,8 @@ async def test_an_alert_reaches_its_tenant_through_a_real_alertmanager(tmp_path:
 
             (mine,) = await listed("acme")
             assert mine["fingerprint"] == body["fingerprint"] and mine["labels"] == labels
-            assert [(d["state"], d["attempts"]) for d in mine["deliveries"]] == [("delivered", 3)]
+            assert [(d["state"], d["attempts"], d["outcome"]) for d in mine["deliveries"]] == [
+                ("delivered", 3, "delivered")]
             assert await listed("globex") == []
 
             # Resolving it in Alertmanager (endsAt now) sends the resolution through the same path.

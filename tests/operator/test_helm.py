@@ -177,3 +177,17 @@ def test_invalid_values_fail_with_a_reason(helm: Path, values: list[str], messag
     result = helm_run(helm, "template", "demo", str(CHART), *values)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+def test_the_gateways_outbound_allow_list_comes_from_values(helm: Path) -> None:
+    def gateway_args(*extra: str) -> list[str]:
+        found = kinds(render(helm, None, *extra))
+        control = next(d for d in found["Deployment"] if d["metadata"]["name"].endswith("-control-plane"))
+        return control["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert not any(a.startswith("--outbound-allow") for a in gateway_args())  # public addresses only
+    allowed = gateway_args("--set-json", 'controlPlane.outboundAllow=["10.20.0.0/16","*.corp.example"]')
+    assert [a for a in allowed if a.startswith("--outbound-allow")] == [
+        "--outbound-allow=10.20.0.0/16", "--outbound-allow=*.corp.example"]
+    refused = helm_run(helm, "template", "demo", str(CHART), "--set-json", 'controlPlane.outboundAllow=["a b"]')
+    assert refused.returncode != 0 and "outboundAllow" in refused.stderr

@@ -9,8 +9,14 @@ event loop that serves requests.
 
 A 2xx answer is a delivery; anything else (another status, a timeout, a refused connection) is
 retried after `base_delay * 2**(attempts - 1)` seconds (at most `max_delay`) until `max_attempts`,
-then the row is `failed`. Each attempt's status code or error is kept on the row; the receiver's
-body is never read (a webhook URL must not become a way to read other services' answers).
+then the row is `failed`. Each attempt's status code or error is kept on the row and in the log;
+the receiver's body is never read, and tenants see only an outcome class (see `store`): a webhook
+URL must not become a way to read, or probe, other services.
+
+Connections go through `outbound.GuardedAsyncTransport`: a webhook whose host resolves to an
+internal address (loopback, private, link-local, metadata...) not in the operator's allow-list is
+not contacted. That attempt is final (`failed` at once, its error marked refused): retrying a
+policy decision would only repeat it.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from inferplane.control_plane.alerts import outbox
 from inferplane.control_plane.alerts.outbox import DueDelivery
 from inferplane.control_plane.alerts.signing import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, signature
 from inferplane.control_plane.orm import utcnow
+from inferplane.control_plane.outbound import AddressNotAllowed, GuardedAsyncTransport, OutboundPolicy
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +55,17 @@ class _Outcome:
     delivery_id: int
     status_code: int | None
     error: str | None
+    refused: bool = False  # the address was not allowed: nothing was sent
 
 
 class AlertForwarder:
     def __init__(self, sessions: sessionmaker[Session], settings: ForwarderSettings | None = None, *,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 outbound: OutboundPolicy | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        """`outbound`: where webhooks may point besides public addresses (None: nowhere else).
+        `transport` replaces the guarded one, and with it the address check: for tests only."""
         self.sessions = sessions
         self.settings = settings or ForwarderSettings()
+        self.outbound = outbound or OutboundPolicy()
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self._wakeup = asyncio.Event()
@@ -131,8 +142,8 @@ class AlertForwarder:
             for o in outcomes:
                 state = outbox.record_attempt(session, o.delivery_id, status_code=o.status_code, error=o.error,
                                               now=utcnow(), max_attempts=self.settings.max_attempts,
-                                              backoff=self.backoff)
-                if state == "failed":
+                                              backoff=self.backoff, refused=o.refused)
+                if state == "failed" and not o.refused:
                     log.warning("alert delivery %d failed for good after %d attempts: %s", o.delivery_id,
                                 self.settings.max_attempts, o.error)
 
@@ -145,8 +156,9 @@ class AlertForwarder:
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
+            transport = self._transport or GuardedAsyncTransport(self.outbound)
             self._client = httpx.AsyncClient(timeout=self.settings.timeout, follow_redirects=False,
-                                             transport=self._transport,
+                                             transport=transport, trust_env=False,
                                              headers={"User-Agent": "inferplane-alert-forwarder"})
         return self._client
 
@@ -158,6 +170,9 @@ class AlertForwarder:
         try:
             async with self._http().stream("POST", delivery.url, content=body, headers=headers) as response:
                 code = response.status_code  # the body is not read: see the module docstring
+        except AddressNotAllowed as exc:
+            log.warning("alert delivery %d to %s refused: %s", delivery.id, delivery.url, exc)
+            return _Outcome(delivery.id, None, str(exc)[:500], refused=True)
         except Exception as exc:  # timeouts, refused connections, bad URLs: all retried the same way
             error = f"{type(exc).__name__}: {exc}"[:500]
             log.info("alert delivery %d (attempt %d) to %s: %s", delivery.id, delivery.attempt, delivery.url, error)

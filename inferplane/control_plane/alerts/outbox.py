@@ -6,6 +6,10 @@ forwarder that dies mid-send leaves a row that comes due again when the lease ru
 is at least once, and receivers can drop repeats by the delivery id. A delivery waits while an
 earlier one of the same alert to the same URL is pending, so a receiver never hears "resolved"
 before "firing".
+
+An attempt the address policy refused (see `control_plane.outbound`) ends the delivery at once, and
+its error is kept with the `REFUSED_PREFIX`: that is how `store` tells tenants "refused" from
+"failed" without a column of its own.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from sqlalchemy import and_, exists, func, select, update
 from sqlalchemy.orm import Session, aliased
 
 from inferplane.control_plane.orm import Alert, AlertDelivery, TenantWebhook
+
+REFUSED_PREFIX = "refused: "
 
 
 @dataclass(frozen=True)
@@ -82,14 +88,18 @@ def claim_due(session: Session, now: datetime, *, lease: timedelta, limit: int =
 
 
 def record_attempt(session: Session, delivery_id: int, *, status_code: int | None, error: str | None,
-                   now: datetime, max_attempts: int, backoff: Callable[[int], float]) -> str | None:
-    """Records one attempt's outcome (a 2xx status code is a delivery); returns the new state, or
-    None when the row is gone (its alert or tenant was deleted meanwhile)."""
+                   now: datetime, max_attempts: int, backoff: Callable[[int], float],
+                   refused: bool = False) -> str | None:
+    """Records one attempt's outcome (a 2xx status code is a delivery; `refused`: the address was
+    not allowed, final at once); returns the new state, or None when the row is gone (its alert or
+    tenant was deleted meanwhile)."""
     row = session.get(AlertDelivery, delivery_id)
     if row is None or row.state != "pending":
         return None if row is None else row.state
     row.last_status_code = status_code
-    if status_code is not None and 200 <= status_code < 300:
+    if refused:
+        row.state, row.next_attempt_at, row.last_error = "failed", None, REFUSED_PREFIX + (error or "")
+    elif status_code is not None and 200 <= status_code < 300:
         row.state, row.delivered_at, row.next_attempt_at, row.last_error = "delivered", now, None, None
     elif row.attempts >= max_attempts:
         row.state, row.next_attempt_at, row.last_error = "failed", None, error

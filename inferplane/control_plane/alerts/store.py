@@ -6,6 +6,11 @@ webhook of the alert's tenant, in the caller's transaction, so the alert row and
 commit together. Alertmanager's repeats (same status, `repeat_interval`) update the row and enqueue
 nothing; a firing notification older than the resolution already stored (a late retry from an
 Alertmanager peer) does not reopen the alert.
+
+Tenants see each delivery's outcome as a class only (`Outcome`): `delivered`, `refused` (the
+address is not one the gateway connects to) or `failed`. The receiver's status code and the
+connection error stay on the row and in the gateway's log, for the operator: shown to tenants they
+would say whether a port on an address the tenant chose is open, closed or answering 401.
 """
 
 from __future__ import annotations
@@ -13,11 +18,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from inferplane.control_plane.alerts.outbox import REFUSED_PREFIX
 from inferplane.control_plane.alerts.payload import AlertmanagerAlert, AlertmanagerWebhook
 from inferplane.control_plane.alerts.webhooks import webhooks_by_tenant
 from inferplane.control_plane.orm import Alert, AlertDelivery, Tenant, utcnow
@@ -26,6 +32,8 @@ from inferplane.control_plane.tenants import TENANT_ID_RE
 log = logging.getLogger(__name__)
 
 TENANT_LABEL = "tenant"
+
+Outcome = Literal["delivered", "refused", "failed"]
 
 
 @dataclass(frozen=True)
@@ -39,15 +47,16 @@ class Intake:
 
 @dataclass(frozen=True)
 class DeliveryInfo:
+    """A delivery as its tenant sees it: `outcome` is the last attempt's class (None: not tried yet)."""
+
     id: int
     webhook_url: str
     alert_status: str
     state: str
+    outcome: Outcome | None
     attempts: int
     created_at: datetime
     next_attempt_at: datetime | None
-    last_status_code: int | None
-    last_error: str | None
     delivered_at: datetime | None
 
 
@@ -139,9 +148,18 @@ def record_webhook(session: Session, payload: AlertmanagerWebhook, *, now: datet
     return Intake(len(payload.alerts), transitions, enqueued)
 
 
+def outcome(row: AlertDelivery) -> Outcome | None:
+    """The class of a delivery's last attempt, from what the outbox recorded (see `outbox`)."""
+    if row.state == "delivered":
+        return "delivered"
+    if row.last_error is None and row.last_status_code is None:
+        return None  # not attempted yet, or the first attempt is in flight
+    return "refused" if (row.last_error or "").startswith(REFUSED_PREFIX) else "failed"
+
+
 def _delivery(row: AlertDelivery) -> DeliveryInfo:
-    return DeliveryInfo(row.id, row.webhook_url, row.alert_status, row.state, row.attempts, row.created_at,
-                        row.next_attempt_at, row.last_status_code, row.last_error, row.delivered_at)
+    return DeliveryInfo(row.id, row.webhook_url, row.alert_status, row.state, outcome(row), row.attempts,
+                        row.created_at, row.next_attempt_at, row.delivered_at)
 
 
 def list_alerts(session: Session, tenant_id: str, *, status: str | None = None, limit: int = 100) -> list[AlertInfo]:

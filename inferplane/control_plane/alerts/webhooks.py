@@ -2,8 +2,12 @@
 
 One validator serves the admin API and the CLI, so both refuse the same URLs with the same words.
 A secret is generated when none is given and shown once, at creation; listings never carry it.
-URLs are not checked against private address ranges: only platform admins and the tenant's own
-admins may set them.
+
+A tenant's admin chooses where the gateway connects, so a URL whose host is a literal internal
+address (127.0.0.1, 0x7f000001, [::1], 10.0.0.0/8, 169.254.169.254...) that the outbound policy does
+not allow is refused here, at once (`AddressRefused`). Names are not resolved here: what a name
+resolves to when registered says nothing about what it resolves to later, so the forwarder checks
+each connection's address (`control_plane.outbound`).
 """
 
 from __future__ import annotations
@@ -19,12 +23,19 @@ from sqlalchemy.orm import Session
 from inferplane.control_plane import audit
 from inferplane.control_plane.errors import InvalidInput, NotFound
 from inferplane.control_plane.orm import Tenant, TenantWebhook, utcnow
+from inferplane.control_plane.outbound import ENV_OUTBOUND_ALLOW, OutboundPolicy
 from inferplane.control_plane.tenants import TENANT_ID_RE
 
 MAX_URL_LENGTH = 2048
 SECRET_MIN_LENGTH = 16
 SECRET_MAX_LENGTH = 255
 MAX_ID = 2**31 - 1  # ids are 32-bit integers
+
+
+class AddressRefused(InvalidInput):
+    """The URL's host is a literal address the outbound policy refuses."""
+
+    code = "address_not_allowed"
 
 
 @dataclass(frozen=True)
@@ -49,8 +60,9 @@ def _info(row: TenantWebhook) -> WebhookInfo:
     return WebhookInfo(row.id, row.tenant_id, row.url, row.created_at)
 
 
-def validate_webhook_url(url: object) -> str:
-    """An absolute http(s) URL with a host; raises InvalidInput naming `url` otherwise."""
+def validate_webhook_url(url: object, outbound: OutboundPolicy | None = None) -> str:
+    """An absolute http(s) URL with a host that is not a literal address `outbound` refuses (None:
+    the default policy, public addresses only); raises InvalidInput naming `url` otherwise."""
     if not isinstance(url, str) or not url:
         raise InvalidInput("url: required, an http:// or https:// URL")
     if len(url) > MAX_URL_LENGTH:
@@ -68,6 +80,12 @@ def validate_webhook_url(url: object) -> str:
         raise InvalidInput("url: has no host")
     if port == 0:
         raise InvalidInput("url: port 0 is not a port one can connect to")
+    refused = (outbound or OutboundPolicy()).refused_literal(parts.hostname)
+    if refused is not None:
+        shown = parts.hostname if parts.hostname == str(refused) else f"{parts.hostname} ({refused})"
+        raise AddressRefused(f"url: {shown} is an internal address (loopback, private, link-local or otherwise "
+                             "not public); webhooks are sent to public addresses and to those the operator allows "
+                             f"(--outbound-allow, ${ENV_OUTBOUND_ALLOW})")
     return url
 
 
@@ -89,10 +107,12 @@ def _tenant(session: Session, tenant_id: str) -> None:
         raise NotFound(f"tenant {tenant_id!r} not found")
 
 
-def set_webhook(session: Session, tenant_id: str, url: str, *, actor: str, secret: str | None = None) -> WebhookSet:
+def set_webhook(session: Session, tenant_id: str, url: str, *, actor: str, secret: str | None = None,
+                outbound: OutboundPolicy | None = None) -> WebhookSet:
     """Adds `url` to the tenant's webhooks, or gives an existing one a new secret (generated when
-    none is given). Deliveries still pending are signed with the new secret."""
-    validate_webhook_url(url)
+    none is given). Deliveries still pending are signed with the new secret. `outbound` is the
+    policy the URL's literal address is checked against (None: public addresses only)."""
+    validate_webhook_url(url, outbound)
     generated = None
     if secret is None:
         secret = generated = generate_secret()

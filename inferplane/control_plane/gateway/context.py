@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -12,6 +12,7 @@ from inferplane.control_plane.errors import Unauthenticated
 from inferplane.control_plane.gateway.catalog import Catalog
 from inferplane.control_plane.gateway.inference import InferenceService
 from inferplane.control_plane.gateway.metrics import GatewayMetrics
+from inferplane.control_plane.outbound import OutboundPolicy
 from inferplane.control_plane.tokens import AdminTokenVerifier, authenticate_admin
 
 if TYPE_CHECKING:
@@ -34,6 +35,9 @@ class GatewayContext:
     # to wake when alerts are enqueued (None: none runs in this process; the next one to poll delivers).
     alert_webhook_secret: str | None = None
     alert_forwarder: AlertForwarder | None = None
+    # Where requests that callers steer (webhooks, http(s) model sources) may connect besides public
+    # addresses: the operator's allow-list (empty: public addresses only).
+    outbound: OutboundPolicy = field(default_factory=OutboundPolicy)
 
     def tenant_principal(self, credential: str | None) -> Principal:
         if not credential:

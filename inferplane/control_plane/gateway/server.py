@@ -13,6 +13,7 @@ import uvicorn
 from inferplane.control_plane.alerts.forwarder import AlertForwarder, ForwarderSettings
 from inferplane.control_plane.auth import KeyCache
 from inferplane.control_plane.autoscale.activator import Activator
+from inferplane.control_plane.concurrency import InProcessSequenceLimiter, SequenceLimiter
 from inferplane.control_plane.db import init_db, session_factory
 from inferplane.control_plane.gateway.catalog import Catalog
 from inferplane.control_plane.gateway.context import GatewayContext
@@ -22,6 +23,7 @@ from inferplane.control_plane.gateway.metrics import GatewayMetrics, PlatformCol
 from inferplane.control_plane.gateway.rest import create_asgi_app
 from inferplane.control_plane.gateway.worker_client import WorkerChannels
 from inferplane.control_plane.limits import InProcessKeyLimiter, KeyLimiter, QuotaTracker
+from inferplane.control_plane.outbound import OutboundPolicy
 from inferplane.control_plane.routing import HealthPoller, HealthTracker, Router
 from inferplane.control_plane.tokens import AdminTokenVerifier, JWTSettings
 from inferplane.control_plane.usage import UsageRecorder
@@ -48,8 +50,9 @@ class GatewaySettings:
     # On stop (SIGTERM): new connections are refused at once, requests and streams in flight get
     # this long to finish (the workers' drainGraceSeconds by default), then the rest is cancelled.
     drain_grace_seconds: float = 30.0
-    # Keys' token buckets in Redis, shared by every replica (None: in this process only), and what
-    # to do while Redis is unreachable: "open" limits per replica meanwhile, "closed" answers 503.
+    # Keys' token buckets and keys' and tenants' sequences in flight in Redis, shared by every
+    # replica (None: in this process only), and what to do while Redis is unreachable: "open" limits
+    # per replica meanwhile, "closed" answers 503.
     rate_limit_redis_url: str | None = None
     rate_limit_unreachable: str = "open"
     # Folders a platform admin may register weights from through the admin API (none: aliases only).
@@ -60,6 +63,10 @@ class GatewaySettings:
     alert_retry_base_delay: float = 1.0
     alert_max_attempts: int = 8
     alert_poll_interval: float = 5.0
+    # Internal destinations that tenants' webhooks and admins' http(s) model sources may reach: CIDRs
+    # ("10.20.0.0/16", "127.0.0.1") and host names ("hooks.corp.example", "*.corp.example"). Empty:
+    # public addresses only (see control_plane.outbound).
+    outbound_allow: tuple[str, ...] = ()
 
 
 def _key_limiter(settings: GatewaySettings, metrics: GatewayMetrics) -> KeyLimiter:
@@ -69,6 +76,15 @@ def _key_limiter(settings: GatewaySettings, metrics: GatewayMetrics) -> KeyLimit
 
     return RedisKeyLimiter(settings.rate_limit_redis_url, failure=settings.rate_limit_unreachable,  # type: ignore[arg-type]
                            errors=metrics.limiter_store_errors)
+
+
+def _sequence_limiter(settings: GatewaySettings, metrics: GatewayMetrics) -> SequenceLimiter:
+    if settings.rate_limit_redis_url is None:
+        return InProcessSequenceLimiter()
+    from inferplane.control_plane.shared_concurrency import RedisSequenceLimiter
+
+    return RedisSequenceLimiter(settings.rate_limit_redis_url, failure=settings.rate_limit_unreachable,  # type: ignore[arg-type]
+                                errors=metrics.limiter_store_errors)
 
 
 class Gateway:
@@ -94,20 +110,22 @@ class Gateway:
             quotas=self.quota.snapshot,
             replicas=lambda: [ReplicaCount(*row) for row in self.router.replica_counts()])))
         self.limiter = _key_limiter(settings, metrics)
+        self.sequences = _sequence_limiter(settings, metrics)
         self.activator = Activator()
         inference = InferenceService(self.catalog, self.router, self.channels, limiter=self.limiter,
-                                     activator=self.activator,
+                                     activator=self.activator, sequences=self.sequences,
                                      quota=self.quota, usage=self.usage, metrics=metrics,
                                      salt_secret=settings.salt_secret or secrets.token_bytes(32))
+        outbound = OutboundPolicy.parse(settings.outbound_allow)
         self.alert_forwarder = AlertForwarder(self.sessions, ForwarderSettings(
             base_delay=settings.alert_retry_base_delay, max_attempts=settings.alert_max_attempts,
-            poll_interval=settings.alert_poll_interval)) if settings.alert_webhook_secret else None
+            poll_interval=settings.alert_poll_interval), outbound=outbound) if settings.alert_webhook_secret else None
         self.context = GatewayContext(sessions=self.sessions, keys=self.keys, catalog=self.catalog,
                                       inference=inference, metrics=metrics,
                                       bootstrap_key=settings.bootstrap_key, jwt_verifier=jwt_verifier,
                                       model_roots=tuple(settings.model_roots),
                                       alert_webhook_secret=settings.alert_webhook_secret,
-                                      alert_forwarder=self.alert_forwarder)
+                                      alert_forwarder=self.alert_forwarder, outbound=outbound)
         self.app = create_asgi_app(self.context)
         self._http: uvicorn.Server | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -166,9 +184,10 @@ class Gateway:
         await self.channels.close()
         if self.alert_forwarder is not None:
             await self.alert_forwarder.stop()
-        close = getattr(self.limiter, "close", None)
-        if close is not None:
-            await close()
+        for limiter in (self.limiter, self.sequences):
+            close = getattr(limiter, "close", None)
+            if close is not None:
+                await close()
         self.quota.stop()
         self.usage.stop()
         self.keys.stop()
