@@ -74,7 +74,7 @@ def parse_model_uri(text: str) -> ModelURI:
     """`text` → `ModelURI`; `ValueError` naming the URI and the reason for anything else."""
     if not isinstance(text, str) or not text.strip():
         raise _invalid(str(text), "empty")
-    if text != text.strip() or any(c in text for c in "\r\n\t"):
+    if text != text.strip() or any(ord(c) < 32 or ord(c) == 127 for c in text):  # a NUL ends a C path
         raise _invalid(text, "contains whitespace at its ends or control characters")
     if "://" not in text:
         if text.startswith("/"):
@@ -126,7 +126,9 @@ def _parse_pvc(text: str, parts) -> ModelURI:
     if not _CLAIM_RE.match(claim):
         raise _invalid(text, f"{claim!r} is not a valid PersistentVolumeClaim name")
     path = parts.path.strip("/")
-    if any(part in ("..", ".") for part in path.split("/")):
+    # The worker takes the path literally, but whatever decodes it on the way (a URL library) must not
+    # find an escape either: '%2e%2e' and '%2f..%2f' are refused as '..' is.
+    if any(part in ("..", ".") for form in (path, unquote(path)) for part in form.split("/")):
         raise _invalid(text, "the path inside the claim may not contain '.' or '..'")
     return ModelURI("pvc", text, claim=claim, path=path)
 

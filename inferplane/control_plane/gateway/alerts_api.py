@@ -8,8 +8,12 @@ kept and resent, and its logs say "not configured" instead of a misleading "no s
 or wrong secret is 401; a malformed body is 400 naming the field, and nothing of it is stored (the
 whole body is validated before the one transaction that writes it).
 
-`GET /v1/alerts` lists the calling key's tenant's alerts only; `/admin/v1/tenants/{id}/webhooks`
-manages where they are sent (a platform admin, or that tenant's admin).
+`GET /v1/alerts` lists the calling key's tenant's alerts only, each delivery with its outcome class
+(delivered, refused, failed), never the receiver's status code or the connection error (those are
+in the gateway's log and the database, for the operator); `/admin/v1/tenants/{id}/webhooks`
+manages where they are sent (a platform admin, or that tenant's admin). A URL whose host is a
+literal internal address the gateway's outbound policy refuses is a 400 `address_not_allowed`
+naming `url`; host names are checked when the gateway connects.
 """
 
 from __future__ import annotations
@@ -18,20 +22,21 @@ import hmac
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from inferplane.control_plane.alerts import store, webhooks
 from inferplane.control_plane.alerts.payload import AlertmanagerWebhook
 from inferplane.control_plane.auth import Principal
 from inferplane.control_plane.errors import Forbidden, InvalidInput
+from inferplane.control_plane.gateway.admin_types import WEBHOOK_SECRET_MAX_LENGTH, WEBHOOK_URL_MAX_LENGTH, AdminBody
 from inferplane.control_plane.gateway.context import GatewayContext, bearer
 from inferplane.control_plane.gateway.errors import error_response, validation_error_response
 
 
-class WebhookIn(BaseModel):
-    url: str
-    secret: str | None = None  # none: one is generated and returned once
+class WebhookIn(AdminBody):
+    url: str = Field(max_length=WEBHOOK_URL_MAX_LENGTH)
+    secret: str | None = Field(default=None, max_length=WEBHOOK_SECRET_MAX_LENGTH)  # none: generated, returned once
 
 
 def alerts_router(ctx: GatewayContext) -> APIRouter:
@@ -98,16 +103,19 @@ def alerts_router(ctx: GatewayContext) -> APIRouter:
         """Adds the URL (201), or gives an existing one a new secret (200). The secret is returned
         only when it was generated here."""
         own(principal, tenant_id)
-        checks = [("url", webhooks.validate_webhook_url, body.url)]
+        checks = [("url", lambda url: webhooks.validate_webhook_url(url, ctx.outbound), body.url)]
         if body.secret is not None:
             checks.append(("secret", webhooks.validate_webhook_secret, body.secret))
         for param, check, value in checks:  # the CLI's validators, answered as the admin API answers
             try:
                 check(value)
+            except webhooks.AddressRefused as exc:  # well-formed, but not a destination: 400, not 422
+                return error_response(400, str(exc), exc.code, param)
             except InvalidInput as exc:
                 return error_response(422, str(exc), "invalid_value", param)
         with ctx.sessions.begin() as session:
-            result = webhooks.set_webhook(session, tenant_id, body.url, actor=principal.actor, secret=body.secret)
+            result = webhooks.set_webhook(session, tenant_id, body.url, actor=principal.actor, secret=body.secret,
+                                          outbound=ctx.outbound)
         response.status_code = 201 if result.created else 200
         answer = dict(result.webhook.__dict__)
         if result.generated_secret is not None:

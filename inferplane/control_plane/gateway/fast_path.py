@@ -6,7 +6,8 @@ the request itself: about a quarter of the event loop's time under `inferplane b
 against 7% for the endpoint's own work. This does what those layers did for these two paths,
 in the same order and with the same answers, and nothing else:
 
-  read the body (413 over the limit, also for chunked bodies without a Content-Length) →
+  read the body (the limit is `LimitsAndMetrics`', in front of every route: over it, the client has
+  its 413 and this sees a disconnect) →
   authenticate (401/403), so that no work is done on the body of an unknown caller → decode JSON
   when the content type says JSON (400 if it is not JSON, or nested too deeply) → validate the
   body with the same pydantic model (422) → `Completions`, cancelled if the client
@@ -35,7 +36,6 @@ from inferplane.control_plane.auth import Principal
 from inferplane.control_plane.gateway.completions import Completions
 from inferplane.control_plane.gateway.context import GatewayContext, bearer
 from inferplane.control_plane.gateway.errors import (
-    GatewayError,
     as_error,
     error_response,
     param_of,
@@ -48,7 +48,8 @@ Handler = Callable[[Any, Principal], Awaitable[Response]]
 
 
 class _Disconnected(Exception):
-    """The client went away before it finished sending the body: nobody to answer."""
+    """The client went away before it finished sending the body, or the body crossed the limit (the
+    client has its 413): nobody to answer."""
 
 
 @dataclass(frozen=True)
@@ -108,18 +109,14 @@ class InferenceFastPath:
         return await _cancelled_on_disconnect(endpoint.handler(body, principal), receive)
 
     async def _read_body(self, receive) -> bytes:
-        limit = self.ctx.max_body_bytes
+        """The whole body; `receive` is bounded by `LimitsAndMetrics`, which answers 413 over the limit
+        and then says the client went away."""
         chunks: list[bytes] = []
-        size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 raise _Disconnected
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise GatewayError(413, f"request body over {limit} bytes", "request_too_large")
-            chunks.append(chunk)
+            chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 return b"".join(chunks)
 

@@ -7,19 +7,35 @@ inference path never touches the database.
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import Depends, FastAPI, Header
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, Field
+from pydantic import Field
+from starlette.convertors import PathConvertor, register_url_convertor
 
 from inferplane.api.model_resolution import ModelResolutionError
+from inferplane.api.priority import Band
 from inferplane.control_plane import auth, registry, tenants, usage
 from inferplane.control_plane.auth import ALL_TENANTS, SCOPE_MODELS_READ, Principal
 from inferplane.control_plane.errors import Forbidden
+from inferplane.control_plane.gateway.admin_types import (
+    DISPLAY_NAME_MAX_LENGTH,
+    INT64_MAX,
+    KEY_NAME_MAX_LENGTH,
+    MODEL_NAME_MAX_LENGTH,
+    MODEL_SOURCE_MAX_LENGTH,
+    MODEL_VERSION_MAX_LENGTH,
+    SCOPE_MAX_LENGTH,
+    SCOPES_MAX_ITEMS,
+    SHA256_HEX_LENGTH,
+    TENANT_ID_MAX_LENGTH,
+    AdminBody,
+)
 from inferplane.control_plane.gateway.alerts_api import alerts_router
 from inferplane.control_plane.gateway.completions import Completions
 from inferplane.control_plane.gateway.context import GatewayContext, bearer
@@ -28,39 +44,57 @@ from inferplane.control_plane.gateway.fast_path import InferenceFastPath
 from inferplane.control_plane.gateway.middleware import LimitsAndMetrics
 from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 
-# Integers the database stores as 64-bit: a larger one is a 422 naming the field, not an overflow.
-INT64_MAX = 2**63 - 1
+# Admin bodies are strict and every string has a maximum length (admin_types: the limits, once);
+# integers the database stores as 64-bit stop at INT64_MAX. Either way a 422 naming the field.
 
 
-class TenantIn(BaseModel):
-    id: str = Field(min_length=1)
-    display_name: str | None = None
+class TenantIn(AdminBody):
+    id: str = Field(min_length=1, max_length=TENANT_ID_MAX_LENGTH)
+    display_name: str | None = Field(default=None, max_length=DISPLAY_NAME_MAX_LENGTH)
     monthly_token_quota: int | None = Field(default=None, ge=0, le=INT64_MAX)
     key_requests_per_minute_max: int | None = Field(default=None, gt=0, le=INT64_MAX)
     key_tokens_per_minute_max: int | None = Field(default=None, gt=0, le=INT64_MAX)
+    priority: Band | None = None
+    max_concurrent_sequences: int | None = Field(default=None, gt=0, le=tenants.SEQUENCE_LIMIT_MAX)
 
-class TenantPatch(BaseModel):
-    """Only the fields sent change; null removes a quota or a ceiling."""
+class TenantPatch(AdminBody):
+    """Only the fields sent change; null removes a quota, a ceiling, a band or a limit."""
 
     monthly_token_quota: int | None = Field(default=None, ge=0, le=INT64_MAX)
     key_requests_per_minute_max: int | None = Field(default=None, gt=0, le=INT64_MAX)
     key_tokens_per_minute_max: int | None = Field(default=None, gt=0, le=INT64_MAX)
+    priority: Band | None = None
+    max_concurrent_sequences: int | None = Field(default=None, gt=0, le=tenants.SEQUENCE_LIMIT_MAX)
 
-class KeyIn(BaseModel):
-    tenant_id: str | None = None
-    name: str | None = None
-    scopes: list[str] = Field(default_factory=lambda: list(auth.DEFAULT_SCOPES))
+class KeyIn(AdminBody):
+    tenant_id: str | None = Field(default=None, max_length=TENANT_ID_MAX_LENGTH)
+    name: str | None = Field(default=None, max_length=KEY_NAME_MAX_LENGTH)
+    scopes: list[Annotated[str, Field(max_length=SCOPE_MAX_LENGTH)]] = Field(
+        default_factory=lambda: list(auth.DEFAULT_SCOPES), max_length=SCOPES_MAX_ITEMS)
     expires_in_seconds: int | None = Field(default=None, gt=0, le=100 * 365 * 86400)
     requests_per_minute: int | None = Field(default=None, gt=0, le=INT64_MAX)
     tokens_per_minute: int | None = Field(default=None, gt=0, le=INT64_MAX)
+    priority: Band | None = None
+    max_concurrent_sequences: int | None = Field(default=None, gt=0, le=tenants.SEQUENCE_LIMIT_MAX)
 
-class ModelIn(BaseModel):
-    source: str = Field(min_length=1)
-    name: str | None = None
-    version: str | None = None
-    sha256: str | None = None
-    visibility: str | None = None
+class ModelIn(AdminBody):
+    source: str = Field(min_length=1, max_length=MODEL_SOURCE_MAX_LENGTH)
+    name: str | None = Field(default=None, max_length=MODEL_NAME_MAX_LENGTH)
+    version: str | None = Field(default=None, max_length=MODEL_VERSION_MAX_LENGTH)
+    sha256: str | None = Field(default=None, max_length=SHA256_HEX_LENGTH)
+    visibility: Literal["public", "private"] | None = None
     format: Literal["gguf", "hf"] | None = None  # needed for pvc:// sources, which the gateway cannot read
+
+
+class _ModelRefConvertor(PathConvertor):
+    """`{ref:model_ref}`: a model reference, which may hold '/' as `path` does, but never a reserved name
+    (`resolve`): that path is `GET /admin/v1/models/resolve`'s, so DELETE does not match it there, nor
+    show in the Allow header a 405 or an OPTIONS gets for it."""
+
+    regex = "(?!(?:" + "|".join(map(re.escape, sorted(registry.RESERVED_NAMES))) + ")$).+"
+
+
+register_url_convertor("model_ref", _ModelRefConvertor())
 
 
 # With "stream": true the same operation answers with server-sent events; the schema describes
@@ -180,7 +214,8 @@ def create_app(ctx: GatewayContext) -> FastAPI:
             info = tenants.create_tenant(session, body.id, actor=principal.actor, display_name=body.display_name,
                                          monthly_token_quota=body.monthly_token_quota,
                                          key_requests_per_minute_max=body.key_requests_per_minute_max,
-                                         key_tokens_per_minute_max=body.key_tokens_per_minute_max)
+                                         key_tokens_per_minute_max=body.key_tokens_per_minute_max,
+                                         priority=body.priority, max_concurrent_sequences=body.max_concurrent_sequences)
             return info.__dict__
 
     @app.patch("/admin/v1/tenants/{tenant_id}")
@@ -198,6 +233,12 @@ def create_app(ctx: GatewayContext) -> FastAPI:
                     else info.key_requests_per_minute_max,
                     tokens_per_minute_max=body.key_tokens_per_minute_max if "key_tokens_per_minute_max" in sent
                     else info.key_tokens_per_minute_max)
+            if sent & {"priority", "max_concurrent_sequences"}:
+                info = tenants.set_flow_control(
+                    session, tenant_id, actor=principal.actor,
+                    priority=body.priority if "priority" in sent else info.priority,
+                    max_concurrent_sequences=body.max_concurrent_sequences if "max_concurrent_sequences" in sent
+                    else info.max_concurrent_sequences)
         ctx.keys.refresh(full=True)
         return info.__dict__
 
@@ -222,7 +263,8 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         with ctx.sessions.begin() as session:
             created = auth.create_key(session, tenant_id, actor=principal.actor, scopes=body.scopes, name=body.name,
                                       expires_in=expires, requests_per_minute=body.requests_per_minute,
-                                      tokens_per_minute=body.tokens_per_minute)
+                                      tokens_per_minute=body.tokens_per_minute, priority=body.priority,
+                                      max_concurrent_sequences=body.max_concurrent_sequences)
         ctx.keys.refresh()  # usable through this gateway at once; other replicas within a refresh interval
         return {"key": created.secret, **created.info.__dict__}
 
@@ -245,7 +287,7 @@ def create_app(ctx: GatewayContext) -> FastAPI:
             info = registry.register_model(session, source, actor=principal.actor, name=body.name,
                                            version=body.version, owner_tenant_id=principal.tenant_id,
                                            visibility=body.visibility, expected_sha256=body.sha256,
-                                           model_format=body.format)
+                                           model_format=body.format, outbound=ctx.outbound)
         return info.__dict__
 
     @app.get("/admin/v1/models/resolve")
@@ -259,7 +301,7 @@ def create_app(ctx: GatewayContext) -> FastAPI:
                 status, code = (404, "model_not_found") if exc.reason == "ModelNotFound" else (409, "model_not_ready")
                 return error_response(status, exc.message, code, "name")
 
-    @app.delete("/admin/v1/models/{ref:path}")
+    @app.delete("/admin/v1/models/{ref:model_ref}")
     def admin_delete_model(ref: str, principal: Principal = Depends(admin)):
         with ctx.sessions.begin() as session:
             deleted = registry.delete_model(session, scope_of(principal), ref, actor=principal.actor)
