@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import statistics
 import tempfile
@@ -116,99 +117,124 @@ async def poll_health(base_url: str, stop: asyncio.Event, health: Health) -> Non
 
 
 # -- floods -----------------------------------------------------------------------------------------
-
-FloodCall = Callable[[httpx.AsyncClient], Awaitable[int]]  # returns completion tokens served
-
-
-def _chat_call(t: Tenants, tenant: str, **extra) -> FloodCall:
-    async def call(client: httpx.AsyncClient) -> int:
-        body = {"model": t.model, "messages": CHAT, "temperature": 0, **extra}
-        response = await client.post(f"{t.base_url}/v1/chat/completions", json=body, headers=t.headers(tenant))
-        if response.status_code != 200:
-            return 0
-        return int(response.json().get("usage", {}).get("completion_tokens", 0))
-    return call
+# A flood runs in a process of its own: in the probe's process its client work (encoding 100,000
+# choices, reading 128 answers) would delay the probe's own event loop and be counted as TTFT.
 
 
-def _big_body_call(t: Tenants, megabytes: int) -> FloodCall:
-    async def chunks():
-        block = b"x" * (1 << 20)
-        for _ in range(megabytes):
-            yield block
+@dataclass(frozen=True)
+class Flood:
+    """What the flooding tenant sends, `copies` at once, again as soon as each is answered: a chat
+    with `extra` fields, or (`body_mb`) an unauthenticated chunked POST of that many MiB."""
 
-    async def call(client: httpx.AsyncClient) -> int:
-        with contextlib.suppress(httpx.HTTPError):
-            await client.post(f"{t.base_url}/admin/v1/tenants", content=chunks(),
-                              headers={"Content-Type": "application/json"})
-        return 0
-    return call
+    tenant: str
+    copies: int
+    extra: dict = field(default_factory=dict)
+    body_mb: int = 0
 
 
-def flood_cases(t: Tenants, slots: int) -> dict[str, tuple[FloodCall, int]]:
-    """Name -> (one flood request, how many run at once)."""
-    flood = "flood"
+def flood_cases(slots: int) -> dict[str, Flood]:
     choices = [f"c{i}" for i in range(100_000)]
     return {
-        "grammar-choices": (_chat_call(t, flood, guided_choice=choices, max_tokens=8), 3),
-        "grammar-regex": (_chat_call(t, flood, guided_regex="(a{1000}){1000}", max_tokens=8), 8),
-        "fan-out": (_chat_call(t, flood, n=slots, max_tokens=900), 1),
-        "fan-out+logprobs": (_chat_call(t, flood, n=slots, max_tokens=900, logprobs=True,
-                                        top_logprobs=20), 1),
-        "big-bodies": (_big_body_call(t, 200), 2),
-        "backlog": (_chat_call(t, flood, max_tokens=900), 2 * slots),
+        "grammar-choices": Flood("flood", 3, {"guided_choice": choices, "max_tokens": 8}),
+        "grammar-regex": Flood("flood", 8, {"guided_regex": "(a{1000}){1000}", "max_tokens": 8}),
+        "fan-out": Flood("flood", 1, {"n": slots, "max_tokens": 900}),
+        "fan-out+logprobs": Flood("flood", 1, {"n": slots, "max_tokens": 900, "logprobs": True, "top_logprobs": 20}),
+        "big-bodies": Flood("flood", 2, body_mb=200),
+        "backlog": Flood("flood", 2 * slots, {"max_tokens": 900}),
     }
 
 
-async def run_flood(call: FloodCall, copies: int, stop: asyncio.Event, served: list[tuple[float, int]]) -> None:
-    """`copies` loops re-sending `call` until `stop`; each served answer is (finish time, tokens)."""
-    limits = httpx.Limits(max_connections=copies + 4, max_keepalive_connections=copies + 4)
+async def _flood_loop(t: Tenants, flood: Flood, stop, served: list[tuple[float, int]]) -> None:
+    """`flood.copies` loops until `stop` (a multiprocessing Event) is set; each answer is recorded
+    as (finish time, completion tokens)."""
+    body = json.dumps({"model": t.model, "messages": CHAT, "temperature": 0, **flood.extra}).encode()
+    headers = {**t.headers(flood.tenant), "Content-Type": "application/json"} if not flood.body_mb else \
+        {"Content-Type": "application/json"}
+
+    async def chunks():
+        block = b"x" * (1 << 20)
+        for _ in range(flood.body_mb):
+            yield block
+
+    limits = httpx.Limits(max_connections=flood.copies + 4, max_keepalive_connections=flood.copies + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         async def loop() -> None:
             while not stop.is_set():
+                tokens = 0
                 try:
-                    tokens = await call(client)
+                    if flood.body_mb:
+                        await client.post(f"{t.base_url}/admin/v1/tenants", content=chunks(), headers=headers)
+                    else:
+                        response = await client.post(f"{t.base_url}/v1/chat/completions", content=body,
+                                                     headers=headers)
+                        if response.status_code == 200:
+                            tokens = int(response.json().get("usage", {}).get("completion_tokens", 0))
                 except httpx.HTTPError:
-                    tokens = 0
                     await asyncio.sleep(0.05)
-                served.append((time.perf_counter(), tokens))
+                served.append((time.time(), tokens))
 
-        tasks = [asyncio.create_task(loop()) for _ in range(copies)]
-        await stop.wait()
+        async def watch() -> None:
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+
+        tasks = [asyncio.create_task(loop()) for _ in range(flood.copies)]
+        await watch()
         for task in tasks:
-            task.cancel()
+            task.cancel()  # a cancelled request disconnects: the gateway and worker drop it
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def measure(t: Tenants, tenant: str, samples: int, flood: tuple[FloodCall, int] | None,
+def _flood_process(t: Tenants, flood: Flood, stop, results) -> None:
+    served: list[tuple[float, int]] = []
+    asyncio.run(_flood_loop(t, flood, stop, served))
+    results.put(served)
+
+
+class FloodProcess:
+    """A flood in a child process: start, then `stop()` returns what it was served."""
+
+    def __init__(self, t: Tenants, flood: Flood):
+        ctx = multiprocessing.get_context("spawn")
+        self._stop, self._results = ctx.Event(), ctx.Queue()
+        self._proc = ctx.Process(target=_flood_process, args=(t, flood, self._stop, self._results), daemon=True)
+        self._proc.start()
+
+    async def stop(self) -> list[tuple[float, int]]:
+        self._stop.set()
+        served = await asyncio.to_thread(self._results.get, True, 120)
+        await asyncio.to_thread(self._proc.join, 30)
+        return served
+
+
+async def measure(t: Tenants, tenant: str, samples: int, flood: Flood | None,
                   warmup_s: float) -> tuple[Probe, Health]:
     stop, health = asyncio.Event(), Health()
-    tasks = [asyncio.create_task(poll_health(t.base_url, stop, health))]
-    if flood is not None:
-        tasks.append(asyncio.create_task(run_flood(flood[0], flood[1], stop, [])))
+    poller = asyncio.create_task(poll_health(t.base_url, stop, health))
+    flooding = FloodProcess(t, flood) if flood is not None else None
+    if flooding is not None:
         await asyncio.sleep(warmup_s)
     result = await probe(t, tenant, samples)
     stop.set()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    if flooding is not None:
+        await flooding.stop()
+    await poller
     return result, health
 
 
 async def throughput(t: Tenants, tenant: str, copies: int, seconds: float, *,
                      alongside: Callable[[], Awaitable[object]] | None = None) -> float:
-    """Completion tokens/s the tenant's backlog (`copies` long generations at once) is served,
-    counted over `seconds` after a warm-up, optionally while `alongside` runs."""
-    stop, served = asyncio.Event(), []
-    call = _chat_call(t, tenant, max_tokens=100)
-    flood = asyncio.create_task(run_flood(call, copies, stop, served))
+    """Completion tokens/s the tenant's backlog (`copies` generations at once) is served, counted
+    over `seconds` after a warm-up, optionally while `alongside` runs."""
+    flooding = FloodProcess(t, Flood(tenant, copies, {"max_tokens": 100}))
     await asyncio.sleep(seconds / 4)
-    start = time.perf_counter()
-    side = asyncio.create_task(_repeat(alongside, start + seconds)) if alongside else None
+    start = time.time()
+    side = asyncio.create_task(_repeat(alongside, time.perf_counter() + seconds)) if alongside else None
     await asyncio.sleep(seconds)
-    end = time.perf_counter()
-    stop.set()
+    end = time.time()
     if side is not None:
         side.cancel()
         await asyncio.gather(side, return_exceptions=True)
-    await flood
+    served = await flooding.stop()
     return sum(tokens for when, tokens in served if start <= when <= end) / (end - start)
 
 
@@ -233,7 +259,7 @@ async def run(args: argparse.Namespace, t: Tenants) -> dict:
           f"{PROBE_MAX_TOKENS}; TTFT from send to first content chunk", flush=True)
     print(_row("alone", alone, health, alone.pct(0.99)), flush=True)
     results["alone"] = {"p50": alone.pct(0.5), "p99": alone.pct(0.99), "healthz_p99": health.pct(0.99)}
-    cases = flood_cases(t, slots)
+    cases = flood_cases(slots)
     for name in args.cases or list(cases):
         p, h = await measure(t, "interactive", args.samples, cases[name], args.warmup)
         print(_row(name, p, h, alone.pct(0.99)), flush=True)
@@ -249,7 +275,7 @@ async def run(args: argparse.Namespace, t: Tenants) -> dict:
           f"({share:.0%}, goal >= 90%)", flush=True)
     results["throughput"] = {"alone": by_itself, "beside_interactive": with_probe, "share": share}
     critical_alone, _ = await measure(t, "critical", args.samples, None, 0)
-    batch_flood = (_chat_call(t, "batch", max_tokens=900), copies)
+    batch_flood = Flood("batch", copies, {"max_tokens": 900})
     critical, h = await measure(t, "critical", args.samples, batch_flood, args.warmup)
     print("\npriority: a critical tenant's chats beside a batch tenant's backlog", flush=True)
     print(_row("critical alone", critical_alone, Health(), critical_alone.pct(0.99)), flush=True)
@@ -278,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from inferplane.bench.gateway import _model_dir
-    from inferplane.bench.gateway_harness import free_port, start_gateway, start_worker, wait_serving
+    from inferplane.bench.gateway_harness import free_port, start_gateway, start_worker, stop_worker, wait_serving
 
     model = _model_dir(args.model_dir)
     logs = args.logs or tempfile.mkdtemp(prefix="inferplane-bench-fairness-")
@@ -302,11 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if gateway is not None:
             gateway.stop()
-        worker.terminate()
-        try:
-            worker.wait(timeout=30)
-        except Exception:  # noqa: BLE001
-            worker.kill()
+        stop_worker(worker)
     return 0
 
 

@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logs", default=None, help="folder for the worker's and gateway's logs")
     args = parser.parse_args(argv)
 
-    from inferplane.bench.gateway_harness import free_port, start_gateway, start_worker, wait_serving
+    from inferplane.bench.gateway_harness import free_port, start_gateway, start_worker, stop_worker, wait_serving
     from inferplane.worker.model.tokenizer import load_hf_tokenizer
 
     model = _model_dir(args.model_dir)
@@ -307,11 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if gateway is not None:
             gateway.stop()
-        worker.terminate()
-        try:
-            worker.wait(timeout=30)
-        except Exception:
-            worker.kill()
+        stop_worker(worker)
     return 0
 
 

@@ -47,6 +47,16 @@ def start_worker(model: str, port: int, *extra: str, log_path: str | None = None
             out.close()
 
 
+def stop_worker(worker: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM (the worker drains), then SIGKILL if it has not exited within `timeout`."""
+    worker.terminate()
+    try:
+        worker.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        worker.wait()
+
+
 def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: float = 180.0) -> None:
     """Blocks until the worker's grpc.health.v1 check answers SERVING (the model is loaded)."""
     deadline = time.monotonic() + timeout

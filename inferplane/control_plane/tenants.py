@@ -143,16 +143,9 @@ def set_key_ceilings(session: Session, tenant_id: str, *, actor: str, requests_p
     key-cache refresh."""
     _validate_ceiling("key_requests_per_minute_max", requests_per_minute_max)
     _validate_ceiling("key_tokens_per_minute_max", tokens_per_minute_max)
-    row = session.get(Tenant, tenant_id)
-    if row is None:
-        raise NotFound(f"tenant {tenant_id!r} not found")
-    row.key_requests_per_minute_max = requests_per_minute_max
-    row.key_tokens_per_minute_max = tokens_per_minute_max
-    session.flush()
-    audit.record(session, actor=actor, action="tenant.set_key_ceilings", target=tenant_id, tenant_id=tenant_id,
-                 detail={"key_requests_per_minute_max": requests_per_minute_max,
-                         "key_tokens_per_minute_max": tokens_per_minute_max})
-    return _info(row)
+    return _set_columns(session, tenant_id, actor, "tenant.set_key_ceilings",
+                        key_requests_per_minute_max=requests_per_minute_max,
+                        key_tokens_per_minute_max=tokens_per_minute_max)
 
 
 def set_flow_control(session: Session, tenant_id: str, *, actor: str, priority: str | None,
@@ -161,14 +154,19 @@ def set_flow_control(session: Session, tenant_id: str, *, actor: str, priority: 
     them from their next key-cache refresh (requests already admitted keep what they were given)."""
     validate_priority(priority)
     validate_sequence_limit(max_concurrent_sequences)
+    return _set_columns(session, tenant_id, actor, "tenant.set_flow_control", priority=priority,
+                        max_concurrent_sequences=max_concurrent_sequences)
+
+
+def _set_columns(session: Session, tenant_id: str, actor: str, action: str, **values: object) -> TenantInfo:
+    """Writes already-validated columns of one tenant and audits them as one action."""
     row = session.get(Tenant, tenant_id)
     if row is None:
         raise NotFound(f"tenant {tenant_id!r} not found")
-    row.priority = priority
-    row.max_concurrent_sequences = max_concurrent_sequences
+    for column, value in values.items():
+        setattr(row, column, value)
     session.flush()
-    audit.record(session, actor=actor, action="tenant.set_flow_control", target=tenant_id, tenant_id=tenant_id,
-                 detail={"priority": priority, "max_concurrent_sequences": max_concurrent_sequences})
+    audit.record(session, actor=actor, action=action, target=tenant_id, tenant_id=tenant_id, detail=dict(values))
     return _info(row)
 
 

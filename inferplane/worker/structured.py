@@ -58,6 +58,8 @@ from typing import Any
 
 import torch
 
+from inferplane.api.grammar_limits import MAX_CONSTRAINT_CHOICES, MAX_REGEX_CHARS
+
 log = logging.getLogger(__name__)
 
 KINDS = ("json_object", "json_schema", "regex", "choice")
@@ -97,9 +99,9 @@ class GrammarLimits:
     bounds its memory (the cache holds up to 64 grammars).
     """
 
-    max_choices: int = 1024  # entries of a choice constraint (OpenAI allows 1,000 enum values)
+    max_choices: int = MAX_CONSTRAINT_CHOICES  # entries of a choice constraint (the gateway checks it too)
     max_choice_bytes: int = 32 << 10  # their UTF-8 bytes together
-    max_regex_chars: int = 8192
+    max_regex_chars: int = MAX_REGEX_CHARS
     # The product of nested counted repetitions' bounds along any path: (a{1000}){1000} is 10^6.
     # Derivative-based lexing builds states per repeat, so the product is what costs; * + ? cost 1.
     max_regex_repeat: int = 10_000

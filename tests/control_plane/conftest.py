@@ -121,3 +121,34 @@ def make_gguf():
 @pytest.fixture
 def gguf_file(tmp_path: Path) -> Path:
     return write_gguf(tmp_path / "tiny-llama.gguf")
+
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """The tests' Redis (scripts/test_services.sh starts it; CI fails without it)."""
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping()
+    except redis.RedisError as exc:
+        missing_service(f"Redis is not reachable at {REDIS_URL} ({exc})")
+    return REDIS_URL
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny model's tokenizer: what a gateway in front of a fake worker tokenizes with."""
+    from inferplane.bench.tiny_model import make_tiny_model
+    from inferplane.worker.model.tokenizer import load_hf_tokenizer
+
+    return load_hf_tokenizer(make_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture
+def no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gRPC honours http_proxy for localhost targets in some environments."""
+    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "grpc_proxy"):
+        monkeypatch.delenv(var, raising=False)

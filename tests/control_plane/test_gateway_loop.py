@@ -541,3 +541,38 @@ async def _main(n: int, tokens: int, top: int) -> None:
 
 if __name__ == "__main__":
     asyncio.run(_main(*(int(a) for a in sys.argv[1:4])))
+
+
+# -- big request bodies ----------------------------------------------------------------------------------
+
+
+async def test_a_big_body_is_parsed_off_the_event_loop(served, monkeypatch):
+    """A 100,000-choice body costs tens of milliseconds of JSON and pydantic work: on the loop it
+    held every other tenant's request and /healthz (issue 29, case 1, at the gateway). Now a body
+    over OFF_LOOP_BODY_BYTES is parsed on a thread, and a small one stays on the loop."""
+    import threading
+
+    from inferplane.control_plane.gateway import fast_path
+
+    threads: list[str] = []
+    parse = fast_path._parse
+
+    def recording(*args):
+        threads.append(threading.current_thread().name)
+        return parse(*args)
+
+    monkeypatch.setattr(fast_path, "_parse", recording)
+    choices = [f"c{i}" for i in range(100_000)]
+    path, body = request_body(True, 1, 4, 0, False, logprobs=False, top_logprobs=None, guided_choice=choices)
+    assert len(body) > fast_path.OFF_LOOP_BODY_BYTES
+    answer = await asgi_call(served.app, "POST", path, body, served.headers)
+    # Refused at validation (the gateway knows the bound; nothing is built or sent to a replica).
+    assert answer.status == 400, answer.body[:300]
+    error = json.loads(answer.body)["error"]
+    assert error["param"] == "guided_choice" and "1024" in error["message"]
+    small_path, small = request_body(True, 1, 4, 0, False, logprobs=False, top_logprobs=None,
+                                     guided_choice=choices[:2000])
+    assert len(small) < fast_path.OFF_LOOP_BODY_BYTES
+    assert (await asgi_call(served.app, "POST", small_path, small, served.headers)).status == 400
+    main = threading.current_thread().name
+    assert threads[0] != main and threads[1] == main, threads

@@ -15,6 +15,8 @@ from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
 from inferplane.v1 import worker_pb2
 from tests.control_plane.fake_worker import RecordingWorker, complete, route_to, serve
 
+pytestmark = pytest.mark.usefixtures("no_proxy")
+
 MESSAGE = ("structured_outputs: regex: the grammar engine gave up on this constraint after 1 output tokens "
            "(too complex to enforce); the output was discarded")
 
@@ -28,18 +30,6 @@ class GivesUpMidOutput(RecordingWorker):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, MESSAGE)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from inferplane.bench.tiny_model import make_tiny_model
-    from inferplane.worker.model.tokenizer import load_hf_tokenizer
-
-    return load_hf_tokenizer(make_tiny_model(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(autouse=True)
-def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "grpc_proxy"):
-        monkeypatch.delenv(var, raising=False)
 
 
 async def test_a_grammar_that_gives_up_after_the_first_token_is_a_400_naming_the_field(tmp_path, tokenizer):

@@ -27,22 +27,11 @@ from inferplane.control_plane.gateway.worker_client import WorkerChannels
 from inferplane.control_plane.routing import Endpoint, Router, StaticEndpointSource
 from tests.control_plane.fake_worker import RecordingWorker, complete, route_to, serve
 
+pytestmark = pytest.mark.usefixtures("no_proxy")
+
 BOOTSTRAP = "bootstrap-admin-key-for-tests"
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from inferplane.bench.tiny_model import make_tiny_model
-    from inferplane.worker.model.tokenizer import load_hf_tokenizer
-
-    return load_hf_tokenizer(make_tiny_model(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(autouse=True)
-def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """gRPC honours http_proxy for localhost targets in some environments."""
-    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "grpc_proxy"):
-        monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture

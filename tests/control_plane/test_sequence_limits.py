@@ -14,7 +14,6 @@ import asyncio
 import uuid
 
 import pytest
-import redis
 
 from inferplane.control_plane import auth, tenants
 from inferplane.control_plane.concurrency import InProcessSequenceLimiter, SequenceLimits
@@ -23,33 +22,13 @@ from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
 from inferplane.control_plane.shared_concurrency import RedisSequenceLimiter
 from inferplane.control_plane.shared_limits import LimiterUnavailable
 from tests.control_plane.fake_worker import RecordingWorker, complete, route_to, serve
-from tests.services import missing_service
+
+pytestmark = pytest.mark.usefixtures("no_proxy")
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
-@pytest.fixture
-def redis_url() -> str:
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping()
-    except redis.RedisError as exc:
-        missing_service(f"Redis is not reachable at {REDIS_URL} ({exc})")
-    return REDIS_URL
 
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from inferplane.bench.tiny_model import make_tiny_model
-    from inferplane.worker.model.tokenizer import load_hf_tokenizer
-
-    return load_hf_tokenizer(make_tiny_model(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(autouse=True)
-def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """gRPC honours http_proxy for localhost targets in some environments."""
-    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "grpc_proxy"):
-        monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture

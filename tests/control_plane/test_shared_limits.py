@@ -12,7 +12,6 @@ import uuid
 
 import httpx
 import pytest
-import redis
 
 from inferplane.control_plane import auth, tenants
 from inferplane.control_plane.errors import RateLimited
@@ -20,27 +19,11 @@ from inferplane.control_plane.gateway.rest import create_asgi_app
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
 from inferplane.control_plane.limits import KeyLimits
 from inferplane.control_plane.shared_limits import LimiterUnavailable, RedisKeyLimiter
-from tests.services import missing_service
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 UNREACHABLE = "redis://127.0.0.1:1/0"  # nothing listens on port 1
 
 
-@pytest.fixture
-def redis_url() -> str:
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping()
-    except redis.RedisError as exc:
-        missing_service(f"Redis is not reachable at {REDIS_URL} ({exc})")
-    return REDIS_URL
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from inferplane.bench.tiny_model import make_tiny_model
-    from inferplane.worker.model.tokenizer import load_hf_tokenizer
-
-    return load_hf_tokenizer(make_tiny_model(tmp_path_factory.mktemp("tiny")))
 
 
 def serve_without_replicas(gw: Gateway, tokenizer) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from inferplane.api.grammar_limits import MAX_CONSTRAINT_CHOICES, MAX_REGEX_CHARS
 from inferplane.control_plane.gateway.structured_outputs import (
     ResponseFormat,
     StructuredOutputs,
@@ -95,8 +96,10 @@ class _Sampling(_Base):
     user: str | None = None
     structured_outputs: StructuredOutputs | None = Field(
         default=None, description="vLLM's extension: {json | regex | choice}")
-    guided_regex: str | None = Field(default=None, min_length=1, description="vLLM's earlier extension")
-    guided_choice: list[str] | None = Field(default=None, min_length=1, description="vLLM's earlier extension")
+    guided_regex: str | None = Field(default=None, min_length=1, max_length=MAX_REGEX_CHARS,
+                                     description="vLLM's earlier extension")
+    guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CONSTRAINT_CHOICES,
+                                            description="vLLM's earlier extension")
     guided_json: dict[str, Any] | str | None = Field(default=None, description="vLLM's earlier extension")
 
     @model_validator(mode="before")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import sys
 from dataclasses import dataclass
 
 import grpc
@@ -30,6 +31,7 @@ from inferplane.control_plane.usage import UsageRecorder
 from inferplane.v1 import inference_pb2_grpc
 
 log = logging.getLogger(__name__)
+GIL_SWITCH_INTERVAL_S = 0.001  # see Gateway.start
 
 
 @dataclass
@@ -132,6 +134,9 @@ class Gateway:
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
+        # The event loop serves every tenant; a thread parsing a big body takes the GIL from it for
+        # at most this long at a time (Python's default is 5 ms).
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.keys.start()
         self.usage.start()
         self.quota.start()

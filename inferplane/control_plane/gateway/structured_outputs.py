@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from inferplane.api.grammar_limits import MAX_CONSTRAINT_CHOICES, MAX_REGEX_CHARS
+
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
@@ -72,8 +74,8 @@ class StructuredOutputs(_Strict):
     matches, or a list of strings the output is one of."""
 
     json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = Field(default=None, min_length=1)
-    choice: list[str] | None = Field(default=None, min_length=1)
+    regex: str | None = Field(default=None, min_length=1, max_length=MAX_REGEX_CHARS)
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CONSTRAINT_CHOICES)
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
