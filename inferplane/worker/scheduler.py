@@ -16,12 +16,15 @@ over its share. With one tenant in one band, all of this is the plain order abov
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
 from inferplane.worker.fair_share import FairShare
 from inferplane.worker.sequence import Sequence, SequenceStatus
 from inferplane.worker.step_budget import StepBudget
+
+RECENT_TENANT_S = 300.0  # how long a tenant's queue figures stay reported (as 0) after its work ends
 
 
 @dataclass
@@ -50,8 +53,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.fair = FairShare(max_num_seqs)
+        self._recent: dict[tuple[str, int], float] = {}  # (tenant, band) -> when last seen with work
 
     def add(self, seq: Sequence) -> None:
+        self._recent[(seq.tenant, seq.band)] = time.monotonic()
         self.fair.activate(seq.tenant)
         self.waiting.append(seq)
 
@@ -185,10 +190,20 @@ class Scheduler:
             self.fair.active.discard(seq.tenant)
 
     def tenant_queues(self) -> dict[tuple[str, str, int], int]:
-        """(state, tenant, band) -> sequences: what the per-tenant queue metrics report."""
+        """(state, tenant, band) -> sequences: what the per-tenant queue metrics report. A tenant and
+        band seen in the last RECENT_TENANT_S seconds reports 0 once its work is done, so its series
+        falls to zero instead of vanishing (a scrape between requests still sees it)."""
         counts: dict[tuple[str, str, int], int] = {}
+        now = time.monotonic()
         for state, seqs in (("running", self.running), ("waiting", self.waiting)):
             for seq in seqs:
                 key = (state, seq.tenant, seq.band)
                 counts[key] = counts.get(key, 0) + 1
+                self._recent[(seq.tenant, seq.band)] = now
+        for (tenant, band), seen in list(self._recent.items()):
+            if now - seen > RECENT_TENANT_S:
+                del self._recent[(tenant, band)]
+                continue
+            for state in ("running", "waiting"):
+                counts.setdefault((state, tenant, band), 0)
         return counts
