@@ -9,6 +9,12 @@ repeat). Prefill chunks that start a sequence (nothing cached yet) and have simi
 as one padded SDPA call with a causal, per-sequence mask: a burst of short prompts (many clients
 each sending a few dozen tokens) would otherwise cost a handful of kernel launches per sequence per
 layer. Chunks that continue a cached sequence, and long ones, run one sequence each.
+
+Sliding-window layers (Gemma, Mistral, Phi-3) pass `window`: a query at position p sees keys at
+positions p - window < k <= p, the rule transformers applies; the masks below add that bound, and
+the C decode kernel (which reads whole contexts) serves a windowed layer only while every context
+fits in its window. Gemma 2's soft-capped scores (`softcap`) run through an explicit softmax, since
+PyTorch's fused attention has no such option.
 """
 
 from __future__ import annotations
@@ -64,18 +70,23 @@ class AttentionBatch:
     prefills: list[PrefillSegment] = field(default_factory=list)
     # Worked out by the first layer and reused by the others (the same for every layer).
     _plan: tuple[list[PrefillGroup], list[PrefillSegment]] | None = None
-    _decode_mask: torch.Tensor | None = None
+    _decode_masks: dict = field(default_factory=dict)
 
-    def decode_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """[B, 1, 1, L] additive mask: 0 inside each decode's context, -inf past its end. (SDPA on
-        the CPU takes an additive mask faster than a boolean one.)"""
-        if self._decode_mask is None or self._decode_mask.dtype != dtype:
+    def decode_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+        """[B, 1, 1, L] additive mask: 0 inside each decode's context (its last `window` positions
+        for a sliding layer), -inf elsewhere. (SDPA on the CPU takes an additive mask faster than a
+        boolean one.) Built once per step for each (dtype, window) the layers ask for."""
+        key = (dtype, window)
+        mask = self._decode_masks.get(key)
+        if mask is None:
             lens = self.decode_context_lens
             positions = torch.arange(self.decode_max_len, device=lens.device)
             outside = positions[None, :] >= lens[:, None]
+            if window is not None:
+                outside |= positions[None, :] <= lens[:, None] - 1 - window
             mask = torch.zeros(outside.shape, dtype=dtype, device=lens.device).masked_fill_(outside, float("-inf"))
-            self._decode_mask = mask[:, None, None, :]
-        return self._decode_mask
+            mask = self._decode_masks[key] = mask[:, None, None, :]
+        return mask
 
     def prefill_plan(self, device: torch.device) -> tuple[list[PrefillGroup], list[PrefillSegment]]:
         if self._plan is None:
@@ -156,8 +167,34 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     return flat[..., :length, :, :]
 
 
+def _within_window(mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                   window: int | None) -> torch.Tensor:
+    """A boolean [..., queries, keys] mask further limited to keys less than `window` positions back."""
+    if window is None:
+        return mask
+    return mask & (key_positions[None, :] > query_positions[:, None] - window)
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+            causal: bool, scale: float, softcap: float | None) -> torch.Tensor:
+    """SDPA, or with `softcap` the explicit softmax(cap * tanh(q.k * scale / cap)) that transformers
+    computes for Gemma 2 (boolean masks keep True; additive masks add)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal, scale=scale)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        n, m = scores.shape[-2:]
+        mask = torch.ones(n, m, dtype=torch.bool, device=scores.device).tril(m - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, values)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, batch: AttentionBatch, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q: [T, heads, d]; k, v: this step's [T, kv_heads, d] (already stored). Returns [T, heads, d].
 
     Where the cache holds a narrower dtype than q (a float16 cache under float32 compute), prefill
@@ -172,8 +209,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     nd = batch.num_decodes
     kernels = native.kernels() if q.device.type == "cpu" else None
-    if nd and kernels is not None and kernels.decode_attention_applies(q, k_cache, batch.decode_block_tables,
-                                                                       batch.decode_context_lens):
+    whole_context = window is None or batch.decode_max_len <= window  # the window limits nothing yet
+    if (nd and kernels is not None and whole_context and softcap is None
+            and kernels.decode_attention_applies(q, k_cache, batch.decode_block_tables, batch.decode_context_lens)):
         out[:nd] = kernels.paged_decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables,
                                                   batch.decode_context_lens, scale)
     elif nd:
@@ -181,32 +219,38 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         keys = _gather(k_cache, batch.decode_block_tables, max_len).to(q.dtype).transpose(1, 2)  # [B, kvh, L, d]
         values = _gather(v_cache, batch.decode_block_tables, max_len).to(q.dtype).transpose(1, 2)
         query = q[:nd].view(nd, kv_heads, group, dim)
-        mask = batch.decode_mask(q.dtype)
-        out[:nd] = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale).reshape(
-            nd, heads, dim
-        )
+        mask = batch.decode_mask(q.dtype, None if whole_context else window)
+        out[:nd] = _attend(query, keys, values, mask, False, scale, softcap).reshape(nd, heads, dim)
     groups, alone = batch.prefill_plan(q.device)
     for g in groups:
         query, keys, values = (x[g.gather].permute(0, 2, 1, 3) for x in (q, k, v))  # [P, heads, L, d]
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
-        res = F.scaled_dot_product_attention(query, keys, values, attn_mask=g.mask, scale=scale)
+        mask = g.mask
+        if window is not None and g.mask.shape[-1] > window:
+            positions = torch.arange(g.mask.shape[-1], device=q.device)
+            mask = _within_window(mask, positions, positions, window)
+        res = _attend(query, keys, values, mask, False, scale, softcap)
         out[g.rows] = res.permute(0, 2, 1, 3)[g.valid]
     for seg in alone:
         rows = slice(seg.start, seg.start + seg.length)
         query = q[rows].transpose(0, 1)  # [heads, n, d]
-        if seg.is_fresh:  # nothing cached before this chunk: use this step's k, v
+        offset = seg.context_len - seg.length
+        if seg.is_fresh and (window is None or seg.length <= window):  # nothing cached: this step's k, v
             keys, values = k[rows], v[rows]
             causal, mask = True, None
         else:
-            keys = _gather(k_cache, seg.block_table, seg.context_len).to(q.dtype)
-            values = _gather(v_cache, seg.block_table, seg.context_len).to(q.dtype)
+            if seg.is_fresh:
+                keys, values = k[rows], v[rows]
+            else:
+                keys = _gather(k_cache, seg.block_table, seg.context_len).to(q.dtype)
+                values = _gather(v_cache, seg.block_table, seg.context_len).to(q.dtype)
             causal = False
-            offset = seg.context_len - seg.length
-            qpos = torch.arange(seg.length, device=q.device)[:, None] + offset
-            mask = torch.arange(seg.context_len, device=q.device)[None, :] <= qpos
+            qpos = torch.arange(seg.length, device=q.device) + offset
+            kpos = torch.arange(seg.context_len, device=q.device)
+            mask = _within_window(kpos[None, :] <= qpos[:, None], qpos, kpos, window)
         keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)
         values = values.transpose(0, 1).repeat_interleave(group, dim=0)
-        res = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal, scale=scale)
+        res = _attend(query, keys, values, mask, causal, scale, softcap)
         out[rows] = res.transpose(0, 1)
     return out

@@ -1,4 +1,9 @@
-"""The Llama family (Llama, SmolLM2, Mistral, Qwen2) in plain PyTorch, gpt-fast style.
+"""The Llama block in plain PyTorch, gpt-fast style, and every decoder family served as its
+difference from it (config.ModelConfig's family fields): Llama, SmolLM2, Mistral, Qwen2 are the
+block itself; Qwen3 adds query/key norms; Gemma 2/3 (gemma.py) sandwich the block in more norms,
+scale the embeddings and soft-cap; Mixtral and Qwen3-MoE (moe.py) swap the MLP for experts; Phi-3
+is the block with fused weights (split at load) and LongRoPE. Sliding-window layers differ only in
+the window their attention is given.
 
 Tokens of all sequences in a step are flattened into one [T] axis, so every linear layer runs
 as one matmul over the whole batch; only attention looks at sequence boundaries (attention.py).
@@ -15,7 +20,7 @@ from torch import nn
 
 from inferplane.worker import native
 from inferplane.worker.attention import AttentionBatch, PagedKVCache, paged_attention, store_kv
-from inferplane.worker.model.config import ModelConfig, ModelLoadError
+from inferplane.worker.model.config import FULL, SLIDING, ModelConfig, ModelLoadError
 from inferplane.worker.model.fused_decode import FusedDecode
 from inferplane.worker.model.structure import WatchedModule
 from inferplane.worker.native.choice import NEVER, crossover
@@ -46,10 +51,11 @@ class RMSNorm(WatchedModule):
         return x, self(x)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, theta: float | None = None, scaled: bool = True) -> torch.Tensor:
+    """Rotary inverse frequencies for `theta` (default: the config's) with the config's scaling."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling
+    inv_freq = 1.0 / ((theta or config.rope_theta) ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling if scaled else None
     if not scaling:
         return inv_freq.float()
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -68,24 +74,51 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_mid, mid, scaled).float()
-    raise ModelLoadError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    if kind == "longrope":  # Phi-3: the short factors (positions within the original context)
+        return (inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64)).float()
+    raise ModelLoadError(
+        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, longrope)")
+
+
+def _longrope_tables(config: ModelConfig, theta: float, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-3's LongRoPE: positions within the original context rotate with the short factors, later
+    ones with the long factors (as transformers does for a sequence that grew past it), and both
+    tables are scaled by the attention factor. Returns (cos, sin) without the sign."""
+    scaling = config.rope_scaling
+    original = int(scaling["original_max_position_embeddings"])
+    dim = config.head_dim
+    base = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    short = (base / torch.tensor(scaling["short_factor"], dtype=torch.float64)).float()
+    long = (base / torch.tensor(scaling["long_factor"], dtype=torch.float64)).float()
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    freqs = torch.where((t < original)[:, None], torch.outer(t, short), torch.outer(t, long))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos() * attention_factor, emb.sin() * attention_factor
 
 
 class Rotary(nn.Module):
     """cos/sin tables for every position up to the context length, looked up once per forward pass
-    (every layer rotates the same positions)."""
+    (every layer of one rope kind rotates the same positions). `theta` and `scaled` pick the sliding
+    layers' own rope where a family has one (Gemma 3: base 10,000 and no scaling)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int):
+    def __init__(self, config: ModelConfig, max_positions: int, theta: float | None = None, scaled: bool = True):
         super().__init__()
-        inv_freq = rope_inv_freq(config)
         t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
+        half = config.head_dim // 2
+        if scaled and config.rope_scaling_per_position:
+            cos, sin = _longrope_tables(config, theta or config.rope_theta, t)
+        else:
+            freqs = torch.outer(t, rope_inv_freq(config, theta, scaled))
+            emb = torch.cat([freqs, freqs], dim=-1)
+            cos, sin = emb.cos(), emb.sin()
         # rotate_half(x) = [-x2, x1] = roll(x, half) * [-1.., +1..]: the sign lives in the sin table,
         # so a rotation is one roll and a fused multiply-add (rope()).
-        sign = torch.cat([-torch.ones(inv_freq.numel()), torch.ones(inv_freq.numel())])
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin() * sign, persistent=False)
+        sign = torch.cat([-torch.ones(half), torch.ones(half)])
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin * sign, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] positions → cos and signed sin, each [T, 1, head_dim]."""
@@ -106,12 +139,25 @@ class Attention(WatchedModule):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.window = config.layer_window(layer_index)  # None: the whole context
+        self.softcap = config.attn_logit_softcap
+        # Query/key norms (Qwen3, Gemma 3) come before the rotation, so the C path that rotates and
+        # stores in one pass does not apply to them.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         hd = config.head_dim
         self.q_proj = nn.Linear(config.hidden_size, config.num_heads * hd, bias=config.qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=False)
+
+    def _head_norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.q_norm is None:
+            return q, k
+        hd = self.head_dim
+        # as [rows, head_dim] the norm takes the C kernel where it applies
+        return (self.q_norm(q.reshape(-1, hd)).view(q.shape), self.k_norm(k.reshape(-1, hd)).view(k.shape))
 
     def forward(self, x: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor], cache: PagedKVCache,
                 batch: AttentionBatch) -> torch.Tensor:
@@ -120,50 +166,77 @@ class Attention(WatchedModule):
         kernels = native.kernels()
         if self.qkv_proj is not None:  # q and k are adjacent: one rotation for both
             qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, hd)
-            if (kernels is not None and hd <= 512 and native.float32_rows(qkv, *rope_tables)
-                    and kernels.reads_kv_cache(k_cache)):
+            if (self.q_norm is None and kernels is not None and hd <= 512
+                    and native.float32_rows(qkv, *rope_tables) and kernels.reads_kv_cache(k_cache)):
                 # rotation and the KV write in one pass over the rows
                 kernels.rope_store_kv(qkv, heads, kv_heads, *rope_tables, batch.slot_mapping, k_cache, v_cache)
                 q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-                out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
+                out = self._attend(q, k, v, k_cache, v_cache, batch)
                 return self.o_proj(out.reshape(t, -1))
-            qk = rope(qkv[:, : heads + kv_heads], *rope_tables)
-            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
+            q, k = self._head_norms(qkv[:, :heads], qkv[:, heads : heads + kv_heads])
+            if self.q_norm is None:
+                qk = rope(qkv[:, : heads + kv_heads], *rope_tables)
+                q, k = qk[:, :heads], qk[:, heads:]
+            else:
+                q, k = rope(q, *rope_tables), rope(k, *rope_tables)
+            v = qkv[:, heads + kv_heads :]
         else:
-            q = rope(self.q_proj(x).view(t, heads, hd), *rope_tables)
-            k = rope(self.k_proj(x).view(t, kv_heads, hd), *rope_tables)
+            q, k = self._head_norms(self.q_proj(x).view(t, heads, hd), self.k_proj(x).view(t, kv_heads, hd))
+            q, k = rope(q, *rope_tables), rope(k, *rope_tables)
             v = self.v_proj(x).view(t, kv_heads, hd)
         store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
+        out = self._attend(q, k, v, k_cache, v_cache, batch)
         return self.o_proj(out.reshape(t, -1))
+
+    def _attend(self, q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
+        return paged_attention(q, k, v, k_cache, v_cache, batch, self.scale, window=self.window, softcap=self.softcap)
 
 
 class MLP(WatchedModule):
-    def __init__(self, config: ModelConfig):
+    """Gated MLP: SwiGLU (Llama) or GeGLU with tanh GELU (Gemma), as config.hidden_act says."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
+        size = intermediate_size or config.intermediate_size
+        self.gelu = config.hidden_act == "gelu_tanh"
         self.gate_up_proj: nn.Module | None = None  # fused gate and up, like Attention.qkv_proj
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(config.hidden_size, size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, size, bias=False)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+
+    def _act(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
             kernels = native.kernels()
-            if kernels is not None and gate_up.dim() == 2 and native.float32_rows(gate_up):
+            if not self.gelu and kernels is not None and gate_up.dim() == 2 and native.float32_rows(gate_up):
                 return self.down_proj(kernels.silu_mul(gate_up))
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self._act(gate) * up)
+        return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(WatchedModule):
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
         self.self_attn = Attention(config, layer_index)
-        self.mlp = MLP(config)
+        if config.is_moe_layer(layer_index):
+            from inferplane.worker.model.moe import SparseMoE
+
+            self.mlp = SparseMoE(config)
+        else:
+            self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # which rope table the layer's attention rotates with (Gemma 3's sliding layers have their own)
+        self.rope_kind = SLIDING if config.rope_local_theta and config.layer_type(layer_index) == SLIDING else FULL
+
+    @property
+    def mlp_input_norm(self) -> RMSNorm:
+        """The norm whose output the MLP reads (quantization's smoothing folds scales into it)."""
+        return self.post_attention_layernorm
 
     def forward(self, x, rope_tables, cache, batch):
         x, h = self.post_attention_layernorm.add_and_norm(
@@ -171,12 +244,28 @@ class DecoderLayer(WatchedModule):
         return x + self.mlp(h)
 
 
+def decoder_layer(config: ModelConfig, index: int) -> DecoderLayer:
+    """The family's decoder layer: Gemma's sandwich of norms, or the Llama block."""
+    if config.sandwich_norms:
+        from inferplane.worker.model.gemma import SandwichDecoderLayer
+
+        return SandwichDecoderLayer(config, index)
+    return DecoderLayer(config, index)
+
+
 class LlamaBody(WatchedModule):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(decoder_layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def local_rotary(config: ModelConfig, max_positions: int | None) -> Rotary | None:
+    """The sliding layers' own rope (Gemma 3: another base, unscaled), or None where all layers share one."""
+    if not config.rope_local_theta or SLIDING not in config.layer_types:
+        return None
+    return Rotary(config, max_positions or config.max_position_embeddings, theta=config.rope_local_theta, scaled=False)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -188,6 +277,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
+        self.rotary_local = local_rotary(config, max_positions)
         self.head_torch_from_rows = NEVER  # set by measure_head_kernel: PyTorch's head from here on
         self.fused_decode = FusedDecode(config, self.model)  # decode steps in one C call, where they can
 
@@ -195,15 +285,29 @@ class LlamaForCausalLM(nn.Module):
                 batch: AttentionBatch) -> torch.Tensor:
         """Returns final hidden states [T, hidden]; logits are computed only for sampled rows."""
         x = self.model.embed_tokens(input_ids)
+        if self.config.embedding_multiplier is not None:  # Gemma: the scale rounded to the compute dtype
+            x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
         rope_tables = self.rotary(positions, x.dtype)
-        fused = self.fused_decode.forward(x, rope_tables, cache, batch) if x.device.type == "cpu" else None
+        fused = None
+        if x.device.type == "cpu" and self.config.plain_llama_block:
+            fused = self.fused_decode.forward(x, rope_tables, cache, batch)
         if fused is not None:
             return self.model.norm(fused)
+        tables = {FULL: rope_tables}
+        if self.rotary_local is not None:
+            tables[SLIDING] = self.rotary_local(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, rope_tables, cache, batch)
+            x = layer(x, tables[layer.rope_kind], cache, batch)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._head_logits(hidden)
+        cap = self.config.final_logit_softcap
+        if cap is not None:  # Gemma 2
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
         if type(head) is nn.Linear and hidden.device.type == "cpu":
             # The head is the biggest weight and sampled rows are few: the C kernel reads the tall

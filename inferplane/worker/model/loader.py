@@ -14,7 +14,8 @@ import torch
 from inferplane.api.model_resolution import BUILTIN_MODELS
 from inferplane.api.tokenizer import TextTokenizer
 from inferplane.worker.model.config import ModelConfig, ModelLoadError
-from inferplane.worker.model.llama import LlamaForCausalLM, Rotary
+from inferplane.worker.model.hf_weights import hf_tensors_for
+from inferplane.worker.model.llama import LlamaForCausalLM, Rotary, local_rotary
 from inferplane.worker.model.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -112,7 +113,7 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, max_positio
                 config = ModelConfig.from_hf(json.load(f))
         except (json.JSONDecodeError, KeyError) as exc:
             raise ModelLoadError(f"{cfg_path} is not a valid model config: {exc}") from exc
-        tensors = _hf_tensors(path)
+        tensors = hf_tensors_for(config, _hf_tensors(path))
         tokenizer = load_hf_tokenizer(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
     elif path.endswith(".gguf"):
         from inferplane.worker.model.gguf_file import config_from_gguf, load_gguf_tensors, open_gguf
@@ -130,6 +131,8 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, max_positio
         module.lm_head.weight = module.model.embed_tokens.weight
     # to_empty leaves buffers uninitialised: the rotary tables are rebuilt, in float32, on the device.
     module.rotary = Rotary(config, max_positions or config.max_position_embeddings).to(device)
+    local = local_rotary(config, max_positions)
+    module.rotary_local = None if local is None else local.to(device)
     _fill(module, tensors, dtype)
     module.eval()
     return LoadedModel(name=model, path=path, config=config, model=module, tokenizer=tokenizer)

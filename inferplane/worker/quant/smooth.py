@@ -79,7 +79,7 @@ def smooth_llama(model: nn.Module, stats: dict[str, torch.Tensor], alpha: float 
         key = f"{prefix}.mlp.gate_proj"
         if key in stats:
             s = _factors(stats[key], [mlp.gate_proj.weight, mlp.up_proj.weight], alpha)
-            layer.post_attention_layernorm.weight.div_(s)
+            layer.mlp_input_norm.weight.div_(s)  # Llama's post-attention norm, Gemma's pre-feedforward
             mlp.gate_proj.weight.mul_(s[None, :])
             mlp.up_proj.weight.mul_(s[None, :])
         key = f"{prefix}.mlp.down_proj"

@@ -1,0 +1,54 @@
+"""A Mixture-of-Experts MLP (Mixtral, Qwen3-MoE) in place of the Llama block's dense MLP.
+
+A router scores every expert per token; the top `experts_per_token` are kept, their softmax
+probabilities renormalised to sum to 1 where the model says so (Mixtral always; Qwen3-MoE by
+`norm_topk_prob`), and the token's output is the weighted sum of those experts' gated MLPs.
+
+Experts run grouped: tokens are sorted by the expert they were routed to, and each expert that
+received any runs once over all its rows (one matmul per expert per step, never a loop per token).
+Each expert is the dense `MLP` module, so cpu-int8 quantizes and packs experts as it does any linear.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from inferplane.worker.model.config import ModelConfig
+from inferplane.worker.model.llama import MLP
+from inferplane.worker.model.structure import WatchedModule
+
+
+class SparseMoE(WatchedModule):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.top_k = config.experts_per_token
+        self.normalize = config.normalize_expert_weights
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]) for each token."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
+        tokens = order // self.top_k
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            pairs = order[start:start + count]
+            rows = tokens[start:start + count]
+            start += count
+            y = self.experts[expert](x[rows]) * weights.reshape(-1)[pairs, None]
+            out.index_add_(0, rows, y)
+        return out
