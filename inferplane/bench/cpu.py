@@ -1,6 +1,7 @@
 """`inferplane bench cpu`: decode and prefill speed of cpu-int8 against our float32 engine, HF
 transformers' float32 `generate` and (with `--peer llama.cpp`) llama.cpp on the same GGUF file,
-plus load time and perplexity, in one run.
+plus load time and perplexity, in one run; and batch-1 decode as a fraction of the physical bound
+(weight bytes read per token against the machine's measured read bandwidth, bench/bandwidth.py).
 
 Decode tokens/s is measured the same way for all: generate 1 token and G tokens for the same batch
 of prompts, and divide the B*(G-1) extra tokens by the extra time, so prefill cancels out. Prefill
@@ -25,6 +26,7 @@ TARGET_VS_HF = 3.0
 TARGET_VS_OURS_AT_16 = 2.0
 TARGET_PPL_RISE_PCT = 2.0
 TARGET_VS_LLAMA_CPP = {1: 1.0, 16: 1.5}  # against llama.cpp Q8_0, by batch size
+TARGET_FRACTION_OF_BOUND = 0.7  # batch-1 decode against bandwidth / weight bytes per token
 _FLAGS_SHOWN = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "amx_int8")
 
 
@@ -173,6 +175,19 @@ def _load_peers(args, gguf: Path, threads: int, max_seqs: int, seq_len: int) -> 
     return peers
 
 
+def bytes_read_per_token(llm) -> float:
+    """Weight bytes one batch-1 decode step reads: the converted linears (int8 or the file's 4-bit
+    blocks, the head among them when it is int8) plus a float head read in full."""
+    import torch
+
+    report = llm.weight_report
+    model = llm.engine.loaded.model
+    head = model.lm_head
+    float_head = head if isinstance(head, torch.nn.Linear) else None  # else converted: counted in the report
+    extra = float_head.weight.numel() * float_head.weight.element_size() if float_head is not None else 0
+    return float(report["weight_bytes_int8"] + extra)
+
+
 def _print_table(title: str, rows: list[str], columns: list[str], value) -> None:
     print(f"\n{title}")
     print(f"{'':26}" + "".join(f"{c:>12}" for c in columns))
@@ -294,6 +309,25 @@ def main(argv: list[str]) -> int:
         for peer in peers:
             if name in prefill and peer in prefill:
                 print(f"  {name:20} prefill : / {peer} = {prefill[name] / prefill[peer]:5.2f}x")
+
+    if 1 in batches:
+        from inferplane.bench.bandwidth import describe, read_bandwidth
+
+        bandwidth, size = read_bandwidth(threads)
+        print(f"\n{describe(bandwidth, size, threads)}")
+        for name, llm in variants.items():
+            per_token = bytes_read_per_token(llm)
+            bound = bandwidth / per_token
+            fraction = rates[(name, 1)] / bound
+            ok[name] &= fraction >= TARGET_FRACTION_OF_BOUND
+            met = "met" if fraction >= TARGET_FRACTION_OF_BOUND else "MISSED"
+            print(f"  {name:20} batch  1: {rates[(name, 1)]:.1f} tokens/s x {per_token / 1e6:.1f} MB per token = "
+                  f"{fraction:.2f} of the bound {bound:.0f} tokens/s (>= {TARGET_FRACTION_OF_BOUND}: {met})")
+        for name, peer in peers.items():
+            per_token = peer.weight_bytes()
+            if per_token:
+                print(f"  {name:20} batch  1: {rates[(name, 1)] * per_token / bandwidth:.2f} of its bound "
+                      f"({per_token / 1e6:.1f} MB of weights per token)")
 
     for name, llm in variants.items():
         report = llm.weight_report

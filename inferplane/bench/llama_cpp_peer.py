@@ -88,6 +88,15 @@ class LlamaCpp:
         self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, max_seqs)
         self.load_seconds = time.perf_counter() - start
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights one batch-1 decode step reads from this file: every tensor but the token
+        embeddings (one row of those), which a tied head reads in full."""
+        from inferplane.worker.model.gguf_file import open_gguf
+
+        tensors = open_gguf(str(self.path)).tensors
+        tied = not any(t.name == "output.weight" for t in tensors)
+        return sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
+
     def close(self) -> None:
         self.lib.llama_batch_free(self.batch)
         self.lib.llama_free(self.ctx)

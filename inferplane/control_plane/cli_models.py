@@ -54,17 +54,17 @@ def _scope(args: argparse.Namespace) -> Any:
 
 
 def _print_table(models: list[Any]) -> None:
-    print(f"{'NAME':<32} {'VERSION':<8} {'STATUS':<10} {'FORMAT':<6} {'ARCH':<18} {'CTX':>7} {'SIZE':>10}  "
-          "OWNER")  # fmt: skip
+    print(f"{'NAME':<32} {'VERSION':<8} {'STATUS':<10} {'FORMAT':<6} {'ARCH':<18} {'KIND':<9} {'CTX':>7} "
+          f"{'SIZE':>10}  OWNER")  # fmt: skip
     for m in models:
         size = f"{m.size_bytes / 2**20:.1f}M" if m.size_bytes is not None else "-"
         owner = f"{m.owner_tenant_id} ({m.visibility})" if m.owner_tenant_id else "platform"
         print(f"{m.name:<32} {m.version:<8} {m.status:<10} {m.format:<6} {m.architecture or '-':<18} "
-              f"{m.context_length or '-':>7} {size:>10}  {owner}")  # fmt: skip
+              f"{m.kind or '-':<9} {m.context_length or '-':>7} {size:>10}  {owner}")  # fmt: skip
 
 
 _SHOWN = ("name", "version", "status", "status_detail", "uri", "format", "sha256", "size_bytes",
-          "architecture", "context_length", "owner_tenant_id", "visibility", "created_at")  # fmt: skip
+          "architecture", "kind", "context_length", "owner_tenant_id", "visibility", "created_at")  # fmt: skip
 
 
 def _print_one(m: Any) -> None:

@@ -128,7 +128,10 @@ class Model(Base):
     format: Mapped[str] = mapped_column(String(16), nullable=False)
     sha256: Mapped[str | None] = mapped_column(String(64))
     size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # The canonical architecture (api/architectures.py) and its kind, "generate" or "embedding".
+    # Rows registered before revision 0005 have the architecture as the file spelled it and no kind.
     architecture: Mapped[str | None] = mapped_column(String(128))
+    kind: Mapped[str | None] = mapped_column(String(16))
     context_length: Mapped[int | None] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16), nullable=False, default="registered")
     status_detail: Mapped[str | None] = mapped_column(Text)

@@ -6,6 +6,11 @@ Hugging Face folder) or the GGUF header (via `gguf.GGUFReader`, no torch). The r
 came of it: `verified` (servable), `failed` (`status_detail` says why), or `registered` (recorded,
 not yet checked).
 
+The architecture is recorded by its canonical name with its kind, "generate" or "embedding"
+(`inferplane.api.architectures`, the one list of what the workers load); weights of any other
+architecture, or of none that the file names, are refused at registration (400 naming it, no row).
+Rows from before kinds were recorded get theirs from the architecture as they are read.
+
 Visibility: a model with no owner is a platform model and public. A tenant's model is private (only
 that tenant sees it); public names are the platform's. Names live in namespaces: "" (`PLATFORM`)
 for platform models, the tenant id for a tenant's, so a tenant can neither take a platform name
@@ -34,7 +39,7 @@ import os
 import re
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -43,6 +48,7 @@ from urllib.parse import unquote, urlparse
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
+from inferplane.api.architectures import ARCHITECTURE_KINDS, canonical_architecture, model_kind, unsupported_message
 from inferplane.api.model_resolution import BUILTIN_MODELS, ModelResolutionError, ResolvedModel, model_ref_text
 from inferplane.control_plane import audit
 from inferplane.control_plane.auth import ALL_TENANTS, TenantScope
@@ -67,6 +73,15 @@ _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 
 class CorruptWeights(InvalidInput):
     """The path has the right shape (GGUF magic, config.json) but its content cannot be read."""
+
+
+class UnsupportedArchitecture(InvalidInput):
+    """400: the weights are readable, but of an architecture the workers do not load (or name none)."""
+
+    code = "unsupported_architecture"
+
+    def __init__(self, message: str):
+        super().__init__(message, param="source")
 
 
 class ModelNotReady(Conflict):
@@ -139,8 +154,9 @@ class ModelMetadata:
     format: str  # "gguf" | "hf"
     sha256: str
     size_bytes: int
-    architecture: str | None
+    architecture: str | None  # canonical once `inspect_model` has checked it; None on a pvc:// entry
     context_length: int | None
+    kind: str | None = None  # "generate" | "embedding" (api/architectures.py)
 
 
 def _gguf_value(field: Any) -> Any:
@@ -168,8 +184,11 @@ def _read_hf_config(folder: Path) -> tuple[str | None, int | None]:
         raise CorruptWeights(f"unreadable config.json in {folder}: {e}") from None
     if not isinstance(config, dict):
         raise CorruptWeights(f"config.json in {folder} is not a JSON object")
+    # model_type ("qwen3", "gemma3_text", "bert" in a sentence-transformers folder), else the class name
+    arch = config.get("model_type")
     architectures = config.get("architectures")
-    arch = architectures[0] if isinstance(architectures, list) and architectures else config.get("model_type")
+    if not isinstance(arch, str) or not arch:
+        arch = architectures[0] if isinstance(architectures, list) and architectures else None
     for scope in (config, config.get("text_config") or {}):
         for key in _CONTEXT_KEYS:
             if isinstance(scope.get(key), int):
@@ -195,20 +214,35 @@ def detect_format(path: Path) -> str:
     return "gguf"
 
 
+def _served(meta: ModelMetadata) -> ModelMetadata:
+    """`meta` with its architecture canonical and its kind; `UnsupportedArchitecture` (naming it) if
+    the workers load no such architecture, or the weights name none."""
+    canonical = canonical_architecture(meta.architecture)
+    if canonical is not None:
+        return replace(meta, architecture=canonical, kind=model_kind(canonical))
+    if meta.architecture is None:
+        where = "general.architecture" if meta.format == "gguf" else "config.json's model_type and architectures"
+        raise UnsupportedArchitecture(f"the weights name no architecture ({where} missing); supported: "
+                                      f"{', '.join(sorted(ARCHITECTURE_KINDS))}")
+    raise UnsupportedArchitecture(unsupported_message(meta.architecture))
+
+
 def inspect_model(path: Path, *, use_cache: bool = True) -> ModelMetadata:
-    """Format, checksum, size, architecture, context length of weights at `path`.
+    """Format, checksum, size, canonical architecture and its kind, context length of weights at `path`.
 
     GGUF results are cached per (path, size, mtime) in this process: GGUFReader parses the whole
     metadata section (tokenizer arrays included), which takes seconds for a real model. Folders are
     not cached (their mtime does not move when a file inside is rewritten). `CorruptWeights` if the
-    format is right but the content unreadable.
+    format is right but the content unreadable; `UnsupportedArchitecture` if it is readable but of
+    an architecture the workers do not load (both are `InvalidInput`).
     """
     fmt = detect_format(path)
     if fmt == "hf":
-        files = folder_files(path)
         arch, ctx = _read_hf_config(path)
+        checked = _served(ModelMetadata("hf", "", 0, arch, ctx))  # refused before the folder is hashed
+        files = folder_files(path)
         size = sum(p.stat().st_size for p in files)
-        return ModelMetadata("hf", sha256_folder(path, files), size, arch, ctx)
+        return replace(checked, sha256=sha256_folder(path, files), size_bytes=size)
     stat = path.stat()
     cache_key = (str(path), stat.st_size, stat.st_mtime_ns)
     with _cache_lock:
@@ -218,7 +252,8 @@ def inspect_model(path: Path, *, use_cache: bool = True) -> ModelMetadata:
         arch, ctx = _read_gguf(path)
     except Exception as e:  # a truncated or corrupt file: gguf raises assorted errors
         raise CorruptWeights(f"unreadable GGUF metadata in {path}: {e}") from None
-    meta = ModelMetadata("gguf", sha256_file(path), stat.st_size, arch, ctx)
+    checked = _served(ModelMetadata("gguf", "", stat.st_size, arch, ctx))
+    meta = replace(checked, sha256=sha256_file(path))
     with _cache_lock:
         _cache[cache_key] = meta
     return meta
@@ -237,6 +272,7 @@ class ModelInfo:
     sha256: str | None
     size_bytes: int | None
     architecture: str | None
+    kind: str | None  # "generate" | "embedding"; None when the architecture is unknown (a pvc:// entry)
     context_length: int | None
     status: str
     status_detail: str | None
@@ -255,9 +291,10 @@ class ModelInfo:
 
 
 def _info(row: Model) -> ModelInfo:
+    kind = row.kind or model_kind(row.architecture)  # rows from before kinds were recorded
     return ModelInfo(
         row.id, row.name, row.version, row.uri, row.format, row.sha256, row.size_bytes, row.architecture,
-        row.context_length, row.status, row.status_detail, row.owner_tenant_id, row.visibility,
+        kind, row.context_length, row.status, row.status_detail, row.owner_tenant_id, row.visibility,
         row.created_at, row.updated_at,
     )  # fmt: skip
 
@@ -457,6 +494,7 @@ def register_model(
         sha256=meta.sha256 if meta else None,
         size_bytes=meta.size_bytes if meta else None,
         architecture=meta.architecture if meta else None,
+        kind=meta.kind if meta else None,
         context_length=meta.context_length if meta else None,
         status=inspected.status,
         status_detail=inspected.detail,
@@ -602,7 +640,7 @@ def verify_model(session: Session, tenant: TenantScope, ref: str, *, actor: str)
         else:
             row.status, row.status_detail = "verified", None
             row.sha256, row.size_bytes = meta.sha256, meta.size_bytes
-            row.architecture, row.context_length = meta.architecture, meta.context_length
+            row.architecture, row.kind, row.context_length = meta.architecture, meta.kind, meta.context_length
     row.updated_at = utcnow()
     session.flush()
     audit.record(

@@ -60,7 +60,7 @@ def test_tenants_keys_lifecycle(db_url: str, capsys: pytest.CaptureFixture[str])
 
 
 def test_models_commands(
-    tmp_path: Path, gguf_file: Path, capsys: pytest.CaptureFixture[str], monkeypatch
+    tmp_path: Path, gguf_file: Path, make_gguf, capsys: pytest.CaptureFixture[str], monkeypatch
 ) -> None:
     monkeypatch.delenv("INFERPLANE_DB_URL", raising=False)
     home = ("--home", str(tmp_path / "home"))  # the default SQLite location under --home
@@ -80,6 +80,10 @@ def test_models_commands(
     ]
     code, out, _ = _run(capsys, "models", "list", *home)
     assert code == 0 and "llama" in out and "2048" in out
+    header, row = out.splitlines()[:2]
+    assert header.split()[4:6] == ["ARCH", "KIND"] and row.split()[4:6] == ["llama", "generate"]
+    code, out, _ = _run(capsys, "models", "show", "tiny:1", *home)
+    assert "kind:" in out and "generate" in out
     code, out, _ = _run(capsys, "models", "show", "tiny:2", *home)
     assert code == 0 and "context_length:" in out and "2048" in out
     code, out, _ = _run(capsys, "models", "versions", "tiny", "--json", *home)
@@ -89,6 +93,11 @@ def test_models_commands(
     assert code == 1 and "not found" in err
     code, _, err = _run(capsys, "models", "register", str(tmp_path / "nope.gguf"), *home)
     assert code == 1 and "no such model file" in err
+    gpt2 = make_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
+    code, _, err = _run(capsys, "models", "register", str(gpt2), *home)
+    assert code == 1 and "architecture 'gpt2' is not supported" in err
+    code, out, _ = _run(capsys, "models", "versions", "gpt2", "--json", *home)
+    assert code == 1  # nothing was recorded
 
 
 def test_models_tenant_visibility_via_cli(

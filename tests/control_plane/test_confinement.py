@@ -74,6 +74,19 @@ async def test_the_platform_admin_registers_only_inside_the_model_roots(gateway,
     assert relative.status_code == 400 and "absolute" in relative.json()["error"]["message"]
 
 
+async def test_registration_records_the_kind_and_refuses_an_unsupported_architecture(gateway, make_gguf):
+    gemma = await register(gateway, BOOTSTRAP, source=str(make_gguf(gateway.root / "gemma.gguf", arch="gemma3")))
+    assert gemma.status_code == 201, gemma.text
+    assert (gemma.json()["architecture"], gemma.json()["kind"]) == ("gemma3", "generate")
+    gpt2 = await register(gateway, BOOTSTRAP, source=str(make_gguf(gateway.root / "gpt2.gguf", arch="gpt2")))
+    assert gpt2.status_code == 400, gpt2.text
+    error = gpt2.json()["error"]
+    assert "architecture 'gpt2' is not supported" in error["message"]
+    assert (error["code"], error["param"]) == ("unsupported_architecture", "source")
+    listed = await admin_call(gateway, "GET", "/admin/v1/models", BOOTSTRAP)
+    assert [(m["name"], m["kind"]) for m in listed.json()["data"]] == [("gemma", "generate")]
+
+
 async def test_a_tenant_name_never_blocks_the_platform(gateway, make_gguf):
     assert (await register(gateway, gateway.tenant_admin, source="smollm2-135m", name="gpt-5")).status_code == 201
     platform = await register(gateway, BOOTSTRAP, source=str(make_gguf(gateway.root / "p.gguf")), name="gpt-5")

@@ -1,4 +1,5 @@
-"""Model registry: metadata and checksums from real files, versions, and tenant visibility."""
+"""Model registry: metadata and checksums from real files, architectures and kinds, versions, and
+tenant visibility."""
 
 from __future__ import annotations
 
@@ -7,14 +8,18 @@ import json
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from inferplane.api.architectures import ARCHITECTURE_KINDS
 from inferplane.control_plane import audit
 from inferplane.control_plane.auth import ALL_TENANTS
 from inferplane.control_plane.errors import Conflict, Forbidden, InvalidInput, NotFound
+from inferplane.control_plane.orm import Model, utcnow
 from inferplane.control_plane.registry import (
     PLATFORM,
     ModelNotReady,
+    UnsupportedArchitecture,
     delete_model,
     get_model,
     is_visible,
@@ -36,7 +41,7 @@ def test_register_gguf_reads_metadata_and_checksum(sessions: Sessions, gguf_file
     with sessions.begin() as s:
         m = register_model(s, gguf_file, actor="test", expected_sha256=_sha(gguf_file).upper())
     assert (m.name, m.version, m.status, m.format) == ("tiny-llama", "1", "verified", "gguf")
-    assert (m.architecture, m.context_length) == ("llama", 2048)
+    assert (m.architecture, m.kind, m.context_length) == ("llama", "generate", 2048)
     assert m.sha256 == _sha(gguf_file) and m.size_bytes == gguf_file.stat().st_size
     assert m.path == gguf_file.resolve() and m.visibility == "public" and m.owner_tenant_id is None
     with sessions() as s:
@@ -66,10 +71,12 @@ def test_register_hf_folder(sessions: Sessions, tmp_path: Path) -> None:
     (folder / ".cache" / "junk").write_bytes(b"x" * 50)  # hidden: not part of the model
     with sessions.begin() as s:
         m = register_model(s, folder, actor="test")
-    assert (m.name, m.format, m.architecture, m.context_length) == (
+    # no model_type: the class name, recorded by its canonical name
+    assert (m.name, m.format, m.architecture, m.kind, m.context_length) == (
         "qwen-tiny",
         "hf",
-        "Qwen2ForCausalLM",
+        "qwen2",
+        "generate",
         32768,
     )
     assert m.size_bytes == 1000 + (folder / "config.json").stat().st_size
@@ -77,6 +84,103 @@ def test_register_hf_folder(sessions: Sessions, tmp_path: Path) -> None:
     (folder / "model.safetensors").write_bytes(b"\1" * 1000)
     with sessions.begin() as s:
         assert verify_model(s, ALL_TENANTS, "qwen-tiny:1", actor="test").status == "failed"
+
+
+def _hf_folder(folder: Path, config: dict, files: dict[str, str] | None = None) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"\0" * 100)
+    for name, text in (files or {}).items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    return folder
+
+
+def _sentence_transformers_folder(folder: Path) -> Path:
+    """The layout of a sentence-transformers model (all-MiniLM-L6-v2's): a BERT config at the top."""
+    return _hf_folder(folder, {"architectures": ["BertModel"], "model_type": "bert", "max_position_embeddings": 512},
+                      {"modules.json": json.dumps([{"idx": 0, "name": "0", "path": "", "type":
+                                                    "sentence_transformers.models.Transformer"},
+                                                   {"idx": 1, "name": "1", "path": "1_Pooling", "type":
+                                                    "sentence_transformers.models.Pooling"}]),
+                       "1_Pooling/config.json": json.dumps({"word_embedding_dimension": 384,
+                                                            "pooling_mode_mean_tokens": True})})
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda p, gguf: gguf(p / "gemma-3.gguf", arch="gemma3", context_length=32768), ("gemma3", "generate", 32768)),
+        (lambda p, gguf: gguf(p / "qwen3-moe.gguf", arch="qwen3moe"), ("qwen3_moe", "generate", 2048)),
+        (lambda p, _: _hf_folder(p / "qwen3", {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                                               "max_position_embeddings": 40960}), ("qwen3", "generate", 40960)),
+        (lambda p, _: _hf_folder(p / "gemma-3-text", {"model_type": "gemma3_text"}), ("gemma3", "generate", None)),
+        (lambda p, _: _sentence_transformers_folder(p / "minilm"), ("bert", "embedding", 512)),
+    ],
+    ids=["gemma3-gguf", "qwen3moe-gguf", "qwen3-folder", "gemma3_text-folder", "sentence-transformers-folder"],
+)
+def test_the_architecture_is_recorded_canonical_with_its_kind(
+    sessions: Sessions, tmp_path: Path, make_gguf, make, expected
+) -> None:
+    source = make(tmp_path, make_gguf)
+    with sessions.begin() as s:
+        m = register_model(s, source, actor="test", name="m")
+    assert (m.status, (m.architecture, m.kind, m.context_length)) == ("verified", expected)
+    with sessions() as s:
+        assert (get_model(s, ALL_TENANTS, "m").architecture, get_model(s, ALL_TENANTS, "m").kind) == expected[:2]
+        assert s.scalars(select(Model)).one().kind == expected[1]  # stored, not only derived
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        (lambda p, gguf: gguf(p / "gpt2.gguf", arch="gpt2"), "'gpt2'"),
+        (lambda p, _: _hf_folder(p / "whisper", {"architectures": ["WhisperForConditionalGeneration"],
+                                                 "model_type": "whisper"}), "'whisper'"),
+        (lambda p, _: _hf_folder(p / "t5", {"architectures": ["T5ForConditionalGeneration"]}),
+         "'T5ForConditionalGeneration'"),
+        (lambda p, _: _hf_folder(p / "nameless", {"hidden_size": 8}), "name no architecture"),
+    ],
+    ids=["gpt2-gguf", "whisper-folder", "t5-class-name", "no-architecture"],
+)
+def test_an_unsupported_architecture_is_refused_naming_it(
+    sessions: Sessions, tmp_path: Path, make_gguf, make, named
+) -> None:
+    source = make(tmp_path, make_gguf)
+    with sessions.begin() as s:
+        with pytest.raises(InvalidInput) as e:
+            register_model(s, source, actor="test", name="m")
+    assert isinstance(e.value, UnsupportedArchitecture) and e.value.status == 400
+    assert named in str(e.value) and "supported: " in str(e.value)
+    assert all(arch in str(e.value) for arch in ARCHITECTURE_KINDS)  # and says what is served instead
+    with sessions() as s:
+        assert list_models(s, ALL_TENANTS) == []  # nothing recorded
+
+
+def test_rows_from_before_kinds_get_theirs_from_the_architecture(sessions: Sessions, tmp_path: Path) -> None:
+    """Rows written before revision 0005 have no kind and the architecture as the file spelled it."""
+    now = utcnow()
+    with sessions.begin() as s:
+        for name, arch in (("old-qwen", "Qwen2ForCausalLM"), ("old-bert", "bert"), ("old-odd", "gpt2"),
+                           ("old-none", None)):
+            s.add(Model(namespace=PLATFORM, name=name, version="1", uri=(tmp_path / name).as_uri(), format="hf",
+                        architecture=arch, status="verified", visibility="public", created_at=now, updated_at=now))
+    with sessions() as s:
+        kinds = {m.name: (m.architecture, m.kind) for m in list_models(s, ALL_TENANTS)}
+    assert kinds == {"old-qwen": ("Qwen2ForCausalLM", "generate"), "old-bert": ("bert", "embedding"),
+                     "old-odd": ("gpt2", None), "old-none": (None, None)}
+
+
+def test_verify_fails_weights_rewritten_to_an_unsupported_architecture(
+    sessions: Sessions, tmp_path: Path, make_gguf
+) -> None:
+    path = make_gguf(tmp_path / "m.gguf")
+    with sessions.begin() as s:
+        register_model(s, path, actor="test", name="m")
+    make_gguf(path, arch="gpt2")
+    with sessions.begin() as s:
+        m = verify_model(s, ALL_TENANTS, "m", actor="test")
+    assert m.status == "failed" and "'gpt2' is not supported" in (m.status_detail or "")
 
 
 @pytest.mark.parametrize(

@@ -12,42 +12,102 @@ import os
 import numpy as np
 import torch
 
-from inferplane.worker.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError, gguf_value
+from inferplane.api.architectures import canonical_architecture, unsupported_message
+from inferplane.worker.model.config import (
+    FULL,
+    SLIDING,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    ModelLoadError,
+    gguf_value,
+)
 
-# Block layouts (ggml): Q4_0 = f16 scale + 16 bytes of nibbles (32 weights);
-# Q4_1 = f16 scale + f16 min + 16 bytes; Q8_0 = f16 scale + 32 int8; Q4_K: see _dequant_q4_k.
+# ggml's block layouts, as gguf-py's `gguf.quants` reads them (its dequantizers are the reference:
+# tests/worker/test_gguf_types.py checks each of ours equals it bit for bit). Blocks of 32 weights:
+#   Q8_0: f16 d, 32 int8 q                      w = d * q
+#   Q4_0: f16 d, 16 bytes of nibbles            w = d * (q - 8)
+#   Q4_1: f16 d, f16 m, 16 bytes                w = d * q + m
+#   Q5_0: f16 d, 4 bytes of high bits, 16 bytes w = d * (q - 16)
+#   Q5_1: f16 d, f16 m, 4 bytes, 16 bytes       w = d * q + m
+# where the nibbles of a 16-byte run are weights 0..15 (low) and 16..31 (high), and bit i of the
+# 4 high-bit bytes (little-endian) is bit 4 of weight i. K-quants: super-blocks of 256, with
+# sub-block scales (see each function). Every product and sum is a float32 operation in the order
+# gguf-py makes it, so the results are the same floats.
 _BLOCK = 32
+_QK_K = 256
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_CRUMB_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+# The integer work is done on uint8 (wrapping where a value goes negative, then read as int8), and
+# the float work in place: these run over every weight of a model as it loads.
 
 
-def _dequant_q8_0(raw: np.ndarray) -> torch.Tensor:
-    blocks = torch.from_numpy(raw.reshape(-1, 34).copy())
-    scale = blocks[:, :2].contiguous().view(torch.float16).float()
-    q = blocks[:, 2:].contiguous().view(torch.int8).float()
-    return q * scale
+def _blocks(raw: np.ndarray, nbytes: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1, nbytes).copy())
+
+
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte `at` of each block, as float32 [n, 1]."""
+    return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
+
+
+def _bits(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., k] -> [..., 8, k]: bit b of every byte in row b."""
+    out = packed.unsqueeze(-2) >> _BIT_SHIFTS.reshape(8, 1)
+    return out.bitwise_and_(1)
+
+
+def _crumbs(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., k] -> [..., 4, k]: 2-bit field j of every byte (bits 2j, 2j + 1) in row j."""
+    out = packed.unsqueeze(-2) >> _CRUMB_SHIFTS.reshape(4, 1)
+    return out.bitwise_and_(3)
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    # ggml stores the low nibbles of all 16 bytes first, then the high nibbles.
-    low = packed & 0x0F
-    high = packed >> 4
-    return torch.cat([low, high], dim=1).float()
+    """uint8 [n, 16] -> [n, 32]: ggml stores the low nibbles of all 16 bytes first, then the high."""
+    out = torch.empty(packed.shape[0], 32, dtype=torch.uint8)
+    torch.bitwise_and(packed, 0x0F, out=out[:, :16])
+    torch.bitwise_right_shift(packed, 4, out=out[:, 16:])
+    return out
+
+
+def _high_bits_32(packed: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1's 4 bytes -> [n, 32] uint8 holding 16 where bit i of the little-endian uint32 is
+    set, for weight i."""
+    out = packed.unsqueeze(-1) >> _BIT_SHIFTS
+    return out.bitwise_and_(1).bitwise_left_shift_(4).reshape(packed.shape[0], 32)
+
+
+def _dequant_q8_0(raw: np.ndarray) -> torch.Tensor:
+    blocks = _blocks(raw, 34)
+    return blocks[:, 2:].contiguous().view(torch.int8).float().mul_(_f16(blocks, 0))
 
 
 def _dequant_q4_0(raw: np.ndarray) -> torch.Tensor:
-    blocks = torch.from_numpy(raw.reshape(-1, 18).copy())
-    scale = blocks[:, :2].contiguous().view(torch.float16).float()
-    return (_nibbles(blocks[:, 2:]) - 8.0) * scale
+    blocks = _blocks(raw, 18)
+    q = _nibbles(blocks[:, 2:]).sub_(8).view(torch.int8)  # q - 8, as int8
+    return q.float().mul_(_f16(blocks, 0))
 
 
 def _dequant_q4_1(raw: np.ndarray) -> torch.Tensor:
-    blocks = torch.from_numpy(raw.reshape(-1, 20).copy())
-    scale = blocks[:, :2].contiguous().view(torch.float16).float()
-    minimum = blocks[:, 2:4].contiguous().view(torch.float16).float()
-    return _nibbles(blocks[:, 4:]) * scale + minimum
+    blocks = _blocks(raw, 20)
+    return _nibbles(blocks[:, 4:]).float().mul_(_f16(blocks, 0)).add_(_f16(blocks, 2))
+
+
+def _dequant_q5_0(raw: np.ndarray) -> torch.Tensor:
+    blocks = _blocks(raw, 22)
+    q = _nibbles(blocks[:, 6:]).bitwise_or_(_high_bits_32(blocks[:, 2:6])).sub_(16).view(torch.int8)
+    return q.float().mul_(_f16(blocks, 0))
+
+
+def _dequant_q5_1(raw: np.ndarray) -> torch.Tensor:
+    blocks = _blocks(raw, 24)
+    q = _nibbles(blocks[:, 8:]).bitwise_or_(_high_bits_32(blocks[:, 4:8]))
+    return q.float().mul_(_f16(blocks, 0)).add_(_f16(blocks, 2))
 
 
 def q4_k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K's 12 bytes of 6-bit (scale, min) pairs -> [..., 8] scales and mins (ggml's get_scale_min_k4)."""
+    """Q4_K's (and Q5_K's) 12 bytes of 6-bit (scale, min) pairs -> [..., 8] scales and mins
+    (ggml's get_scale_min_k4)."""
     s = packed.to(torch.int32)
     first, second, third = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     scales = torch.cat([first & 63, (third & 0xF) | ((first >> 6) << 4)], dim=-1)
@@ -62,33 +122,106 @@ def q4_k_nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.stack([chunks & 0x0F, chunks >> 4], dim=-2).reshape(*qs.shape[:-1], 8, 32)
 
 
+def _k_scaled(q: torch.Tensor, dl: torch.Tensor, ml: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [n, k] from integer q [n, j, k / j] and per-sub-block dl, ml [n, j]: dl * q (- ml)."""
+    n, j = dl.shape
+    out = q.float().mul_(dl.reshape(n, j, 1))
+    if ml is not None:
+        out.sub_(ml.reshape(n, j, 1))
+    return out.reshape(n, -1)
+
+
+def _dequant_q2_k(raw: np.ndarray) -> torch.Tensor:
+    # 16 bytes of 4-bit (scale, min) per block of 16, 64 bytes of 2-bit q, f16 d, f16 dmin;
+    # w = d * scale_j * q - dmin * min_j. Byte k of each 32-byte half holds, in bit pairs 0..3, the
+    # weights k of that half's blocks of 32 in turn.
+    blocks = _blocks(raw, 84)
+    scales, n = blocks[:, :16], blocks.shape[0]
+    dl = _f16(blocks, 80) * (scales & 0xF).float()
+    ml = _f16(blocks, 82) * (scales >> 4).float()
+    q = _crumbs(blocks[:, 16:80].reshape(n, 2, 32)).reshape(n, 16, 16)
+    return _k_scaled(q, dl, ml)
+
+
+def _dequant_q3_k(raw: np.ndarray) -> torch.Tensor:
+    # 32 bytes of high-bit mask, 64 bytes of 2-bit low parts, 12 bytes of 6-bit scales (one per
+    # block of 16, less 32), f16 d; w = d * (scale_j - 32) * (low - 4 * (1 - high)).
+    blocks = _blocks(raw, 110)
+    n = blocks.shape[0]
+    packed = blocks[:, 96:108]
+    low = torch.stack([packed[:, :8] & 0xF, packed[:, :8] >> 4], dim=1).reshape(n, 16)
+    high = _crumbs(packed[:, 8:12]).reshape(n, 16)
+    dl = _f16(blocks, 108) * ((low | (high << 4)).float() - 32.0)
+    offset = _bits(blocks[:, :32]).bitwise_xor_(1).bitwise_left_shift_(2)  # 4 where the bit is clear
+    q = _crumbs(blocks[:, 32:96].reshape(n, 2, 32)).sub_(offset.reshape(n, 2, 4, 32)).view(torch.int8)
+    return _k_scaled(q.reshape(n, 16, 16), dl)
+
+
 def _dequant_q4_k(raw: np.ndarray) -> torch.Tensor:
     # Super-blocks of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles;
     # w = d * scale_j * q - dmin * min_j for block j of 32.
-    blocks = torch.from_numpy(raw.reshape(-1, 144).copy())
-    d = blocks[:, :2].contiguous().view(torch.float16).float()
-    dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    blocks = _blocks(raw, 144)
     scales, mins = q4_k_scales(blocks[:, 4:16])
-    values = q4_k_nibbles(blocks[:, 16:]).float()
-    return values * (d * scales.float())[..., None] - (dmin * mins.float())[..., None]
+    dl, ml = _f16(blocks, 0) * scales.float(), _f16(blocks, 2) * mins.float()
+    return _k_scaled(q4_k_nibbles(blocks[:, 16:]), dl, ml)
 
 
-_QUANTIZED = {"Q8_0": _dequant_q8_0, "Q4_0": _dequant_q4_0, "Q4_1": _dequant_q4_1, "Q4_K": _dequant_q4_k}
+def _dequant_q5_k(raw: np.ndarray) -> torch.Tensor:
+    # Q4_K's layout with 32 bytes of fifth bits after the scales: bit j of byte k is the high bit of
+    # weight k of block j.
+    blocks = _blocks(raw, 176)
+    scales, mins = q4_k_scales(blocks[:, 4:16])
+    dl, ml = _f16(blocks, 0) * scales.float(), _f16(blocks, 2) * mins.float()
+    q = q4_k_nibbles(blocks[:, 48:]).bitwise_or_(_bits(blocks[:, 16:48]).bitwise_left_shift_(4))
+    return _k_scaled(q, dl, ml)
+
+
+def _dequant_q6_k(raw: np.ndarray) -> torch.Tensor:
+    # 128 bytes of low nibbles, 64 bytes of 2-bit high parts, 16 int8 scales (one per block of 16),
+    # f16 d; w = d * scale_j * (q - 32). Per half of 128 weights: 64 bytes of nibbles (low nibbles
+    # are weights 0..63, high 64..127) and 32 bytes of high parts (bit pair j of byte k: weight
+    # 32 j + k).
+    blocks = _blocks(raw, 210)
+    n = blocks.shape[0]
+    ql = blocks[:, :128].reshape(n, 2, 1, 64)
+    ql = torch.cat([ql & 0xF, ql >> 4], dim=2).reshape(n, 2, 4, 32)
+    qh = _crumbs(blocks[:, 128:192].reshape(n, 2, 32)).bitwise_left_shift_(4)
+    q = ql.bitwise_or_(qh).sub_(32).view(torch.int8)
+    dl = _f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()
+    return _k_scaled(q.reshape(n, 16, 16), dl)
+
+
+def _f16_to_f32(raw: np.ndarray) -> torch.Tensor:
+    halves = np.ascontiguousarray(raw).view(np.float16).reshape(-1)
+    out = torch.from_numpy(halves.view(np.int16).copy()).view(torch.float16).float()
+    nan = out.isnan()
+    if nan.any():  # torch makes every NaN one NaN; numpy (and gguf-py) keeps each payload
+        out[nan] = torch.from_numpy(halves[nan.numpy()].astype(np.float32))
+    return out
+
+
+_QUANTIZED = {
+    "Q8_0": _dequant_q8_0, "Q4_0": _dequant_q4_0, "Q4_1": _dequant_q4_1, "Q5_0": _dequant_q5_0,
+    "Q5_1": _dequant_q5_1, "Q2_K": _dequant_q2_k, "Q3_K": _dequant_q3_k, "Q4_K": _dequant_q4_k,
+    "Q5_K": _dequant_q5_k, "Q6_K": _dequant_q6_k,
+}
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", *_QUANTIZED)
 
 
 def dequantize(type_name: str, raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
-    """Returns a float32 tensor of `shape` (rows first, as PyTorch orders a weight)."""
+    """Returns a float32 tensor of `shape` (rows first, as PyTorch orders a weight). `raw` is the
+    tensor's data as the reader gives it (its own dtype for F32/F16/BF16, uint8 otherwise) or its bytes."""
     if type_name == "F32":
-        return torch.from_numpy(np.array(raw, dtype=np.float32)).reshape(shape)
+        return torch.from_numpy(np.ascontiguousarray(raw).view(np.float32).copy()).reshape(shape)
     if type_name == "F16":
-        return torch.from_numpy(np.array(raw).view(np.float16)).float().reshape(shape)
-    if type_name == "BF16":
-        as_int = torch.from_numpy(np.array(raw).view(np.int16))
+        return _f16_to_f32(raw).reshape(shape)
+    if type_name == "BF16":  # bfloat16 -> float32 is the bits shifted up, NaN payloads and all
+        as_int = torch.from_numpy(np.ascontiguousarray(raw).view(np.int16).copy())
         return as_int.view(torch.bfloat16).float().reshape(shape)
     if type_name in _QUANTIZED:
-        return _QUANTIZED[type_name](np.asarray(raw).view(np.uint8)).reshape(shape)
+        return _QUANTIZED[type_name](raw).reshape(shape)
     raise ModelLoadError(
-        f"GGUF tensor type {type_name} is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K)"
+        f"GGUF tensor type {type_name} is not supported (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
     )
 
 
@@ -180,13 +313,21 @@ def _fast_reader_class():
     return FastGGUFReader
 
 
+# llama.cpp's per-family facts a GGUF file does not carry: every how-many-th layer attends globally
+# (the rest slide), and the sliding layers' rope base.
+_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+_LOCAL_ROPE_BASE = {"gemma3": 10000.0}
+
+
 def config_from_gguf(reader) -> ModelConfig:
-    arch = gguf_value(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}")
-    p = f"{arch}."
+    file_arch = gguf_value(reader, "general.architecture")
+    arch = canonical_architecture(file_arch)
+    if arch is None or arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"GGUF file: {unsupported_message(file_arch)}")
+    p = f"{file_arch}."
     heads = int(gguf_value(reader, p + "attention.head_count"))
     hidden = int(gguf_value(reader, p + "embedding_length"))
+    layers = int(gguf_value(reader, p + "block_count"))
     vocab = gguf_value(reader, p + "vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -196,15 +337,30 @@ def config_from_gguf(reader) -> ModelConfig:
     if scaling_type and scaling_type != "none":
         scaling = {"rope_type": scaling_type, "factor": float(gguf_value(reader, p + "rope.scaling.factor", 1.0))}
     eos = gguf_value(reader, "tokenizer.ggml.eos_token_id")
+    head_dim = int(gguf_value(reader, p + "attention.key_length", hidden // heads))
+    experts = int(gguf_value(reader, p + "expert_count", 0) or 0)
+    if arch == "llama" and experts:
+        arch = "mixtral"
+    window = gguf_value(reader, p + "attention.sliding_window")
+    pattern = _SLIDING_PATTERN.get(arch)
+    layer_types: tuple[str, ...] = ()
+    if window and pattern:
+        layer_types = tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers))
+    elif window:
+        layer_types = (SLIDING,) * layers
+    gemma = arch in ("gemma2", "gemma3")
+    pre_attn_scalar = None
+    if gemma:  # llama.cpp's rule: the 27B models scale by hidden / heads, the others by head_dim
+        pre_attn_scalar = float(hidden // heads if layers in (46, 62) else head_dim)
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(gguf_value(reader, p + "feed_forward_length")),
-        num_layers=int(gguf_value(reader, p + "block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(gguf_value(reader, p + "attention.head_count_kv", heads)),
-        head_dim=int(gguf_value(reader, p + "attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(gguf_value(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(gguf_value(reader, p + "rope.freq_base", 10000.0)),
         rope_scaling=scaling,
@@ -213,7 +369,26 @@ def config_from_gguf(reader) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in names,
         bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
+        hidden_act="gelu_tanh" if gemma else "silu",
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        sandwich_norms=gemma,
+        embedding_multiplier=hidden**0.5 if gemma else None,
+        query_pre_attn_scalar=pre_attn_scalar,
+        attn_logit_softcap=_positive(gguf_value(reader, p + "attn_logit_softcapping")),
+        final_logit_softcap=_positive(gguf_value(reader, p + "final_logit_softcapping")),
+        sliding_window=int(window) if window else None,
+        layer_types=layer_types,
+        rope_local_theta=_LOCAL_ROPE_BASE.get(arch),
+        num_experts=experts,
+        experts_per_token=int(gguf_value(reader, p + "expert_used_count", 0) or 0),
+        moe_intermediate_size=int(gguf_value(reader, p + "expert_feed_forward_length", 0)
+                                  or gguf_value(reader, p + "feed_forward_length")),
+        normalize_expert_weights=bool(gguf_value(reader, p + "expert_weights_norm", True)),
     )
+
+
+def _positive(value) -> float | None:
+    return float(value) if value else None
 
 
 _LAYER_NAMES = {
@@ -226,10 +401,23 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a MoE layer's router
 }
+# Gemma's sandwich: llama.cpp's ffn_norm is the MLP's input norm, which Gemma names pre-feedforward
+# (Llama's post_attention_layernorm); Gemma's post-attention norm is a separate tensor.
+_SANDWICH_NAMES = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# A MoE layer's experts stacked in one tensor [experts, rows, columns]: split per expert.
+_STACKED_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                    "ffn_down_exps.weight": "down_proj"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -237,12 +425,15 @@ _GLOBAL_NAMES = {
 }
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, sandwich: bool = False) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if parts[0] == "blk" and len(parts) == 3:
+        if sandwich and parts[2] in _SANDWICH_NAMES:
+            return f"model.layers.{parts[1]}.{_SANDWICH_NAMES[parts[2]]}"
+        if parts[2] in _LAYER_NAMES:
+            return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
     raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
 
 
@@ -254,15 +445,42 @@ def _unpermute_rope(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, out // n_heads // 2, 2, *rest).transpose(1, 2).reshape(out, *rest)
 
 
+# Families whose converter interleaves q/k rows for llama.cpp's adjacent-pair RoPE (the others use
+# its NeoX-style RoPE, as HF does).
+_PERMUTED_ROPE = ("llama", "mistral", "mixtral")
+
+
+def permuted_rope_heads(config: ModelConfig, name: str) -> int | None:
+    """The head count whose rotary row interleaving must be undone for tensor `name` (HF naming),
+    or None where the file stores its rows in HF order. The one rule for every reader of GGUF rows."""
+    if config.architecture not in _PERMUTED_ROPE:
+        return None
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return config.num_heads
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        return config.num_kv_heads
+    return None
+
+
+def linear_tensor_name(gguf_name: str, config: ModelConfig) -> str | None:
+    """The HF name of a 2-D linear weight stored under `gguf_name`, None for anything else (norms,
+    experts stacked in 3-D): what the cpu-int8 block readers look up."""
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[2] in _STACKED_EXPERTS:
+        return None
+    return hf_name(gguf_name, config.sandwich_norms)
+
+
 def load_gguf_tensors(reader, config: ModelConfig):
     """Yields (hf_name, float32 tensor) for every tensor in the file."""
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         tensor = dequantize(t.tensor_type.name, t.data, shape)
-        name = hf_name(t.name)
-        if config.architecture in ("llama", "mistral"):
-            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-                tensor = _unpermute_rope(tensor, config.num_heads)
-            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-                tensor = _unpermute_rope(tensor, config.num_kv_heads)
-        yield name, tensor
+        parts = t.name.split(".", 2)
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in _STACKED_EXPERTS:
+            for e in range(tensor.shape[0]):
+                yield f"model.layers.{parts[1]}.mlp.experts.{e}.{_STACKED_EXPERTS[parts[2]]}.weight", tensor[e]
+            continue
+        name = hf_name(t.name, config.sandwich_norms)
+        heads = permuted_rope_heads(config, name)
+        yield name, tensor if heads is None else _unpermute_rope(tensor, heads)

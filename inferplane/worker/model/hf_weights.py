@@ -24,7 +24,8 @@ _MIXTRAL_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
-def hf_tensors_for(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_tensors_for(config: ModelConfig,
+                   tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs in this package's naming for `config`'s family."""
     gemma = config.sandwich_norms
     for name, tensor in tensors:
@@ -34,7 +35,7 @@ def hf_tensors_for(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tenso
         if name.endswith("self_attn.qkv_proj.weight"):
             prefix = name[: -len("qkv_proj.weight")]
             q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-            for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv])):
+            for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv]), strict=True):
                 yield f"{prefix}{part}.weight", piece
             continue
         if name.endswith("mlp.gate_up_proj.weight"):

@@ -14,7 +14,14 @@ import numpy as np
 import torch
 
 from inferplane.worker.model.config import ModelConfig
-from inferplane.worker.model.gguf_file import _unpermute_rope, hf_name, open_gguf, q4_k_nibbles, q4_k_scales
+from inferplane.worker.model.gguf_file import (
+    _unpermute_rope,
+    linear_tensor_name,
+    open_gguf,
+    permuted_rope_heads,
+    q4_k_nibbles,
+    q4_k_scales,
+)
 from inferplane.worker.native import Q4_1_BLOCK, Q4_1_BYTES
 
 Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -66,16 +73,14 @@ def load_q4_blocks(path: str, config: ModelConfig, wanted: set[str]) -> dict[str
     for t in reader.tensors:
         if t.tensor_type.name not in Q4_TYPES:
             continue
-        name = hf_name(t.name)
+        name = linear_tensor_name(t.name, config)
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         unit = _Q4_K_VALUES if t.tensor_type.name == "Q4_K" else Q4_1_BLOCK
-        if name not in wanted or len(shape) != 2 or shape[1] % unit:
+        if name is None or name not in wanted or len(shape) != 2 or shape[1] % unit:
             continue
         blocks = file_q4_1_blocks(t.data, t.tensor_type.name, *shape)
-        if config.architecture in ("llama", "mistral"):
-            heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
-            n = next((h for suffix, h in heads.items() if name.endswith(suffix)), None)
-            if n is not None:
-                blocks = _unpermute_rope(blocks, n).contiguous()
+        n = permuted_rope_heads(config, name)
+        if n is not None:
+            blocks = _unpermute_rope(blocks, n).contiguous()
         found[name] = blocks
     return found

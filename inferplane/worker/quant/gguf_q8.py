@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from inferplane.worker.model.config import ModelConfig
-from inferplane.worker.model.gguf_file import _unpermute_rope, hf_name, open_gguf
+from inferplane.worker.model.gguf_file import _unpermute_rope, linear_tensor_name, open_gguf, permuted_rope_heads
 from inferplane.worker.quant.int8_linear import QMAX
 
 _BLOCK = 32
@@ -54,17 +54,15 @@ def load_q8_0_linears(path: str, config: ModelConfig, wanted: set[str],
     for t in reader.tensors:
         if t.tensor_type.name != "Q8_0":
             continue
-        name = hf_name(t.name)
-        if name not in wanted:
+        name = linear_tensor_name(t.name, config)
+        if name is None or name not in wanted:
             continue
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         if len(shape) != 2:
             continue
         q, scale = q8_0_to_per_channel(t.data, shape, scale_multiplier)
-        if config.architecture in ("llama", "mistral"):
-            heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
-            n = next((h for suffix, h in heads.items() if name.endswith(suffix)), None)
-            if n is not None:
-                q, scale = _unpermute_rope(q, n), _unpermute_rope(scale, n)
+        n = permuted_rope_heads(config, name)
+        if n is not None:
+            q, scale = _unpermute_rope(q, n), _unpermute_rope(scale, n)
         found[name] = (q.contiguous(), scale.contiguous())
     return found
