@@ -44,6 +44,9 @@ def _available() -> dict[str, tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from inferplane.local.runstate import die_with_parent
+
+    die_with_parent()  # a child of `inferplane up`'s supervisor ends with it
     parser = argparse.ArgumentParser(prog="inferplane", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}

@@ -25,11 +25,23 @@ HOME_ENV = "INFERPLANE_SUPERVISOR_HOME"
 _PR_SET_PDEATHSIG = 1
 
 
+PARENT_ENV = "INFERPLANE_DIE_WITH_PARENT"  # set by the supervisor to its pid for the children it starts
+
+
 def die_with_parent() -> None:
-    """For `preexec_fn`: the child gets SIGTERM when the process that started it dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    """This process gets SIGTERM when the process that started it dies (Linux).
+
+    Called by the child itself as it starts (cli.main, when PARENT_ENV names its parent), not as a
+    `preexec_fn`: that runs Python between fork and exec in a copy of a threaded supervisor, where
+    at-fork hooks (filelock's) crashed the child now and then. The parent may have died before
+    the call; then the child ends at once rather than outlive it."""
+    expected = os.environ.pop(PARENT_ENV, None)
+    if expected is None or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if str(os.getppid()) != expected:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def write(home: Path, state: dict[str, Any]) -> None:

@@ -124,16 +124,18 @@ class Supervisor:
         # `inferplane worker` as this interpreter runs it, so the process uses the same environment.
         command = [sys.executable, "-m", "inferplane.cli", *invocation.command[1:], *args]
         # The home marks the process as this supervisor's (runstate.end_leftovers checks it).
-        env = {**os.environ, **invocation.env, "PYTHONUNBUFFERED": "1", runstate.HOME_ENV: str(self.home)}
+        env = {**os.environ, **invocation.env, "PYTHONUNBUFFERED": "1", runstate.HOME_ENV: str(self.home),
+               runstate.PARENT_ENV: str(os.getpid())}
         return command, env
 
     def _spawn(self, deployment: LocalDeployment, replica: Replica) -> None:
         command, env = self.command(deployment, replica)
         log_file = open(replica.log_path, "ab")  # noqa: SIM115 (owned by the child for its lifetime)
         # Own session (a Ctrl-C reaches the supervisor, which drains them in order), but tied to the
-        # supervisor's life: SIGTERM when it dies, however it dies.
+        # supervisor's life: SIGTERM when it dies, however it dies (the child asks for that itself,
+        # runstate.die_with_parent).
         replica.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                           start_new_session=True, preexec_fn=runstate.die_with_parent)
+                                           start_new_session=True)
         log_file.close()
         replica.ready = False
         self._track(asyncio.get_running_loop().create_task(self._watch(deployment, replica)))

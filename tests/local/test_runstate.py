@@ -54,12 +54,16 @@ def test_a_live_supervisors_workers_are_not_touched(tmp_path: Path) -> None:
 
 
 def test_a_child_dies_with_its_parent(tmp_path: Path) -> None:
-    """PR_SET_PDEATHSIG: the grandchild gets SIGTERM when its parent is SIGKILLed."""
+    """PR_SET_PDEATHSIG: the grandchild, started as the supervisor starts workers (its parent's pid in
+    PARENT_ENV, the child asking for the signal itself), gets SIGTERM when its parent is SIGKILLed."""
     pid_file = tmp_path / "child.pid"
+    grandchild = ("import time; from inferplane.local.runstate import die_with_parent; "
+                  "die_with_parent(); time.sleep(300)")
     parent = subprocess.Popen([sys.executable, "-c", (
-        "import subprocess, sys, time\n"
-        "from inferplane.local.runstate import die_with_parent\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], preexec_fn=die_with_parent)\n"
+        "import os, subprocess, sys, time\n"
+        "from inferplane.local.runstate import PARENT_ENV\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {grandchild!r}], "
+        "env={**os.environ, PARENT_ENV: str(os.getpid())})\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
         "time.sleep(300)\n")])
     try:
