@@ -21,6 +21,8 @@ SPECS = [
                                       "kvCacheDtype": "float16"}},
     {"runtime": "auto", "engine": {"quantizeHead": True, "requantizeQ4": True}},
     {"resources": {"gpus": 1}, "engine": {"quantizeHead": False, "maxNumBatchedTokens": 100, "maxNumSeqs": 50}},
+    {"kind": "embedding"},
+    {"kind": "embedding", "runtime": "embedding", "resources": {"gpus": 1}, "engine": {"maxNumSeqs": 32}},
 ]
 
 
@@ -57,6 +59,8 @@ def test_each_runtime_is_one_preset_the_worker_can_build() -> None:
     ({"resources": {"gpus": 1}}, "paged", "cuda", "bfloat16"),
     ({"resources": {"gpus": 1}, "workload": {"multiTurn": True}}, "radix", "cuda", "bfloat16"),
     ({"runtime": "paged", "engine": {"dtype": "bfloat16"}}, "paged", "cpu", "bfloat16"),
+    ({"kind": "embedding"}, "embedding", "cpu", "float32"),
+    ({"kind": "embedding", "resources": {"gpus": 1}}, "embedding", "cuda", "bfloat16"),
 ])
 def test_auto_device_and_dtype(spec: dict, runtime: str, device: str, dtype: str) -> None:
     resolved = resolve(InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, **spec}))
@@ -71,3 +75,10 @@ def test_presets_fill_only_what_the_spec_left_open() -> None:
     assert resolved.engine["max_num_seqs"] == 1000
     assert resolved.engine["max_num_batched_tokens"] == PRESETS["radix"].max_num_batched_tokens
     assert resolved.engine["kv_cache_memory"] == PRESETS["radix"].kv_cache_memory_cpu
+
+
+def test_an_embedding_deployment_has_no_kv_cache_to_size() -> None:
+    resolved = resolve(InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, "kind": "embedding"}))
+    assert resolved.engine["kv_cache_memory"] is None and "--kv-cache-memory" not in resolved.engine_args()
+    assert resolved.reason.startswith("auto: kind embedding")
+    assert resolved.engine["max_num_seqs"] == PRESETS["embedding"].max_num_seqs

@@ -22,6 +22,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
+from inferplane.api.architectures import ModelKind
 from inferplane.api.priority import Band
 from inferplane.api.quantities import (
     KV_CACHE_MEMORY_PATTERN,
@@ -37,7 +38,8 @@ PLURAL = "inferencedeployments"
 API_VERSION = f"{GROUP}/{VERSION}"
 
 # The runtimes a worker runs (each one preset in api/resolve.py); `auto` lets resolve() choose.
-ConcreteRuntime = Literal["paged", "radix", "cpu-int8"]
+# paged, radix and cpu-int8 generate; embedding serves embedding models (spec.kind: embedding).
+ConcreteRuntime = Literal["paged", "radix", "cpu-int8", "embedding"]
 Runtime = Literal[ConcreteRuntime, "auto"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 RUNTIMES: tuple[str, ...] = Runtime.__args__
@@ -210,6 +212,10 @@ class Toleration(Section):
 
 class InferenceDeploymentSpec(Section):
     model: ModelRef = Field(description="A registry entry (name, version) or weights at a path (uri, format).")
+    # The spec says it: resolve() never reads weights, and `auto` must know which runtimes apply.
+    kind: ModelKind = Field("generate", description=(
+        "generate: chat and completions. embedding: an encoder model (BERT family) serving /v1/embeddings, in "
+        "runtime embedding (auto picks it); generation-only settings are refused."))
     runtime: Runtime = "auto"
     replicas: int = Field(1, ge=0, le=1000)
     min_replicas: int = Field(1, ge=0, le=1000)
@@ -289,6 +295,10 @@ class Rule:
     cel: str | None = None
 
 
+def _is_embedding(spec: InferenceDeploymentSpec) -> bool:
+    return spec.kind == "embedding"
+
+
 def _kv_fraction_has_gpu(spec: InferenceDeploymentSpec) -> bool:
     kv = spec.engine.kv_cache_memory
     return kv is None or kv_cache_fraction(kv) is None or spec.uses_gpu
@@ -326,6 +336,36 @@ RULES: tuple[Rule, ...] = (
     Rule("", "engine.requantizeQ4", "engine.requantizeQ4 is a cpu-int8 option (runtime cpu-int8 or auto)",
          lambda s: not (s.engine.requantize_q4 and s.runtime in ("paged", "radix")),
          cel="!(self.engine.requantizeQ4 && self.runtime in ['paged', 'radix'])"),
+    # An embedding model runs in the embedding runtime only, and that runtime serves nothing else.
+    Rule("", "runtime", "kind embedding runs in runtime embedding (or auto, which picks it)",
+         lambda s: not _is_embedding(s) or s.runtime in ("embedding", "auto"),
+         cel="self.kind != 'embedding' || self.runtime in ['embedding', 'auto']"),
+    Rule("", "kind", "runtime embedding serves embedding models; set kind: embedding",
+         lambda s: s.runtime != "embedding" or _is_embedding(s),
+         cel="self.runtime != 'embedding' || self.kind == 'embedding'"),
+    # Generation-only settings on an embedding deployment: it has no KV cache (one forward per batch,
+    # nothing kept), no output head and no 4-bit GGUF weights, and its traffic shares no prefixes.
+    # maxNumSeqs (inputs per forward), maxNumBatchedTokens (padded tokens per forward), dtype and
+    # maxModelLen keep a meaning there and stay allowed.
+    Rule("", "engine.kvCacheMemory",
+         "engine.kvCacheMemory is a generation setting; an embedding model keeps no KV cache",
+         lambda s: not (_is_embedding(s) and s.engine.kv_cache_memory is not None),
+         cel="self.kind != 'embedding' || !has(self.engine.kvCacheMemory)"),
+    Rule("", "engine.kvCacheDtype",
+         "engine.kvCacheDtype is a generation setting; an embedding model keeps no KV cache",
+         lambda s: not (_is_embedding(s) and s.engine.kv_cache_dtype != "auto"),
+         cel="self.kind != 'embedding' || self.engine.kvCacheDtype == 'auto'"),
+    Rule("", "engine.quantizeHead",
+         "engine.quantizeHead is a generation setting; an embedding model has no output head",
+         lambda s: not (_is_embedding(s) and s.engine.quantize_head is not None),
+         cel="self.kind != 'embedding' || !has(self.engine.quantizeHead)"),
+    Rule("", "engine.requantizeQ4", "engine.requantizeQ4 is a generation setting (cpu-int8's GGUF weights)",
+         lambda s: not (_is_embedding(s) and s.engine.requantize_q4),
+         cel="self.kind != 'embedding' || !self.engine.requantizeQ4"),
+    Rule("", "workload", "workload hints choose among generative runtimes; an embedding deployment takes none",
+         lambda s: not (_is_embedding(s) and (s.workload.multi_turn or s.workload.shared_prefix or s.workload.agent)),
+         cel="self.kind != 'embedding' || !(self.workload.multiTurn || self.workload.sharedPrefix || "
+             "self.workload.agent)"),
     Rule("", "engine.dtype", "float16 needs a GPU (resources.gpus > 0); use float32 or bfloat16",
          lambda s: not (s.resources.gpus == 0 and s.engine.dtype == "float16"),
          cel="!(self.resources.gpus == 0 && self.engine.dtype == 'float16')"),

@@ -1,13 +1,14 @@
 """From a spec to what runs: the runtime presets and `resolve(spec) -> ResolvedDeployment`.
 
-The three runtimes are presets of one engine (see ARCHITECTURE.md): a KV manager, a weight format,
-where it may run and the engine defaults below. `PRESETS` is the one registry of them: the worker
-builds its KV manager and weights from an entry, and `resolve` fills what a spec leaves open from
-one. `resolve` is the only place that turns `runtime: auto` into a runtime (and says why, for the
-status), picks device and dtype and merges presets with the spec's `engine` section; the operator
-(pod specs), the gateway's cluster sync, local mode and the worker's command line all take its
-answer, so they cannot disagree. It also holds the one rule for cache isolation, and the one for
-the default priority band, across the deployments behind a served name.
+The three generative runtimes are presets of one engine (see ARCHITECTURE.md): a KV manager, a
+weight format, where it may run and the engine defaults below; the fourth, `embedding`, runs an
+encoder model's batched forward and keeps no KV cache (worker/embedding/). `PRESETS` is the one
+registry of them: the worker builds its KV manager and weights from an entry, and `resolve` fills
+what a spec leaves open from one. `resolve` is the only place that turns `runtime: auto` into a
+runtime (and says why, for the status), picks device and dtype and merges presets with the spec's
+`engine` section; the operator (pod specs), the gateway's cluster sync, local mode and the worker's
+command line all take its answer, so they cannot disagree. It also holds the one rule for cache
+isolation, and the one for the default priority band, across the deployments behind a served name.
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ class RuntimePreset:
     """One runtime: what the engine is built from, and the engine defaults a spec may override."""
 
     name: str
-    kv_manager: Literal["paged", "radix"]
+    kv_manager: Literal["paged", "radix"] | None  # None: no KV cache (embedding)
     weights: Literal["dense", "int8"]
     cpu_only: bool
     max_num_seqs: int
     max_num_batched_tokens: int
-    kv_cache_memory_gpu: str
-    kv_cache_memory_cpu: str
+    kv_cache_memory_gpu: str | None
+    kv_cache_memory_cpu: str | None
 
 
 PRESETS: dict[str, RuntimePreset] = {preset.name: preset for preset in (
@@ -46,6 +47,10 @@ PRESETS: dict[str, RuntimePreset] = {preset.name: preset for preset in (
     # CPU matmuls: small batches keep latency tolerable; the prefix tree saves recomputing prompts.
     RuntimePreset("cpu-int8", kv_manager="radix", weights="int8", cpu_only=True, max_num_seqs=16,
                   max_num_batched_tokens=2048, kv_cache_memory_gpu="1GiB", kv_cache_memory_cpu="1GiB"),
+    # An encoder's forward over padded inputs: maxNumSeqs inputs and maxNumBatchedTokens padded tokens
+    # per forward at most (one input always goes, however long), nothing kept between forwards.
+    RuntimePreset("embedding", kv_manager=None, weights="dense", cpu_only=False, max_num_seqs=64,
+                  max_num_batched_tokens=8192, kv_cache_memory_gpu=None, kv_cache_memory_cpu=None),
 )}
 assert tuple(PRESETS) == ConcreteRuntime.__args__, "every runtime the spec names has exactly one preset"
 
@@ -92,10 +97,15 @@ class ResolvedDeployment:
 
 
 def _choose_runtime(spec: InferenceDeploymentSpec) -> tuple[str, str]:
-    """`auto`: no GPU → cpu-int8; prefix-sharing traffic → radix; otherwise paged."""
+    """`auto`: an embedding model → embedding; no GPU → cpu-int8; prefix-sharing traffic → radix;
+    otherwise paged. The model's kind is the spec's `kind`, not read from the weights: resolve() is
+    pure (the operator, the gateway's sync and local mode call it without the files), and the worker
+    refuses weights of the other kind at start-up (worker/cli.py)."""
     hints = spec.workload
     if spec.runtime != "auto":
         return spec.runtime, f"runtime {spec.runtime} was requested in the spec"
+    if spec.kind == "embedding":
+        return "embedding", "auto: kind embedding, so the embedding runtime (batched encoder forward, no KV cache)"
     if not spec.uses_gpu:
         return "cpu-int8", "auto: no GPU requested (resources.gpus is 0), so int8 weights on CPU"
     named = [n for n, on in (("multiTurn", hints.multi_turn), ("sharedPrefix", hints.shared_prefix),
@@ -117,7 +127,7 @@ def resolve(spec: InferenceDeploymentSpec) -> ResolvedDeployment:
     engine["max_num_batched_tokens"] = (spec.engine.max_num_batched_tokens
                                         or max(preset.max_num_batched_tokens, max_seqs))
     engine["kv_cache_memory"] = spec.engine.kv_cache_memory or (
-        preset.kv_cache_memory_gpu if device == "cuda" else preset.kv_cache_memory_cpu)
+        preset.kv_cache_memory_gpu if device == "cuda" else preset.kv_cache_memory_cpu)  # None: no KV cache
     # An int8 option; `auto` may have picked a GPU runtime, which has no int8 head.
     engine["quantize_head"] = spec.engine.quantize_head if preset.weights == "int8" else None
     engine["requantize_q4"] = spec.engine.requantize_q4 and preset.weights == "int8"

@@ -40,6 +40,13 @@ class TextTokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def encode_inputs(self, texts: Sequence[str]) -> list[list[int]]:
+        """Whole inputs as an encoder model reads them: each text with the special tokens the
+        tokenizer's post-processor adds ([CLS] ... [SEP] for BERT), as sentence-transformers
+        encodes; unlike `encode`, whose prompt a generator continues. One batched call: the
+        tokenizer's Rust side spreads a long list over threads."""
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=True)]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -61,6 +68,10 @@ class TextTokenizer:
     @classmethod
     def from_wire(cls, info) -> TextTokenizer:
         tok = Tokenizer.from_str(info.tokenizer_json)
+        # A tokenizer.json exported for training may pad to a fixed length or truncate silently
+        # (sentence-transformers' often do); a request's tokens are its own, never padded or cut.
+        tok.no_padding()
+        tok.no_truncation()
         specials = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
         return cls(tokenizer=tok, chat_template=info.chat_template or None, bos_token=info.bos_token or None,
                    eos_token=info.eos_token or None, add_bos=info.add_bos, special_ids=specials)

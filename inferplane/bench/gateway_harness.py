@@ -137,7 +137,6 @@ def _create_key(gateway, tenant: str = TENANT, priority: str | None = None) -> s
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from inferplane.api.tokenizer import TextTokenizer
     from inferplane.control_plane.gateway.catalog import ServedModel
     from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
     from inferplane.control_plane.routing import Deployment, StaticEndpointSource
@@ -159,8 +158,7 @@ async def _serve(args: argparse.Namespace) -> int:
             deployment = Deployment(args.served_model_name, StaticEndpointSource(args.worker),
                                     block_size=info.block_size, max_outstanding=args.max_outstanding)
             gateway.router.set_route(args.served_model_name, [deployment])
-            gateway.catalog.put(ServedModel(name=args.served_model_name, tokenizer=TextTokenizer.from_wire(info),
-                                            max_model_len=info.max_model_len, cache_isolation="shared"))
+            gateway.catalog.put(ServedModel.from_info(args.served_model_name, info, cache_isolation="shared"))
             print(json.dumps({"key": key, "keys": keys, "port": args.port, "grpc_port": args.grpc_port}), flush=True)
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()

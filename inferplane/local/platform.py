@@ -20,7 +20,6 @@ import yaml
 from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
 from inferplane.api.model_resolution import ModelResolutionError
 from inferplane.api.resolve import served_cache_isolation, served_priority
-from inferplane.api.tokenizer import TextTokenizer
 from inferplane.control_plane import auth, registry, tenants
 from inferplane.control_plane.autoscale.autoscaler import Autoscaler, AutoscalerMetrics
 from inferplane.control_plane.autoscale.settings import autoscale_settings, watch
@@ -215,10 +214,9 @@ class LocalPlatform:
         info = await self.gateway.channels.stub(replica.address).Info(worker_pb2.InfoRequest(), timeout=30)
         served = deployment.served_model_name
         specs = [d.spec for d in self.supervisor.deployments.values() if d.served_model_name == served]
-        self.gateway.catalog.put(ServedModel(name=served, tokenizer=TextTokenizer.from_wire(info),
-                                             max_model_len=info.max_model_len,
-                                             cache_isolation=served_cache_isolation(s.cache_isolation for s in specs),
-                                             priority=served_priority(s.priority for s in specs)))
+        self.gateway.catalog.put(ServedModel.from_info(
+            served, info, cache_isolation=served_cache_isolation(s.cache_isolation for s in specs),
+            priority=served_priority(s.priority for s in specs)))
 
     async def wait_ready(self, timeout: float) -> bool:
         loop = asyncio.get_running_loop()

@@ -163,7 +163,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "runtime", "max_model_len", "block_size", "architecture", "device", "dtype", "tokenizer_json", "chat_template", "bos_token", "eos_token", "add_bos")
+    __slots__ = ("model", "runtime", "max_model_len", "block_size", "architecture", "device", "dtype", "tokenizer_json", "chat_template", "bos_token", "eos_token", "add_bos", "embedding_dimensions")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,7 @@ class InfoResponse(_message.Message):
     BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ADD_BOS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     runtime: str
     max_model_len: int
@@ -188,4 +189,23 @@ class InfoResponse(_message.Message):
     bos_token: str
     eos_token: str
     add_bos: bool
-    def __init__(self, model: _Optional[str] = ..., runtime: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., architecture: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., add_bos: _Optional[bool] = ...) -> None: ...
+    embedding_dimensions: int
+    def __init__(self, model: _Optional[str] = ..., runtime: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., architecture: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., add_bos: _Optional[bool] = ..., embedding_dimensions: _Optional[int] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("request_id", "inputs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    inputs: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "dimensions", "usage")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedScalarFieldContainer[bytes]
+    dimensions: int
+    usage: Usage
+    def __init__(self, embeddings: _Optional[_Iterable[bytes]] = ..., dimensions: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=inferplane_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
                 response_deserializer=inferplane_dot_v1_dot_worker__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/inferplane.v1.Worker/Embed',
+                request_serializer=inferplane_dot_v1_dot_worker__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=inferplane_dot_v1_dot_worker__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -76,6 +81,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One vector per input, from a worker serving an embedding model (runtime embedding); a
+        generative worker answers FAILED_PRECONDITION, as an embedding worker does to Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +106,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=inferplane_dot_v1_dot_worker__pb2.InfoRequest.FromString,
                     response_serializer=inferplane_dot_v1_dot_worker__pb2.InfoResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=inferplane_dot_v1_dot_worker__pb2.EmbedRequest.FromString,
+                    response_serializer=inferplane_dot_v1_dot_worker__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +194,33 @@ class Worker:
             '/inferplane.v1.Worker/Info',
             inferplane_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
             inferplane_dot_v1_dot_worker__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.v1.Worker/Embed',
+            inferplane_dot_v1_dot_worker__pb2.EmbedRequest.SerializeToString,
+            inferplane_dot_v1_dot_worker__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

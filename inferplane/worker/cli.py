@@ -2,7 +2,9 @@
 
 The engine flags are made from `EngineOptions`' fields, with their defaults and help (one home for
 them); the operator's manifests and the local supervisor start workers with the flags that
-`api.resolve.ResolvedDeployment.engine_args` writes from a spec.
+`api.resolve.ResolvedDeployment.engine_args` writes from a spec. `--runtime embedding` serves an
+embedding model (worker/embedding/) instead of a generative engine, with the same server,
+metrics and drain.
 """
 
 from __future__ import annotations
@@ -10,8 +12,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from typing import TYPE_CHECKING
 
 from inferplane.worker.options import EngineOptions
+
+if TYPE_CHECKING:
+    from inferplane.worker.metrics import WorkerMetrics
+    from inferplane.worker.server import WorkerState
 
 
 def _flag_type(annotation: str) -> type | None:
@@ -53,6 +60,7 @@ def _build_engine(args: argparse.Namespace):
     check_runtime(args.runtime)
     options = engine_options(args)
     options.validate()
+    _refuse_embedding_model(args.model)
     device = options.resolve_device()
     dtype = options.resolve_dtype(device)
     loaded = load_model(args.model, device, dtype, max_positions=args.max_model_len)
@@ -60,40 +68,90 @@ def _build_engine(args: argparse.Namespace):
     return Engine(loaded, options, device, dtype), report
 
 
+def _refuse_embedding_model(model: str) -> None:
+    """A generative runtime given an embedding model's folder says so, rather than 'unsupported
+    architecture' from the generative loader."""
+    import os
+
+    from inferplane.api.architectures import model_kind
+    from inferplane.worker.embedding.encoder import folder_architecture
+
+    architecture = folder_architecture(os.path.expanduser(model))
+    if model_kind(architecture) == "embedding":
+        raise ValueError(f"model {model!r} ({architecture}) is an embedding model: start the worker with "
+                         "--runtime embedding (a deployment: kind: embedding)")
+
+
+def _build_embedder(args: argparse.Namespace):
+    """The embedding runtime's encoder: the engine flags that keep a meaning there are device,
+    dtype, max_model_len (at most the model's positions), max_num_seqs (inputs per forward) and
+    max_num_batched_tokens (padded tokens per forward); the KV ones have nothing to size."""
+    from inferplane.worker.embedding.encoder import load_encoder
+
+    options = engine_options(args)
+    options.validate()
+    device = options.resolve_device()
+    return load_encoder(args.model, device, options.resolve_dtype(device), max_model_len=args.max_model_len)
+
+
+def _install_engine(state: WorkerState, args: argparse.Namespace, built) -> tuple[WorkerMetrics, str]:
+    """A generative engine into the worker's state: (its metrics, the ready line's details)."""
+    from inferplane.worker.async_engine import AsyncEngine
+    from inferplane.worker.metrics import WorkerMetrics
+
+    engine, report = built
+    state.extra_stats = {k: float(v) for k, v in report.items()}
+    state.info = dict(model=state.model, runtime=args.runtime, max_model_len=engine.max_model_len,
+                      block_size=engine.block_size, architecture=engine.loaded.config.architecture,
+                      device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
+                      **(engine.tokenizer.to_wire() if engine.tokenizer is not None else {}))
+    metrics = WorkerMetrics(state.model, args.runtime, lambda: {**state.engine.last_stats, **state.extra_stats})
+    state.engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
+    return metrics, f"kv_blocks={engine.kv.num_blocks} kv_dtype={str(engine.kv_dtype).removeprefix('torch.')}"
+
+
+def _install_embedder(state: WorkerState, args: argparse.Namespace, encoder) -> tuple[WorkerMetrics, str]:
+    """An embedding model's batcher into the worker's state: (its metrics, the ready line's details)."""
+    from inferplane.worker.embedding.batcher import EmbeddingBatcher
+    from inferplane.worker.metrics import WorkerMetrics
+
+    state.info = dict(model=state.model, runtime=args.runtime, max_model_len=encoder.max_model_len,
+                      block_size=args.block_size, architecture=encoder.architecture,
+                      device=str(encoder.device), dtype=str(encoder.dtype).removeprefix("torch."),
+                      embedding_dimensions=encoder.dimensions, **encoder.tokenizer.to_wire())
+    metrics = WorkerMetrics(state.model, args.runtime, lambda: {**state.embedder.last_stats, **state.extra_stats})
+    state.embedder = EmbeddingBatcher(encoder, max_inputs=args.max_num_seqs, max_tokens=args.max_num_batched_tokens,
+                                      on_finished=metrics.observe_embedding)
+    return metrics, f"dimensions={encoder.dimensions} max_model_len={encoder.max_model_len}"
+
+
 async def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from prometheus_client import start_http_server
 
-    from inferplane.worker.async_engine import AsyncEngine
-    from inferplane.worker.metrics import WorkerMetrics
     from inferplane.worker.server import WorkerServer, WorkerState, print_line
 
+    embedding = args.runtime == "embedding"
+    build, install = (_build_embedder, _install_embedder) if embedding else (_build_engine, _install_engine)
     name = args.served_model_name or args.model
     state = WorkerState(model=name, runtime=args.runtime)
     server = WorkerServer(state, args.host, args.port)
     await server.start()
     print_line(f"worker loading: model={args.model} runtime={args.runtime} grpc={args.host}:{server.port}")
     try:
-        engine, report = await asyncio.get_running_loop().run_in_executor(None, _build_engine, args)
+        built = await asyncio.get_running_loop().run_in_executor(None, build, args)
     except Exception as exc:  # any load failure: one line, non-zero exit
         print(f"error: {exc}", file=sys.stderr, flush=True)
         await server.server.stop(0)
         return 1
-    state.extra_stats = {k: float(v) for k, v in report.items()}
-    state.info = dict(model=name, runtime=args.runtime, max_model_len=engine.max_model_len,
-                      block_size=engine.block_size, architecture=engine.loaded.config.architecture,
-                      device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
-                      **(engine.tokenizer.to_wire() if engine.tokenizer is not None else {}))
-    metrics = WorkerMetrics(name, args.runtime, lambda: {**state.engine.last_stats, **state.extra_stats})
-    state.engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
+    metrics, details = install(state, args, built)
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.host, registry=metrics.registry)
     if not server.stop_requested.is_set():
         await server.set_serving(True)
         print_line(f"worker ready: model={name} runtime={args.runtime} grpc={args.host}:{server.port} "
-                   f"metrics={args.metrics_port or 'off'} kv_blocks={engine.kv.num_blocks} "
-                   f"kv_dtype={str(engine.kv_dtype).removeprefix('torch.')}")
+                   f"metrics={args.metrics_port or 'off'} {details}")
     await server.stop_requested.wait()
     print_line("worker draining")
     await server.drain(args.drain_grace_seconds)

@@ -105,6 +105,14 @@ class WorkerMetrics:
                                          names, registry=self.registry)
         self.registry.register(_EngineStatsCollector(read_stats, labels))
 
+    def observe_embedding(self, prompt_tokens: int, seconds: float) -> None:
+        """One answered embedding request: counted with the generations' (finish reason "stop"), so
+        the request-rate and error-ratio alerts and dashboards cover embedding workers unchanged."""
+        labels = self._labels
+        self.requests.labels(**labels, outcome="ok", finish_reason="stop").inc()
+        self.prompt_tokens.labels(**labels).inc(prompt_tokens)
+        self.e2e.labels(**labels).observe(seconds)
+
     def observe_finished(self, out: StepOutput) -> None:
         labels = self._labels
         reason = out.finish_reason or "unknown"

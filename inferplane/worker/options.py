@@ -53,12 +53,14 @@ class EngineOptions:
     (api.deployment.EngineConfig), so `api.resolve` turns a spec into these flags by name.
     """
 
-    runtime: str = option("paged", "the runtime preset: KV manager and weight format", choices=tuple(PRESETS))
+    runtime: str = option("paged", "the runtime preset: KV manager and weight format (embedding: an encoder "
+                                   "model's batched forward, no KV cache)", choices=tuple(PRESETS))
     device: str = option("auto", "where the engine runs", choices=("auto", "cpu", "cuda"))
     dtype: str | None = option(None, "compute dtype (default: bfloat16 on CUDA, float32 on CPU)", choices=DTYPES)
     block_size: int = option(16, "tokens per KV block")
-    max_num_seqs: int = option(256, "sequences scheduled together")
-    max_num_batched_tokens: int = option(2048, "tokens per engine step (prefill chunks included), at most")
+    max_num_seqs: int = option(256, "sequences scheduled together (embedding: inputs per forward)")
+    max_num_batched_tokens: int = option(2048, "tokens per engine step (prefill chunks included), at most "
+                                               "(embedding: padded tokens per forward)")
     step_target_ms: int = option(500, "size prefill chunks so a step takes about this long, measured "
                                       "(decodes wait no longer behind a long prompt); 0: always the maximum")
     kv_cache_memory: int | float | str | None = option(

@@ -8,6 +8,7 @@ the parts an entry names:
 - radix:    RadixKV (prefix tree over the block pool), cache-aware ordering, dense weights.
 - cpu-int8: int8 weight-only/dynamic linear layers on the CPU; its KV manager is the preset's
             (radix) unless the `kv_manager` option names another.
+- embedding: no engine parts here: an encoder model's batched forward (worker/embedding/), no KV.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ def check_runtime(name: str) -> None:
         raise ValueError(f"runtime: {name!r} is not available; choose one of {', '.join(runtimes)}")
 
 
-def kv_manager_kind(options: EngineOptions) -> str:
-    """'paged' or 'radix': the KV manager a runtime uses."""
+def kv_manager_kind(options: EngineOptions) -> str | None:
+    """'paged' or 'radix': the KV manager a runtime uses (None: the embedding runtime keeps no KV)."""
     preset = PRESETS[options.runtime]
+    if preset.kv_manager is None:
+        return None
     kind = (options.kv_manager or preset.kv_manager) if preset.weights == "int8" else preset.kv_manager
     if kind not in ("paged", "radix"):
         raise ValueError(f"kv_manager: must be 'paged' or 'radix', got {kind!r}")
@@ -59,7 +62,10 @@ def kv_manager_kind(options: EngineOptions) -> str:
 
 def build_kv_manager(options: EngineOptions, num_blocks: int):
     check_runtime(options.runtime)
-    if kv_manager_kind(options) == "radix":
+    kind = kv_manager_kind(options)
+    if kind is None:
+        raise ValueError(f"runtime: {options.runtime} serves embedding models and builds no generation engine")
+    if kind == "radix":
         from inferplane.worker.kv.radix import RadixKV
 
         return RadixKV(num_blocks, options.block_size)

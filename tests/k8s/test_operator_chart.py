@@ -180,7 +180,7 @@ def test_every_example_reconciles_into_accepted_children(crds: Cluster, operator
     assert status["phase"] == "Progressing"
     assert set(conditions(status)) == {"Ready", "Progressing", "Degraded"}
     assert conditions(status)["Ready"]["status"] == "False"
-    assert status["selectedRuntime"] in ("paged", "radix", "cpu-int8")
+    assert status["selectedRuntime"] in ("paged", "radix", "cpu-int8", "embedding")
     # The Deployment controller took the Deployment in: a ReplicaSet exists with the pod template.
     operator.wait_for(lambda: cluster.call("GET", f"/apis/apps/v1/namespaces/{WATCHED}/replicasets",
                                   params={"labelSelector": f"inferplane.io/deployment={name}"})["items"],

@@ -107,6 +107,6 @@ def test_chosen_token_logprobs_are_within_1e_4_of_transformers(family_checkpoint
         logits = hf(ids).logits[0].float()
     reference = torch.log_softmax(logits, dim=-1)
     rows = range(len(prompt) - 1, len(prompt) - 1 + len(out.token_ids))
-    expected = [reference[r, t].item() for r, t in zip(rows, out.token_ids)]
+    expected = [reference[r, t].item() for r, t in zip(rows, out.token_ids, strict=True)]
     ours = [lp if isinstance(lp, float) else lp.logprob for lp in out.logprobs]
     assert ours == pytest.approx(expected, abs=1e-4), family

@@ -2,7 +2,8 @@
 gateway needs to prepare a request for it (tokenizer, context length) before routing.
 
 The gateway tokenizes once, so it can refuse a too-long prompt with a 400 before any worker is
-involved, and hash the prompt's leading blocks for prefix-affinity routing.
+involved, and hash the prompt's leading blocks for prefix-affinity routing. A served model's kind
+(generate or embedding, api/architectures.py) says which endpoints take it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from inferplane.api.architectures import ModelKind, model_kind
 from inferplane.api.tokenizer import TextTokenizer
 from inferplane.control_plane.errors import ModelNotFound
 
@@ -25,9 +27,19 @@ class ServedModel:
     priority: str | None = None  # the band its requests get when neither key nor tenant sets one
     created: int = field(default_factory=lambda: int(time.time()))
     owned_by: str = "inferplane"
+    kind: ModelKind = "generate"  # "embedding": /v1/embeddings only; "generate": chat and completions only
+    dimensions: int | None = None  # an embedding model's vector size
 
     def visible_to(self, tenant_id: str | None) -> bool:
         return tenant_id is None or self.owner_tenant is None or self.owner_tenant == tenant_id
+
+    @classmethod
+    def from_info(cls, name: str, info, **settings) -> ServedModel:
+        """A served model as a replica's worker.proto InfoResponse describes it (tokenizer, context,
+        kind from its architecture, vector size); `settings` are the deployment's (isolation, band)."""
+        kind = model_kind(info.architecture) or "generate"  # an architecture not listed is a generator
+        return cls(name=name, tokenizer=TextTokenizer.from_wire(info), max_model_len=info.max_model_len,
+                   kind=kind, dimensions=info.embedding_dimensions or None, **settings)
 
 
 class Catalog:

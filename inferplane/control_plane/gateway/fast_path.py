@@ -1,4 +1,4 @@
-"""Serves the two inference endpoints in front of FastAPI, as a plain ASGI app.
+"""Serves the inference endpoints (completions, chat, embeddings) in front of FastAPI, as a plain ASGI app.
 
 With one-token requests, FastAPI's per-request machinery (its telemetry and body-limit middlewares,
 route matching, dependency solving, the exception-handling layers) cost more gateway CPU than
@@ -10,13 +10,13 @@ in the same order and with the same answers, and nothing else:
   its 413 and this sees a disconnect) →
   authenticate (401/403), so that no work is done on the body of an unknown caller → decode JSON
   when the content type says JSON (400 if it is not JSON, or nested too deeply) → validate the
-  body with the same pydantic model (422) → `Completions`, cancelled if the client
+  body with the same pydantic model (400) → `Completions` or `Embeddings`, cancelled if the client
   disconnects before it has a response (a non-streaming request would otherwise generate to the
   end for nobody, holding a worker's sequence and its KV blocks; streams stop on their own).
 
 Every other request, including other methods on these paths, goes on to FastAPI. The FastAPI
 routes for these paths stay: they document the endpoints in the OpenAPI schema, and they call the
-same `Completions` methods, so the two cannot drift apart in what they send back.
+same `Completions` and `Embeddings` methods, so the two cannot drift apart in what they send back.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from starlette.responses import Response
 from inferplane.control_plane.auth import Principal
 from inferplane.control_plane.gateway.completions import Completions
 from inferplane.control_plane.gateway.context import GatewayContext, bearer
+from inferplane.control_plane.gateway.embeddings import Embeddings
 from inferplane.control_plane.gateway.errors import (
     as_error,
     error_response,
@@ -42,7 +43,7 @@ from inferplane.control_plane.gateway.errors import (
     validation_error_response,
 )
 from inferplane.control_plane.gateway.middleware import Scope, header
-from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 Handler = Callable[[Any, Principal], Awaitable[Response]]
 
@@ -68,6 +69,7 @@ class InferenceFastPath:
             "/v1/completions": _Endpoint(CompletionRequest, completions.text, routes_by_path["/v1/completions"]),
             "/v1/chat/completions": _Endpoint(ChatCompletionRequest, completions.chat,
                                               routes_by_path["/v1/chat/completions"]),
+            "/v1/embeddings": _Endpoint(EmbeddingRequest, Embeddings(ctx).create, routes_by_path["/v1/embeddings"]),
         }
 
     async def __call__(self, scope: Scope, receive, send) -> None:

@@ -10,6 +10,9 @@ reservation did not use and give the sequences back.
 Without an explicit max_tokens, the generation is capped so that its reservation fits what the
 key may spend in a minute and what the tenant has left this month: such a request is served
 (shorter) rather than refused.
+
+An embeddings request takes the same path (`prepare_embedding`, then `embed`): the same keys,
+limits, quota, routing and usage, its reservation and its bill being its input tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from inferplane.api.architectures import ModelKind
 from inferplane.api.priority import DEFAULT_BAND, resolve_band
 from inferplane.control_plane.auth import SCOPE_INFER, Principal
 from inferplane.control_plane.autoscale.activator import Activator
@@ -116,6 +120,21 @@ class InferenceService:
         self.metrics = metrics
         self.sequences = sequences or InProcessSequenceLimiter()
 
+    def served(self, principal: Principal, model_name: str, kind: ModelKind) -> ServedModel:
+        """The model a request names, if the principal may infer and the model is of the kind the
+        endpoint serves (400 naming `model` otherwise: a chat request to an embedding model, or an
+        embeddings request to a generative one)."""
+        principal.require(SCOPE_INFER)
+        model = self.catalog.get(model_name, principal.tenant_id)
+        if model.kind != kind:
+            if model.kind == "embedding":
+                message = f"model {model.name!r} is an embedding model; use /v1/embeddings"
+            else:
+                message = (f"model {model.name!r} is a generative model (chat and completions); /v1/embeddings "
+                           "needs an embedding model")
+            raise GatewayError(400, message, "wrong_model_kind", "model")
+        return model
+
     async def prepare(self, principal: Principal, model_name: str, *, prompt: str | None = None,
                       messages: list[dict[str, str]] | None = None, max_tokens: int | None = None,
                       prompt_ids: list[int] | None = None, prompts: list[str | list[int]] | None = None,
@@ -124,8 +143,7 @@ class InferenceService:
         worker checks against its vocabulary) or `prompts` (several of either); `n` choices each.
         `tools`: rendered through a chat template that has a tool-call format (tool_formats.py),
         with the messages in the form such templates read."""
-        principal.require(SCOPE_INFER)
-        model = self.catalog.get(model_name, principal.tenant_id)
+        model = self.served(principal, model_name, "generate")
         fmt = tool_format(model.tokenizer.chat_template) if tools is not None else None
         if messages is not None:
             try:
@@ -141,27 +159,45 @@ class InferenceService:
         param = "messages" if messages is not None else "prompt"
         token_lists = [list(p) if isinstance(p, list) else model.tokenizer.encode(p) for p in prompts]
         room = min(self._room(model, token_ids, max_tokens, param) for token_ids in token_lists)
-        limits = _limits(principal)
-        tenant = principal.tenant_id
         prompt_tokens = sum(len(t) for t in token_lists)
         choices = len(token_lists) * n
-        try:
+        with self._counted_refusal(principal):
             max_tokens = max_tokens if max_tokens is not None else self._implicit_max_tokens(
-                principal, limits, prompt_tokens, room, choices)
-            prepared = PreparedRequest(uuid.uuid4().hex, principal, model, token_lists, max_tokens, n=n,
-                                       reserved=prompt_tokens + choices * max_tokens, tool_format=fmt,
-                                       priority=resolve_band(principal.priority, principal.tenant_priority,
-                                                             model.priority))
+                principal, _limits(principal), prompt_tokens, room, choices)
+        prepared = PreparedRequest(uuid.uuid4().hex, principal, model, token_lists, max_tokens, n=n,
+                                   reserved=prompt_tokens + choices * max_tokens, tool_format=fmt,
+                                   priority=resolve_band(principal.priority, principal.tenant_priority, model.priority))
+        await self.admit(prepared, sequences=choices)
+        return prepared
+
+    async def prepare_embedding(self, principal: Principal, model: ServedModel,
+                                token_lists: list[list[int]]) -> PreparedRequest:
+        """An embeddings request, its inputs already tokenized and checked (embeddings.py): it
+        reserves its input tokens (nothing is generated) and holds one sequence however many inputs
+        it has, since its inputs run in a few forwards and keep nothing on the worker afterwards."""
+        prepared = PreparedRequest(uuid.uuid4().hex, principal, model, token_lists, max_tokens=0,
+                                   reserved=sum(len(t) for t in token_lists),
+                                   priority=resolve_band(principal.priority, principal.tenant_priority, model.priority))
+        await self.admit(prepared, sequences=1)
+        return prepared
+
+    async def admit(self, prepared: PreparedRequest, *, sequences: int) -> None:
+        """Holds the request's `sequences` against the key's and tenant's concurrency limits, then
+        reserves `prepared.reserved` tokens against the tenant's quota and the key's token limit
+        (429 or 400 when refused, and nothing held then)."""
+        principal = prepared.principal
+        tenant = principal.tenant_id
+        with self._counted_refusal(principal):
             # Sequences first: unlike a rate-limit admission, a hold is given back without a trace
             # when a later check refuses the request.
             prepared.hold = await self.sequences.acquire(principal.key_id, tenant, _sequence_limits(principal),
-                                                         choices)
+                                                         sequences)
             try:
                 if self.quota is not None and tenant is not None:
                     self.quota.reserve(tenant, prepared.reserved)
                 if principal.key_id is not None:
                     try:
-                        await self.limiter.admit(principal.key_id, limits, tokens=prepared.reserved)
+                        await self.limiter.admit(principal.key_id, _limits(principal), tokens=prepared.reserved)
                     except BaseException:
                         if self.quota is not None and tenant is not None:
                             self.quota.release(tenant, prepared.reserved)
@@ -169,6 +205,13 @@ class InferenceService:
             except BaseException:
                 self._release_sequences(prepared)
                 raise
+        self._count_admission(principal, "admitted")
+
+    @contextlib.contextmanager
+    def _counted_refusal(self, principal: Principal) -> Iterator[None]:
+        """Counts a refusal by a limit (concurrency, quota, rate) in the key's admission metric."""
+        try:
+            yield
         except ConcurrencyLimited:
             self._count_admission(principal, "concurrency_limited")
             raise
@@ -178,8 +221,6 @@ class InferenceService:
         except RateLimited:
             self._count_admission(principal, "rate_limited")
             raise
-        self._count_admission(principal, "admitted")
-        return prepared
 
     @staticmethod
     def _room(model: ServedModel, token_ids: list[int], max_tokens: int | None, param: str) -> int:
@@ -275,6 +316,31 @@ class InferenceService:
         finally:
             self._account(prepared, completion_tokens, served)
 
+    async def embed(self, prepared: PreparedRequest) -> worker_pb2.EmbedResponse:
+        """The inputs' vectors from one replica, routed by load alone (an encoder keeps no prefix
+        cache to aim for) and retried elsewhere while no replica has answered, as a stream is
+        before its first message; settled once answered or failed (usage: the input tokens)."""
+        model = prepared.model
+        request = worker_pb2.EmbedRequest(request_id=prepared.request_id,
+                                          inputs=[worker_pb2.TokenIds(ids=ids) for ids in prepared.prompts])
+
+        async def call(endpoint) -> AsyncIterator[worker_pb2.EmbedResponse]:
+            yield await self.channels.stub(endpoint.address).Embed(request, timeout=self.request_timeout)
+
+        answer: worker_pb2.EmbedResponse | None = None
+        try:
+            await self.activator.wait_for_replica(model.name, lambda: self.router.has_replicas(model.name))
+            # Read to the end (one message), so the replica's lease is released as a success.
+            async for message in route_and_stream(self.router, RouteRequest(model.name), call):
+                answer = message
+        except grpc.aio.AioRpcError as exc:
+            raise _worker_error(exc) from exc
+        finally:
+            self.settle(prepared, 0, served=answer is not None)
+        if answer is None or len(answer.embeddings) != len(prepared.prompts):
+            raise GatewayError(503, "the model replica answered without every input's embedding", "upstream_error")
+        return answer
+
     def _account(self, prepared: PreparedRequest, completion_tokens: int, served: bool) -> None:
         self.settle(prepared, completion_tokens, served=served)
 
@@ -346,7 +412,9 @@ async def merged(streams: list[AsyncIterator[worker_pb2.GenerateResponse]],
 
 def _worker_error(exc: grpc.aio.AioRpcError) -> GatewayError:
     code = exc.code()
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
+    # FAILED_PRECONDITION: the replica serves the other kind of model (Generate to an embedding
+    # worker, or Embed to a generative one), which the catalog should have caught: the request's 400.
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
         details = exc.details() or "invalid request"
         return GatewayError(400, details, "invalid_value", details.split(":", 1)[0] if ":" in details else None)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -32,7 +32,6 @@ import grpc
 
 from inferplane.api.deployment import GROUP, PLURAL, VERSION, InferenceDeploymentSpec, SpecError
 from inferplane.api.resolve import resolve, served_cache_isolation, served_priority
-from inferplane.api.tokenizer import TextTokenizer
 from inferplane.control_plane.autoscale.autoscaler import Autoscaler
 from inferplane.control_plane.autoscale.settings import AutoscaleSettings, autoscale_settings, watch
 from inferplane.control_plane.gateway.catalog import Catalog, ServedModel
@@ -284,8 +283,7 @@ class KubernetesCatalogSync:
             info = await self._fetch_info(addresses)
             if info is None or self._table.get(model) != members:
                 continue  # no replica answered (next round retries), or the model changed meanwhile
-            entry = ServedModel(name=model, tokenizer=TextTokenizer.from_wire(info), max_model_len=info.max_model_len,
-                                cache_isolation=isolation, priority=band)
+            entry = ServedModel.from_info(model, info, cache_isolation=isolation, priority=band)
             if previous is not None:
                 entry.created = previous.created  # /v1/models shows when the model appeared, not the last refresh
             self.catalog.put(entry)

@@ -311,3 +311,81 @@ class ChatCompletionRequest(_Sampling):
 
     def default_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on the inputs of one embeddings request
+_INPUT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+
+
+def _input_error(message: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_value", "{message}", {"message": message})
+
+
+def _token_ids(value: list, where: str) -> list[int]:
+    """A list of token ids (not bools, within the wire's uint32), or a 400 naming `where` ("" for
+    the one input, "item 3: " for one of several)."""
+    for token in value:
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise _input_error(f"{where}token ids must be integers, got {type(token).__name__} {token!r}")
+        if not 0 <= token <= UINT32_MAX:
+            raise _input_error(f"{where}token ids must be in [0, 2**32), got {token}")
+    return value
+
+
+class EmbeddingRequest(_Base):
+    """OpenAI's embeddings body. `input` is checked by hand, before pydantic's union, so that a
+    wrong shape gets one sentence naming what is wrong (an empty string, item 3, a mix), not
+    four union branches' errors."""
+
+    model: str = Field(min_length=1)
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        description=f"{_INPUT_SHAPES}; at most {MAX_EMBEDDING_INPUTS} inputs, none empty")
+    encoding_format: Literal["float", "base64"] = Field(
+        default="float", description="base64: each vector's float32 values, little-endian, base64-encoded")
+    dimensions: int | None = Field(default=None, ge=1, le=UINT32_MAX, description=(
+        "only the model's own size, unless the model is trained to be shortened (Matryoshka)"))
+    user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data: Any) -> Any:
+        where = lone_surrogate_at(data)
+        if where:
+            raise PydanticCustomError("invalid_value", "{where}: not valid Unicode text (a lone UTF-16 surrogate)",
+                                      {"where": where, "param": where.split(".", 1)[0]})
+        return data
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _inputs(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            if not value:
+                raise _input_error("must not be an empty string")
+            return value
+        if not isinstance(value, list):
+            raise _input_error(f"must be {_INPUT_SHAPES}")
+        if not value:
+            raise _input_error("must not be an empty list")
+        if len(value) > MAX_EMBEDDING_INPUTS:
+            raise _input_error(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(value)}")
+        if all(isinstance(v, int) for v in value):
+            return _token_ids(value, "")  # one input as token ids
+        kinds = {type(v) for v in value}
+        if kinds not in ({str}, {list}):
+            raise _input_error(f"must be {_INPUT_SHAPES}" + (", not a mix" if len(kinds) > 1 else ""))
+        for i, item in enumerate(value):
+            if not item:
+                raise _input_error(f"item {i} is empty")
+            if isinstance(item, list):
+                _token_ids(item, f"item {i}: ")
+        return value
+
+    @property
+    def inputs(self) -> list[str] | list[list[int]]:
+        """Every input, in order: all text or all token-id lists."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if value and isinstance(value[0], int):
+            return [value]  # type: ignore[list-item]
+        return list(value)  # type: ignore[arg-type]

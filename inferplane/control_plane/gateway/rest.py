@@ -39,10 +39,11 @@ from inferplane.control_plane.gateway.admin_types import (
 from inferplane.control_plane.gateway.alerts_api import alerts_router
 from inferplane.control_plane.gateway.completions import Completions
 from inferplane.control_plane.gateway.context import GatewayContext, bearer
+from inferplane.control_plane.gateway.embeddings import Embeddings
 from inferplane.control_plane.gateway.errors import ERROR_RESPONSES, error_response, install_error_handlers
 from inferplane.control_plane.gateway.fast_path import InferenceFastPath
 from inferplane.control_plane.gateway.middleware import LimitsAndMetrics
-from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 # Admin bodies are strict and every string has a maximum length (admin_types: the limits, once);
 # integers the database stores as 64-bit stop at INT64_MAX. Either way a 422 naming the field.
@@ -158,20 +159,13 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         principal.require(SCOPE_MODELS_READ)
         return {"object": "list", "data": [_model_card(m) for m in ctx.catalog.visible(principal.tenant_id)]}
 
-    @app.post("/v1/embeddings", include_in_schema=False)
-    async def embeddings(principal: Principal = Depends(tenant)):
-        """No served model embeds: a 404 that says so and names what is served, not a bare Not Found."""
-        served = ", ".join(sorted(m.name for m in ctx.catalog.visible(principal.tenant_id))) or "none"
-        return error_response(404, "embeddings are not served: every model here is generative (chat and "
-                                   f"completions); served models: {served}", "model_not_found", "model")
-
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, principal: Principal = Depends(tenant)):
         principal.require(SCOPE_MODELS_READ)
         return _model_card(ctx.catalog.get(model_id, principal.tenant_id))
 
     # Documented here; served by the fast path in front of FastAPI (fast_path.py), which calls the
-    # same Completions methods. These routes still answer when the app runs without the fast path.
+    # same Completions and Embeddings methods. These routes still answer when the app runs without the fast path.
     completions_api = Completions(ctx)
 
     @app.post("/v1/completions", responses=_STREAMABLE)
@@ -181,6 +175,13 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     @app.post("/v1/chat/completions", responses=_STREAMABLE)
     async def chat_completions(body: ChatCompletionRequest, principal: Principal = Depends(tenant)):
         return await completions_api.chat(body, principal)
+
+    embeddings_api = Embeddings(ctx)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, principal: Principal = Depends(tenant)):
+        """OpenAI's embeddings, from a model deployed with kind: embedding."""
+        return await embeddings_api.create(body, principal)
 
     @app.get("/v1/usage")
     def get_usage(days: int = 31, principal: Principal = Depends(tenant)):
