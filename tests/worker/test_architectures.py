@@ -110,3 +110,28 @@ def test_chosen_token_logprobs_are_within_1e_4_of_transformers(family_checkpoint
     expected = [reference[r, t].item() for r, t in zip(rows, out.token_ids, strict=True)]
     ours = [lp if isinstance(lp, float) else lp.logprob for lp in out.logprobs]
     assert ours == pytest.approx(expected, abs=1e-4), family
+
+
+def test_cpu_int8_smoothing_keeps_each_family_and_converts_every_linear_experts_included(family_checkpoint):
+    """cpu-int8 on each family: smoothing folds into the norm that really feeds each linear (Gemma's
+    pre-feedforward norm, not its post-attention one) so the float model is unchanged; then every
+    linear, each expert's too, becomes int8 and the logits stay close to float's."""
+    from torch import nn
+
+    from inferplane.worker.model.loader import load_model
+    from inferplane.worker.quant.convert import convert_model
+    from inferplane.worker.quant.gate import sequence_logits
+    from inferplane.worker.quant.smooth import input_absmax, smooth_llama
+
+    family, path = family_checkpoint
+    loaded = load_model(path, torch.device("cpu"), torch.float32)
+    ids = prompts_of_lengths([40], VOCAB, seed=9)[0]
+    before = sequence_logits(loaded.model, ids)
+    smooth_llama(loaded.model, input_absmax(loaded.model, ids), alpha=0.5)
+    torch.testing.assert_close(sequence_logits(loaded.model, ids), before, rtol=1e-4, atol=1e-4)
+
+    convert_model(loaded.model, measure_dispatch=False)
+    assert not [n for n, m in loaded.model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"], family
+    after = sequence_logits(loaded.model, ids)
+    cosine = torch.nn.functional.cosine_similarity(after.flatten(), before.flatten(), dim=0).item()
+    assert cosine >= 0.99, f"{family}: int8 logits cosine {cosine:.4f} against float"
