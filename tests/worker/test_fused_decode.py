@@ -1,5 +1,5 @@
 """The whole-model fused decode (model/fused_decode.py, native ip_decode_layers): one C call per
-decode step, the same bits as the layers op by op, its pointer plan built once and rebuilt when a
+decode step, the same answers as the layers op by op, its pointer plan built once and rebuilt when a
 layer's modules change, and runs of fusable layers around one that must run op by op."""
 
 from __future__ import annotations
@@ -32,6 +32,17 @@ def _record_calls(kernels, monkeypatch) -> list[tuple[int, int]]:
     return calls
 
 
+def assert_same_answers(fused, op_by_op) -> None:
+    """Same tokens, and logprobs within 1e-5. Not bit for bit: on an AVX2 EPYC the first token's
+    logprob, which comes from a prefill step (the same op-by-op code in both runs, before any fused
+    decode), differed by 2e-7 between the two runs in some test orders and not in others. The likely
+    cause is PyTorch's float GEMM, which does not promise the same bits from call to call (MKL's
+    path depends on buffer alignment); not proven. Issue 32 asked for tests that hold on every CPU."""
+    assert [tokens for tokens, _ in fused] == [tokens for tokens, _ in op_by_op]
+    for (_, a), (_, b) in zip(fused, op_by_op, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+
+
 def _op_by_op(llm, prompts, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(fused_decode.FusedDecode, "forward", lambda *a, **k: None)
@@ -50,7 +61,7 @@ def test_a_decode_step_is_one_call_whose_plan_is_built_once(model, request, isa_
     assert calls and {layers for _, layers in calls} == {3}  # every layer in the one call
     assert max(rows for rows, _ in calls) == len(prompts)
     assert plan.builds == builds  # steps and requests reuse it: nothing reassigns a module while serving
-    assert fused == _op_by_op(llm, prompts, monkeypatch)
+    assert_same_answers(fused, _op_by_op(llm, prompts, monkeypatch))
 
 
 def test_a_swapped_layer_rebuilds_the_plan_and_a_layer_off_its_kernel_runs_op_by_op(tiny_llama, isa_kernels,  # noqa: F811
@@ -77,4 +88,4 @@ def test_a_swapped_layer_rebuilds_the_plan_and_a_layer_off_its_kernel_runs_op_by
     assert {(rows, layers) for rows, layers in calls if rows >= 2} == {(rows, 1) for rows, _ in calls if rows >= 2}
     assert {layers for rows, layers in calls if rows == 1} <= {3}  # below the crossover: all three fused
     assert max(rows for rows, _ in calls) == len(prompts)
-    assert fused == _op_by_op(llm, prompts, monkeypatch)
+    assert_same_answers(fused, _op_by_op(llm, prompts, monkeypatch))
