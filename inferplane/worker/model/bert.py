@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferplane.worker.model.config import ModelLoadError
+from inferplane.worker.model.safetensors_files import read_safetensors
 
 # HF's names for the activations BERT checkpoints use.
 _ACTIVATIONS = {
@@ -219,23 +220,6 @@ def _fill(model: BertModel, tensors: Iterable[tuple[str, torch.Tensor]], dtype: 
         raise ModelLoadError(f"weights missing from the checkpoint: {', '.join(sorted(missing)[:5])}")
 
 
-def _safetensors(folder: str) -> Iterable[tuple[str, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import safe_open
-
-    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
-    if not files:
-        raise ModelLoadError(f"{folder} has no .safetensors weights")
-    for file in files:
-        path = os.path.join(folder, file)
-        try:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except (SafetensorError, OSError) as exc:
-            raise ModelLoadError(f"cannot read {path}: {exc}") from exc
-
-
 def read_config(folder: str) -> dict:
     path = os.path.join(folder, "config.json")
     try:
@@ -253,5 +237,5 @@ def load_bert(folder: str, device: torch.device, dtype: torch.dtype) -> BertMode
     with torch.device("meta"):
         model = BertModel(config)
     model = model.to_empty(device=device).to(dtype)
-    _fill(model, _safetensors(folder), dtype)
+    _fill(model, read_safetensors(folder), dtype)
     return model.eval()

@@ -16,6 +16,7 @@ from inferplane.api.tokenizer import TextTokenizer
 from inferplane.worker.model.config import ModelConfig, ModelLoadError
 from inferplane.worker.model.hf_weights import hf_tensors_for
 from inferplane.worker.model.llama import LlamaForCausalLM, Rotary, local_rotary
+from inferplane.worker.model.safetensors_files import read_safetensors
 from inferplane.worker.model.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,31 +56,6 @@ class LoadedModel:
     tokenizer: TextTokenizer | None
 
 
-def _safetensors_files(folder: str) -> list[str]:
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(folder, s) for s in shards]
-    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
-    if not files:
-        raise ModelLoadError(f"{folder} has no .safetensors weights")
-    return [os.path.join(folder, f) for f in files]
-
-
-def _hf_tensors(folder: str) -> Iterable[tuple[str, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import safe_open
-
-    for path in _safetensors_files(folder):
-        try:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except (SafetensorError, OSError) as exc:
-            raise ModelLoadError(f"cannot read {path}: {exc}") from exc
-
-
 def _fill(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
     params = dict(model.named_parameters())
     missing = set(params)
@@ -113,7 +89,7 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, max_positio
                 config = ModelConfig.from_hf(json.load(f))
         except (json.JSONDecodeError, KeyError) as exc:
             raise ModelLoadError(f"{cfg_path} is not a valid model config: {exc}") from exc
-        tensors = hf_tensors_for(config, _hf_tensors(path))
+        tensors = hf_tensors_for(config, read_safetensors(path))
         tokenizer = load_hf_tokenizer(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
     elif path.endswith(".gguf"):
         from inferplane.worker.model.gguf_file import config_from_gguf, load_gguf_tensors, open_gguf
