@@ -47,8 +47,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ppl-tokens", type=int, default=1024,
                    help="evaluation tokens for the perplexity rise (0: skip)")
     p.add_argument("--skip-hf", action="store_true", help="leave out HF transformers")
-    p.add_argument("--peer", choices=["llama.cpp"], action="append", default=[],
-                   help="add a peer engine (needs the optional dependency llama-cpp-python)")
+    p.add_argument("--peer", choices=["llama.cpp", "llama.cpp-native"], action="append", default=[],
+                   help="add a peer engine: llama.cpp (the optional dependency llama-cpp-python) or "
+                        "llama.cpp-native (llama.cpp's own tools built for this CPU by scripts/build_llama_cpp.sh, "
+                        "which measure themselves)")
     p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens for the prefill figure (0: skip)")
     p.add_argument("--isa", default=None,
                    help="our kernels' ISA (avx512-vnni, avx2-vnni, avx2); default: the best this CPU has")
@@ -175,6 +177,30 @@ def _load_peers(args, gguf: Path, threads: int, max_seqs: int, seq_len: int) -> 
     return peers
 
 
+def _load_native_peers(args, gguf: Path, threads: int, tokenizer) -> dict[str, object]:
+    """`--peer llama.cpp-native`: the same two files (Q8_0 copy, the model's own) for llama.cpp's
+    command-line tools (bench/llama_cpp_cli.py); their figures are their own measurements."""
+    from inferplane.bench import llama_cpp_cli
+
+    if "llama.cpp-native" not in args.peer:
+        return {}
+    why = llama_cpp_cli.available()
+    if why is not None:
+        print(f"llama.cpp-native: left out: {why}")
+        return {}
+    bin_dir = llama_cpp_cli.find_binaries()
+    print(f"llama.cpp-native: {bin_dir} ({llama_cpp_cli.build_info(bin_dir)})")
+    peers: dict[str, object] = {}
+    q8 = llama_cpp_cli.quantized_copy(gguf, "Q8_0", Path(args.cache_dir), threads, bin_dir)
+    own = gguf.stem.rsplit(".", 1)[-1] if "." in gguf.stem else "file"
+    detokenize = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    for label, path in (("llama.cpp-native Q8_0", q8), (f"llama.cpp-native {own}", gguf)):
+        peer = llama_cpp_cli.LlamaCppCli(path, threads, bin_dir, detokenize)
+        print(f"{label} loaded in {peer.load_seconds:.1f}s ({path.name}, {path.stat().st_size / 2**20:.0f} MiB)")
+        peers[label] = peer
+    return peers
+
+
 def bytes_read_per_token(llm) -> float:
     """Weight bytes one batch-1 decode step reads: the converted linears (int8 or the file's 4-bit
     blocks, the head among them when it is int8) plus a float head read in full."""
@@ -249,10 +275,12 @@ def main(argv: list[str]) -> int:
         loads["HF float32 generate"] = time.perf_counter() - start
         print(f"HF transformers loaded in {loads['HF float32 generate']:.1f}s")
     peers = _load_peers(args, Path(dense.engine.loaded.path), threads, max(batches), seq_len)
-    loads.update({name: peer.load_seconds for name, peer in peers.items()})
+    measured = _load_native_peers(args, Path(dense.engine.loaded.path), threads, dense.tokenizer)
+    loads.update({name: peer.load_seconds for name, peer in {**peers, **measured}.items()})
 
     tokens = gate.eval_tokens(dense.tokenizer)
-    names = [*variants, "float32 engine"] + ([] if hf is None else ["HF float32 generate"]) + list(peers)
+    names = [*variants, "float32 engine"] + ([] if hf is None else ["HF float32 generate"])
+    names += [*peers, *measured]
     rates: dict[tuple[str, int], float] = {}
     for batch in batches:
         prompts = _prompts(tokens, batch, args.prompt_len)
@@ -261,6 +289,9 @@ def main(argv: list[str]) -> int:
         if hf is not None:
             generators["HF float32 generate"] = _hf(hf, prompts)
         generators.update({name: _llama_cpp(peer, prompts) for name, peer in peers.items()})
+        # llama.cpp-native takes its turn in each round (one llama-batched-bench run); its figure is the tool's own
+        generators.update({name: peer.decode_turn(batch, args.prompt_len, args.new_tokens)
+                           for name, peer in measured.items()})
         for name, rate in decode_rates(generators, batch, args.new_tokens, args.repeats).items():
             rates[(name, batch)] = rate
     prefill: dict[str, float] = {}
@@ -268,7 +299,12 @@ def main(argv: list[str]) -> int:
         prompt = _prompts(tokens, 1, args.prefill_len)
         generators = {name: _ours(llm, prompt) for name, llm in [*variants.items(), ("float32 engine", dense)]}
         generators.update({name: _llama_cpp(peer, prompt) for name, peer in peers.items()})
+        generators.update({name: peer.prefill_turn(args.prefill_len) for name, peer in measured.items()})
         prefill = prefill_rates(generators, args.prefill_len, args.repeats)
+    for name, peer in measured.items():  # what llama.cpp's tools reported, not the rounds' wall time
+        rates.update({(name, b): rate for b, rate in peer.decode_best.items()})
+        if peer.prefill_best:
+            prefill[name] = peer.prefill_best
 
     columns = [f"batch {b}" for b in batches] + (["prefill"] if prefill else []) + ["load s"]
 
@@ -281,6 +317,13 @@ def main(argv: list[str]) -> int:
 
     _print_table("tokens/s (decode by batch size; prefill of one prompt of "
                  f"{args.prefill_len} tokens) and load time", names, columns, cell)
+    if measured:
+        peer = next(iter(measured.values()))
+        print(f"(llama.cpp-native rows: figures from llama-batched-bench and llama-bench themselves, not our timing of "
+              f"generate(); each tool run took its turn in the same interleaved rounds. Decode: S_TG t/s of "
+              f"`{peer.runs.get('decode')}` (random tokens, a separate prompt per sequence), "
+              f"fastest of {max(peer.decode_runs.values(), default=0)} runs. Prefill: `{peer.runs.get('prefill')}`, "
+              f"fastest of {len(peer.prefill_runs)} runs. Load s: llama.cpp's own load time.)")
 
     print("\nratios (target)")
     ok = {name: True for name in variants}
@@ -298,7 +341,7 @@ def main(argv: list[str]) -> int:
                 met = "met" if r >= TARGET_VS_OURS_AT_16 else "MISSED"
                 verdict = f" (>= {TARGET_VS_OURS_AT_16:.0f}x: {met})"
             print(f"  {name:20} batch {b:>2}: / our float32 = {r:5.2f}x{verdict}")
-            for peer in peers:
+            for peer in [*peers, *measured]:
                 r = rates[(name, b)] / rates[(peer, b)]
                 target = TARGET_VS_LLAMA_CPP.get(b) if peer.endswith("Q8_0") else None
                 verdict = ""
@@ -306,7 +349,7 @@ def main(argv: list[str]) -> int:
                     ok[name] &= r >= target
                     verdict = f" (>= {target:.1f}x: {'met' if r >= target else 'MISSED'})"
                 print(f"  {name:20} batch {b:>2}: / {peer} = {r:5.2f}x{verdict}")
-        for peer in peers:
+        for peer in [*peers, *measured]:
             if name in prefill and peer in prefill:
                 print(f"  {name:20} prefill : / {peer} = {prefill[name] / prefill[peer]:5.2f}x")
 
@@ -323,7 +366,7 @@ def main(argv: list[str]) -> int:
             met = "met" if fraction >= TARGET_FRACTION_OF_BOUND else "MISSED"
             print(f"  {name:20} batch  1: {rates[(name, 1)]:.1f} tokens/s x {per_token / 1e6:.1f} MB per token = "
                   f"{fraction:.2f} of the bound {bound:.0f} tokens/s (>= {TARGET_FRACTION_OF_BOUND}: {met})")
-        for name, peer in peers.items():
+        for name, peer in {**peers, **measured}.items():
             per_token = peer.weight_bytes()
             if per_token:
                 print(f"  {name:20} batch  1: {rates[(name, 1)] * per_token / bandwidth:.2f} of its bound "
@@ -350,11 +393,15 @@ def main(argv: list[str]) -> int:
         for name, peer in peers.items():
             ppl = peer.perplexity(tokens[: args.ppl_tokens], gate.DEFAULT_WINDOW)
             print(f"{name}: perplexity {ppl:.3f} on the same {min(args.ppl_tokens, len(tokens))} tokens")
+        for name, peer in measured.items():
+            ppl = peer.perplexity(tokens[: args.ppl_tokens], gate.DEFAULT_WINDOW)
+            print(f"{name}: perplexity {ppl:.3f} ({peer.perplexity_note}, detokenized with the model's tokenizer "
+                  "and tokenized again by llama.cpp; its estimator, not the windows of the lines above)")
     complete = hf is not None and {1, 16} <= set(batches) and args.ppl_tokens > 0
     for name, met in ok.items():
         verdict = "NOT met" if not met else ("met" if complete else "met where measured (not all were)")
         print(f"\n{name}: all targets {verdict}", end="")
     print(f"\n(kernels: {native.chosen_isa() or 'none'}; timings on a shared, busy 2-core machine are noisy)")
-    for peer in peers.values():
+    for peer in [*peers.values(), *measured.values()]:
         peer.close()
     return 0
