@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -77,38 +78,97 @@ class TextTokenizer:
                    eos_token=info.eos_token or None, add_bos=info.add_bos, special_ids=specials)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
-        """The prompt text; `tools` (OpenAI's tool objects) go to templates that render them."""
+                            tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text; `tools` (OpenAI's tool objects) go to templates that render them.
+        `template_kwargs` become template variables, as transformers' `apply_chat_template(**kwargs)`
+        makes them (Qwen3's `enable_thinking`), except the names this renderer sets itself."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
+        check_template_kwargs(template_kwargs)
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise ValueError(f"messages[{i}] must have 'role' and 'content'")
         return _render_chat(self.chat_template, messages, add_generation_prompt, self.bos_token, self.eos_token,
-                            tools)
+                            tools, template_kwargs)
+
+
+# The variables `_render_chat` sets, and the globals of its environment (`raise_exception` and
+# Jinja's own: range, namespace, ...): a caller's template variables may not replace them, since a
+# template relies on them (a `bos_token` or `messages` sent in a request would rewrite the prompt
+# around the messages' own checks, a string named `namespace` would break the template).
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
+
+
+def reserved_template_variable(name: str) -> bool:
+    """Whether a caller may not set `name` (the gateway's request model refuses it with a 400)."""
+    return name in RESERVED_TEMPLATE_VARIABLES or name in _chat_environment().globals
+
+
+def check_template_kwargs(template_kwargs: dict[str, Any] | None) -> None:
+    """ValueError naming `chat_template_kwargs.<name>` for a variable that is not a string or is
+    one the renderer sets itself; values are the template's business (transformers passes them as they are)."""
+    if template_kwargs is None:
+        return
+    if not isinstance(template_kwargs, dict):
+        raise ValueError("chat_template_kwargs: must be an object of template variables, "
+                         f"got {type(template_kwargs).__name__}")
+    for name in template_kwargs:
+        if not isinstance(name, str):
+            raise ValueError(f"chat_template_kwargs: variable names must be strings, got {name!r}")
+        if reserved_template_variable(name):
+            raise ValueError(f"chat_template_kwargs.{name}: set by the server's chat template renderer; "
+                             "it cannot be overridden")
 
 
 def _raise_exception(message: str):
     raise ValueError(f"chat template: {message}")
 
 
+@functools.lru_cache(maxsize=1)
+def _chat_environment():
+    """The one sandbox every chat template compiles in (its globals are the reserved names' other half).
+
+    It offers what transformers' renderer offers, so that a model's template renders as it does
+    there: `{% break %}`/`{% continue %}`, `strftime_now` (Llama 3.x's date line) and a `tojson` that
+    keeps key order and non-ASCII text (Jinja's own sorts keys and escapes `<`, which changes the
+    tool lists Qwen and Hermes templates print)."""
+    import datetime
+    import json
+
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
+
+
 @functools.lru_cache(maxsize=64)
 def _compiled_chat(template: str):
     """The template compiled once: compiling took milliseconds of the gateway's event loop per chat
     request, rendering takes microseconds. (A compiled jinja2 template renders safely from any thread.)"""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise_exception
-    return env.from_string(template)
+    return _chat_environment().from_string(template)
 
 
 def _render_chat(template: str, messages, add_generation_prompt: bool, bos: str | None, eos: str | None,
-                 tools: list[dict] | None = None) -> str:
-    return _compiled_chat(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos or "", eos_token=eos or "",
-        tools=tools or None,
-    )
+                 tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+    """A template that fails on what a request gave it (a variable of a type it cannot use, a message
+    it cannot read) is the request's ValueError, a 400, not the server's crash."""
+    from jinja2 import TemplateError
+
+    # The renderer's own variables last, so that they win over a caller's (check_template_kwargs
+    # refuses those names first, naming them).
+    context = {**(template_kwargs or {}), "messages": messages, "add_generation_prompt": add_generation_prompt,
+               "bos_token": bos or "", "eos_token": eos or "", "tools": tools or None}
+    try:
+        return _compiled_chat(template).render(context)
+    except (TemplateError, TypeError) as exc:
+        raise ValueError(f"chat template: could not render the request: {exc}") from exc
 
 
 class IncrementalDetokenizer:

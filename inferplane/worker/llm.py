@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from typing import Any
 
 from inferplane.worker.engine import Engine
 from inferplane.worker.model.loader import load_model
@@ -84,12 +85,17 @@ class LLM:
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-             cache_salt: str = "") -> list[RequestOutput]:
+             cache_salt: str = "", chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Each conversation through the model's chat template, then `generate`.
+        `chat_template_kwargs`: extra template variables, as vLLM's `LLM.chat` takes them (Qwen3's
+        `enable_thinking=False`); the renderer's own names (messages, bos_token, ...) are refused."""
         if self.tokenizer is None:
             raise ValueError("chat: this model has no tokenizer")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True,
+                                                      template_kwargs=chat_template_kwargs)
+                   for c in conversations]
         return self.generate(prompts, params, cache_salt=cache_salt)
 
     def stats(self) -> dict[str, float]:

@@ -37,6 +37,7 @@ SHAPING = {
     "stream_options": "the usage chunk (tests/e2e/test_platform_openai.py)",
     "tools": "the functions tool_choice may force (tests/e2e/test_structured_outputs.py)",
     "parallel_tool_calls": "one call per answer either way (README: differs from OpenAI)",
+    "chat_template_kwargs": "the prompt, as the chat template's variables (tests/control_plane/test_openai_answers.py)",
     "user": "OpenAI's end-user id for abuse monitoring; no effect on the output in OpenAI either",
     "echo": "the prompt first in the answer, with its logprobs if asked (tests/e2e/test_openai_sampling.py)",
 }

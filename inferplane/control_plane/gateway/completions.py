@@ -426,7 +426,8 @@ class Completions:
         except ValueError as exc:
             return error_response(400, str(exc), "invalid_value", "messages")
         prepared = await self.ctx.inference.prepare(principal, body.model, messages=messages, n=body.n,
-                                                    max_tokens=body.default_max_tokens(), tools=tools)
+                                                    max_tokens=body.default_max_tokens(), tools=tools,
+                                                    chat_template_kwargs=body.chat_template_kwargs)
         with self.ctx.inference.settled_on_error(prepared):
             params = body.sampling_params(prepared.max_tokens, want_logprobs=body.logprobs)
             return await self._respond(_ChatShape(body, prepared), params)

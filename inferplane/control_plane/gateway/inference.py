@@ -22,11 +22,13 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from inferplane.api.architectures import ModelKind
 from inferplane.api.priority import DEFAULT_BAND, resolve_band
+from inferplane.api.tokenizer import check_template_kwargs
 from inferplane.control_plane.auth import SCOPE_INFER, Principal
 from inferplane.control_plane.autoscale.activator import Activator
 from inferplane.control_plane.concurrency import (
@@ -138,20 +140,28 @@ class InferenceService:
     async def prepare(self, principal: Principal, model_name: str, *, prompt: str | None = None,
                       messages: list[dict[str, str]] | None = None, max_tokens: int | None = None,
                       prompt_ids: list[int] | None = None, prompts: list[str | list[int]] | None = None,
-                      n: int = 1, tools: ChatTools | None = None) -> PreparedRequest:
+                      n: int = 1, tools: ChatTools | None = None,
+                      chat_template_kwargs: dict[str, Any] | None = None) -> PreparedRequest:
         """`prompt` (text), `messages` (through the chat template), `prompt_ids` (token ids the
         worker checks against its vocabulary) or `prompts` (several of either); `n` choices each.
         `tools`: rendered through a chat template that has a tool-call format (tool_formats.py),
-        with the messages in the form such templates read."""
+        with the messages in the form such templates read. `chat_template_kwargs`: extra template
+        variables (vLLM's field; Qwen3's `enable_thinking`)."""
         model = self.served(principal, model_name, "generate")
         fmt = tool_format(model.tokenizer.chat_template) if tools is not None else None
         if messages is not None:
+            try:  # the request model refuses reserved names already; this names the field for other callers
+                check_template_kwargs(chat_template_kwargs)
+            except ValueError as exc:
+                raise GatewayError(400, str(exc), "invalid_value", "chat_template_kwargs") from exc
             try:
                 if fmt is not None:
                     prompt = model.tokenizer.apply_chat_template(tools.messages, add_generation_prompt=True,
-                                                                 tools=tools.tools)
+                                                                 tools=tools.tools,
+                                                                 template_kwargs=chat_template_kwargs)
                 else:
-                    prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                    prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                 template_kwargs=chat_template_kwargs)
             except ValueError as exc:
                 raise GatewayError(400, str(exc), "invalid_messages", "messages") from exc
         if prompts is None:

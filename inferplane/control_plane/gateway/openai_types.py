@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from inferplane.api.grammar_limits import MAX_CONSTRAINT_CHOICES, MAX_REGEX_CHARS
+from inferplane.api.tokenizer import reserved_template_variable
 from inferplane.control_plane.gateway.structured_outputs import (
     ResponseFormat,
     StructuredOutputs,
@@ -260,6 +261,29 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # one call per answer either way
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description=(
+        "vLLM's extension: extra variables for the chat template, as transformers' apply_chat_template "
+        "takes them (Qwen3's enable_thinking)"))
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs_object(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, dict):
+            kind = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array"}
+            raise PydanticCustomError("invalid_value", "must be an object of template variables, got {kind}",
+                                      {"kind": kind.get(type(value), type(value).__name__)})
+        return value
+
+    @model_validator(mode="after")
+    def _template_kwargs_not_reserved(self) -> ChatCompletionRequest:
+        """The template's own variables (messages, bos_token, tools, ...) are the server's to set: a
+        400 naming the variable rather than a prompt rewritten around the messages."""
+        for name in self.chat_template_kwargs or {}:
+            if reserved_template_variable(name):
+                raise PydanticCustomError(
+                    "invalid_value", "set by the server's chat template renderer; it cannot be overridden",
+                    {"param": f"chat_template_kwargs.{name}"})
+        return self
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
