@@ -52,6 +52,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         "llama.cpp-native (llama.cpp's own tools built for this CPU by scripts/build_llama_cpp.sh, "
                         "which measure themselves)")
     p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens for the prefill figure (0: skip)")
+    p.add_argument("--window-context", type=int, default=4096,
+                   help="models with sliding-window layers: the context whose KV memory is printed (0: skip)")
     p.add_argument("--isa", default=None,
                    help="our kernels' ISA (avx512-vnni, avx2-vnni, avx2); default: the best this CPU has")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "inferplane" / "bench"),
@@ -397,6 +399,12 @@ def main(argv: list[str]) -> int:
             ppl = peer.perplexity(tokens[: args.ppl_tokens], gate.DEFAULT_WINDOW)
             print(f"{name}: perplexity {ppl:.3f} ({peer.perplexity_note}, detokenized with the model's tokenizer "
                   "and tokenized again by llama.cpp; its estimator, not the windows of the lines above)")
+    if args.window_context and dense.engine.window_layers:
+        from inferplane.bench.kv_window import measure_window_kv
+
+        one = LLM(args.model, runtime="paged", device="cpu", max_num_seqs=1,
+                  num_kv_blocks=blocks_for(args.window_context + 2, 16) + 1)
+        print("\n" + measure_window_kv(one.engine, args.window_context).line())
     complete = hf is not None and {1, 16} <= set(batches) and args.ppl_tokens > 0
     for name, met in ok.items():
         verdict = "NOT met" if not met else ("met" if complete else "met where measured (not all were)")

@@ -35,6 +35,7 @@ class PrefillSegment:
     length: int
     context_len: int  # tokens in the cache after this chunk, this chunk included
     block_table: torch.Tensor | None  # [num_blocks] int64; None where nothing was cached before the chunk
+    key_offset: int = 0  # the position the table's first block starts at (a window layer's trimmed table)
 
     @property
     def is_fresh(self) -> bool:
@@ -68,6 +69,10 @@ class AttentionBatch:
     decode_context_lens: torch.Tensor | None = None  # [B]
     decode_max_len: int = 0  # the longest decode context (known on the host: no device sync per layer)
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # The same step as the sliding-window layers see it, where their KV has its own pool: slots and
+    # tables from each sequence's window table, tables trimmed to the blocks a window still reaches
+    # (decode context lengths and masks counted from the first kept block).
+    window: AttentionBatch | None = None
     # Worked out by the first layer and reused by the others (the same for every layer).
     _plan: tuple[list[PrefillGroup], list[PrefillSegment]] | None = None
     _decode_masks: dict = field(default_factory=dict)
@@ -128,12 +133,24 @@ def _group(segments: list[PrefillSegment], device: torch.device) -> PrefillGroup
 
 
 class PagedKVCache:
-    """The preallocated pool: per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim]."""
+    """The preallocated pool: per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim].
+
+    Layers listed in `window_layers` (sliding-window layers whose window is shorter than the
+    context) keep theirs in a second tensor, `window_data`, of `num_window_blocks` blocks, addressed
+    by each sequence's window table (kv/window.py); `data` then holds the other layers only."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        self.data = torch.zeros(shape, dtype=dtype, device=device)
+                 dtype: torch.dtype, device: torch.device, window_layers: frozenset[int] = frozenset(),
+                 num_window_blocks: int = 0):
+        self.full_layers = [i for i in range(num_layers) if i not in window_layers]
+        self.window_layers = sorted(window_layers)
+        # where each layer's K and V live: (windowed, index in its tensor)
+        self._where = {layer: (False, i) for i, layer in enumerate(self.full_layers)}
+        self._where.update({layer: (True, i) for i, layer in enumerate(self.window_layers)})
+        tail = (block_size, num_kv_heads, head_dim)
+        self.data = torch.zeros((len(self.full_layers), 2, num_blocks, *tail), dtype=dtype, device=device)
+        self.window_data = (torch.zeros((len(self.window_layers), 2, num_window_blocks, *tail), dtype=dtype,
+                                        device=device) if self.window_layers else None)
         self.num_blocks = num_blocks
         self.block_size = block_size
 
@@ -142,12 +159,22 @@ class PagedKVCache:
                         dtype: torch.dtype) -> int:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[index, 0], self.data[index, 1]
+    def is_windowed(self, index: int) -> bool:
+        return self._where[index][0]
 
-    def copy_block(self, source: int, destination: int) -> None:
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        windowed, i = self._where[index]
+        data = self.window_data if windowed else self.data
+        return data[i, 0], data[i, 1]
+
+    def nbytes(self) -> int:
+        """What the pool takes in memory, both tensors."""
+        return sum(t.numel() * t.element_size() for t in (self.data, self.window_data) if t is not None)
+
+    def copy_block(self, source: int, destination: int, window: bool = False) -> None:
         """Every layer's K and V of one block into another (a fork's copy of a partly filled block)."""
-        self.data[:, :, destination].copy_(self.data[:, :, source])
+        data = self.window_data if window else self.data
+        data[:, :, destination].copy_(data[:, :, source])
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -243,11 +270,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             if seg.is_fresh:
                 keys, values = k[rows], v[rows]
             else:
-                keys = _gather(k_cache, seg.block_table, seg.context_len).to(q.dtype)
-                values = _gather(v_cache, seg.block_table, seg.context_len).to(q.dtype)
+                keys = _gather(k_cache, seg.block_table, seg.context_len - seg.key_offset).to(q.dtype)
+                values = _gather(v_cache, seg.block_table, seg.context_len - seg.key_offset).to(q.dtype)
             causal = False
             qpos = torch.arange(seg.length, device=q.device) + offset
-            kpos = torch.arange(seg.context_len, device=q.device)
+            kpos = torch.arange(seg.key_offset, seg.context_len, device=q.device)
             mask = _within_window(kpos[None, :] <= qpos[:, None], qpos, kpos, window)
         keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)
         values = values.transpose(0, 1).repeat_interleave(group, dim=0)

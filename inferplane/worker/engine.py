@@ -18,6 +18,7 @@ from inferplane.api.priority import BANDS, band_rank
 from inferplane.api.tokenizer import IncrementalDetokenizer
 from inferplane.worker.attention import PagedKVCache
 from inferplane.worker.kv.paged import blocks_for
+from inferplane.worker.kv.window import WindowBlocks, window_pool_blocks
 from inferplane.worker.model.loader import LoadedModel
 from inferplane.worker.model_runner import ModelRunner
 from inferplane.worker.options import EngineOptions, parse_memory
@@ -76,10 +77,12 @@ class Engine:
         self.max_model_len = min(options.max_model_len or config.max_position_embeddings,
                                  config.max_position_embeddings)
         self.block_size = options.block_size
-        num_blocks = self._num_blocks()
+        self.window_layers, self.window = self._window_layers()
+        num_blocks, num_window_blocks = self._num_blocks()
         self.cache = PagedKVCache(config.num_layers, num_blocks, self.block_size, config.num_kv_heads,
-                                  config.head_dim, self.kv_dtype, device)
-        self.kv = build_kv_manager(options, num_blocks)
+                                  config.head_dim, self.kv_dtype, device, self.window_layers, num_window_blocks)
+        windows = WindowBlocks(num_window_blocks, self.block_size, self.window) if self.window_layers else None
+        self.kv = build_kv_manager(options, num_blocks, windows)
         self.scheduler = build_scheduler(options, self.kv)
         self.kernel_isas = kernel_isas(loaded.model) if device.type == "cpu" else {}
         self._grammars = None  # structured.GrammarCompiler, made when a request first needs it
@@ -88,19 +91,46 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         # The same EOS set that ends a request is what min_tokens holds back.
-        self.runner = ModelRunner(loaded.model, self.cache, device, eos_ids=frozenset(self.eos_ids))
+        self.runner = ModelRunner(loaded.model, self.cache, device, eos_ids=frozenset(self.eos_ids),
+                                  window=self.window if self.window_layers else None)
         self.requests: dict[str, Sequence] = {}  # by each sequence's own id
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its choices (n > 1), unfinished
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.counters = EngineCounters()
 
-    def _num_blocks(self) -> int:
+    def _window_layers(self) -> tuple[frozenset[int], int | None]:
+        """The sliding-window layers whose window is shorter than the context, and that window: their
+        KV goes to the window pool, where each sequence holds one window (kv/window.py)."""
         config = self.loaded.config
-        per_block = PagedKVCache.bytes_per_block(config.num_layers, self.block_size, config.num_kv_heads,
-                                                 config.head_dim, self.kv_dtype)
+        window = config.sliding_window
+        if window is None or window >= self.max_model_len:
+            return frozenset(), None
+        return frozenset(i for i in range(config.num_layers) if config.layer_window(i) is not None), window
+
+    def kv_block_bytes(self) -> tuple[int, int]:
+        """Bytes of one block of the main pool (every layer but the window ones) and of the window pool."""
+        config = self.loaded.config
+        num_window = len(self.window_layers)
+        return tuple(PagedKVCache.bytes_per_block(layers, self.block_size, config.num_kv_heads, config.head_dim,
+                                                  self.kv_dtype)
+                     for layers in (config.num_layers - num_window, num_window))
+
+    def _num_blocks(self) -> tuple[int, int]:
+        """Blocks of the main pool and of the window pool (0 without window layers).
+
+        The window pool gets what `window_pool_blocks` proves enough for max_num_seqs sequences (it
+        can never bind before the main pool then), or as many blocks as the main pool where that is
+        fewer; the main pool gets the rest of the memory budget."""
+        num_window = len(self.window_layers)
+        per_full, per_window = self.kv_block_bytes()
+        window_need = (window_pool_blocks(self.window, self.block_size, self.options.max_num_seqs,
+                                          self.options.max_num_batched_tokens) if num_window else 0)
+        # No point in more blocks than every sequence slot could fill at full context.
+        cap = blocks_for(self.max_model_len, self.block_size) * self.options.max_num_seqs
         if self.options.num_kv_blocks is not None:
-            return int(self.options.num_kv_blocks)
+            num_blocks = int(self.options.num_kv_blocks)
+            return num_blocks, min(num_blocks + 1, window_need)
         budget = self.options.kv_cache_memory
         if budget is None:
             budget = _GPU_DEFAULT_KV_FRACTION if self.device.type == "cuda" else _CPU_DEFAULT_KV_BYTES
@@ -110,9 +140,15 @@ class Engine:
                 raise ValueError("kv_cache_memory: a fraction of free memory needs a GPU; give bytes (e.g. 1GiB)")
             free, _ = torch.cuda.mem_get_info(self.device)
             amount = int(free * amount)
-        # No point in more blocks than every sequence slot could fill at full context.
-        cap = blocks_for(self.max_model_len, self.block_size) * self.options.max_num_seqs
-        return max(1, min(amount // per_block, cap))
+        if not num_window:
+            return max(1, min(amount // per_full, cap)), 0
+        if not per_full:  # every layer slides: the main pool only counts blocks, it holds nothing
+            return cap, max(2, min(amount // per_window, window_need))
+        num_blocks = min((amount - window_need * per_window) // per_full, cap)
+        if num_blocks + 1 < window_need:  # a small budget: as many window blocks as main ones
+            num_blocks = min(amount // (per_full + per_window), cap)
+            return max(1, num_blocks), max(1, num_blocks) + 1
+        return num_blocks, window_need
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -261,11 +297,11 @@ class Engine:
                 self.scheduler.add(child)
                 self.counters.fork_fallbacks += 1
                 continue
-            for source, destination in copies:
-                self.cache.copy_block(source, destination)
+            for copy in copies:
+                self.cache.copy_block(copy.source, copy.destination, copy.window)
             self.scheduler.admit_forked(child)
             self.counters.forked_sequences += 1
-            self.counters.forked_shared_blocks += len(child.block_table) - len(copies)
+            self.counters.forked_shared_blocks += len(child.block_table) - sum(not c.window for c in copies)
         leader.forks = []
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None,
@@ -392,6 +428,7 @@ class Engine:
             forked_shared_blocks=self.counters.forked_shared_blocks,
             fork_fallbacks=self.counters.fork_fallbacks,
             blocks_allocated_total=self.kv.pool.allocations,
+            kv_cache_bytes=self.cache.nbytes(),
             fair_share_preemptions=self.scheduler.fair.preemptions,
         )
         # Per tenant and band: what flow control is doing (worker/metrics.py labels these).

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from inferplane.worker.attention import AttentionBatch, PagedKVCache, PrefillSegment
+from inferplane.worker.kv.window import first_kept_block
 from inferplane.worker.model.llama import LlamaForCausalLM
 from inferplane.worker.sampling import History, Sampled, SamplingParams, given_token_logprobs, sample
 from inferplane.worker.scheduler import ScheduledSequence
@@ -16,59 +17,70 @@ from inferplane.worker.scheduler import ScheduledSequence
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, device: torch.device,
-                 eos_ids: frozenset[int] = frozenset()):
+                 eos_ids: frozenset[int] = frozenset(), window: int | None = None):
         self.model = model
         self.eos_ids = eos_ids  # masked with each request's stop_token_ids until its min_tokens
         self.cache = cache
         self.block_size = cache.block_size
+        self.window = window  # the sliding layers' window where their KV has its own pool (kv/window.py)
         self.device = device
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
     def prepare(self, batch: list[ScheduledSequence]):
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         sample_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[tuple[int, int, int, list[int]]] = []
         for item in batch:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
-            row = len(input_ids)
             input_ids.extend(seq.token_slice(start, start + n))
-            table = seq.block_table
-            for pos in range(start, start + n):
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
-            if n == 1:
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
-            else:
-                prefills.append((row, n, start + n, table))
+            positions.extend(range(start, start + n))
             if start + n == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
-        attn = AttentionBatch(slot_mapping=self._to_device(slots), num_decodes=len(decode_tables))
+        attn = self._attention_batch(batch, lambda seq: seq.block_table, None)
+        if self.window is not None:
+            attn.window = self._attention_batch(batch, lambda seq: seq.window_table, self.window)
+        return self._to_device(input_ids), self._to_device(positions), attn, sample_rows
+
+    def _attention_batch(self, batch: list[ScheduledSequence], table_of, window: int | None) -> AttentionBatch:
+        """Slots and block tables from each sequence's main table, or (with `window`) from its window
+        table, each table cut to the blocks from the first one the window still reaches: the rest
+        are freed (kv/window.py), and positions are counted from that block on."""
+        bs = self.block_size
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSegment] = []
+        row = 0
+        for item in batch:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            table = table_of(seq)
+            slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, start + n))
+            first = first_kept_block(start, window, bs) if window is not None else 0
+            if n == 1:
+                decode_tables.append(table[first:])
+                decode_lens.append(start + 1 - first * bs)
+            else:
+                ctx = start + n
+                prefills.append(PrefillSegment(
+                    start=row, length=n, context_len=ctx, key_offset=first * bs if ctx != n else 0,
+                    block_table=None if ctx == n else self._to_device(table[first:])))
+            row += n
+        attn = AttentionBatch(slot_mapping=self._to_device(slots), num_decodes=len(decode_tables), prefills=prefills)
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             padded = [t + [0] * (width - len(t)) for t in decode_tables]
             attn.decode_block_tables = torch.tensor(padded, dtype=torch.long).to(self.device)
             attn.decode_context_lens = self._to_device(decode_lens)
             attn.decode_max_len = max(decode_lens)
-        attn.prefills = [
-            PrefillSegment(start=row, length=n, context_len=ctx,
-                           block_table=None if ctx == n else self._to_device(table))
-            for row, n, ctx, table in prefills
-        ]
-        return self._to_device(input_ids), self._to_device(positions), attn, sample_rows
+        return attn
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
 
-    @staticmethod
     @staticmethod
     def _prompt_logprob_rows(batch: list[ScheduledSequence]) -> list[tuple[ScheduledSequence, int, int]]:
         """(item, first row, count) of the rows whose logits score the next prompt token, for the

@@ -21,6 +21,7 @@ from torch import nn
 from inferplane.api.resolve import PRESETS
 from inferplane.worker import native
 from inferplane.worker.kv.paged import PagedKV
+from inferplane.worker.kv.window import WindowBlocks
 from inferplane.worker.native.choice import NEVER
 from inferplane.worker.options import EngineOptions
 from inferplane.worker.scheduler import Scheduler
@@ -60,7 +61,7 @@ def kv_manager_kind(options: EngineOptions) -> str | None:
     return kind
 
 
-def build_kv_manager(options: EngineOptions, num_blocks: int):
+def build_kv_manager(options: EngineOptions, num_blocks: int, windows: WindowBlocks | None = None):
     check_runtime(options.runtime)
     kind = kv_manager_kind(options)
     if kind is None:
@@ -68,8 +69,8 @@ def build_kv_manager(options: EngineOptions, num_blocks: int):
     if kind == "radix":
         from inferplane.worker.kv.radix import RadixKV
 
-        return RadixKV(num_blocks, options.block_size)
-    return PagedKV(num_blocks, options.block_size)
+        return RadixKV(num_blocks, options.block_size, windows)
+    return PagedKV(num_blocks, options.block_size, windows)
 
 
 def build_scheduler(options: EngineOptions, kv) -> Scheduler:

@@ -32,6 +32,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (radix)
     block_table: list[int] = field(default_factory=list)
+    # The sliding-window layers' blocks (kv/window.py): entry i as in block_table, NULL_BLOCK where
+    # the window has moved past it. Empty for models without such layers.
+    window_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)

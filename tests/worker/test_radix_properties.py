@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from inferplane.worker.kv.radix import RadixKV
+from inferplane.worker.kv.window import NULL_BLOCK, WindowBlocks, first_kept_block
 from inferplane.worker.sampling import SamplingParams
 from inferplane.worker.sequence import Sequence
 
@@ -187,3 +188,68 @@ class RadixMachine(RuleBasedStateMachine):
 
 RadixMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestRadixInvariants = RadixMachine.TestCase
+
+
+WINDOW = 3
+NUM_WINDOW_BLOCKS = 9  # the null block and 8 more: fewer than the main pool, so window blocks run short first
+
+
+class WindowedRadixMachine(RadixMachine):
+    """The same rules on a model with sliding-window layers (kv/window.py): a second pool of which
+    each sequence keeps only the blocks its window reaches, cached by the tree beside the main
+    blocks. A sequence must find its own tokens in the window slots it may read, and a prefix
+    hit must bring the window with it."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv = RadixKV(NUM_BLOCKS, BLOCK, WindowBlocks(NUM_WINDOW_BLOCKS, BLOCK, WINDOW))
+        self.window_slots: dict[tuple[int, int], int] = {}
+
+    def _compute(self, seq: Sequence, n: int) -> None:
+        tree_windows = {b for node in self.kv.tree.nodes() for b in node.windows if b != NULL_BLOCK}
+        tokens = seq.all_token_ids
+        start = seq.num_computed_tokens
+        for pos in range(max(0, start - WINDOW + 1), start):  # a query at `start` reads keys after start - WINDOW
+            assert self.window_slots.get((seq.window_table[pos // BLOCK], pos % BLOCK)) == tokens[pos]
+        for pos in range(start, start + n):
+            block = seq.window_table[pos // BLOCK]
+            assert block != NULL_BLOCK and self.kv.windows.pool.ref_counts[block] == 1, "wrote a shared window block"
+            assert block not in tree_windows, "wrote into a cached window block"
+            self.window_slots[(block, pos % BLOCK)] = tokens[pos]
+        super()._compute(seq, n)
+
+    @rule(count=st.integers(1, NUM_WINDOW_BLOCKS))
+    def evict_windows(self, count):
+        before = self.kv.windows.pool.num_free
+        freed = self.kv.tree.evict_windows(count)
+        assert self.kv.windows.pool.num_free == before + freed
+
+    @invariant()
+    def window_blocks_are_held_by_their_holders_only(self):
+        pool = self.kv.windows.pool
+        expected = [0] * NUM_WINDOW_BLOCKS
+        expected[NULL_BLOCK] = 1  # never handed out
+        for node in self.kv.tree.nodes():
+            for b in node.windows:
+                expected[b] += b != NULL_BLOCK
+        for seq in self.running:
+            first = first_kept_block(seq.num_computed_tokens, WINDOW, BLOCK)
+            assert all(b == NULL_BLOCK for b in seq.window_table[:first]), "kept a block the window passed"
+            assert len(seq.window_table) == len(seq.block_table)
+            for b in seq.window_table:
+                expected[b] += b != NULL_BLOCK
+        assert pool.ref_counts == expected
+        assert set(pool._free) == {b for b in range(NUM_WINDOW_BLOCKS) if expected[b] == 0}
+        for seq in self.waiting:
+            assert not seq.window_table
+
+    @invariant()
+    def cached_window_blocks_hold_their_tokens(self):
+        for node in self.kv.tree.nodes():
+            for key, block in zip(node.keys, node.windows, strict=True):
+                if block != NULL_BLOCK:
+                    assert tuple(self.window_slots.get((block, i)) for i in range(BLOCK)) == key
+
+
+WindowedRadixMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestWindowedRadixInvariants = WindowedRadixMachine.TestCase

@@ -7,6 +7,12 @@ it ends (finished, aborted or preempted), so the answer of turn N is cached for 
 keeps those blocks after the sequence lets go; when the pool runs short, `allocate` evicts the least
 recently used unlocked leaves.
 
+Models with sliding-window layers keep those layers' KV in a second pool (kv/window.py). A sequence
+frees the window blocks its window has passed after each step; the tree keeps its own reference on
+those it was given, as cache, until the pool runs short (`RadixTree.evict_windows`). A cached prefix
+is used only up to the last block boundary whose window is all still kept: sliding layers need the
+window's keys, and they cannot be recomputed without recomputing the prefix.
+
 Accounting, so that the runtimes compare on the same footing: `blocks_used` counts blocks some
 running sequence references, each shared block once; `blocks_cached` counts blocks only the tree
 holds, which are reclaimable at any time.
@@ -18,6 +24,7 @@ from inferplane.worker.kv.block_pool import BlockPool
 from inferplane.worker.kv.paged import blocks_for, fork_blocks, fork_layout
 from inferplane.worker.kv.radix_scheduler import RadixScheduler
 from inferplane.worker.kv.radix_tree import BlockKey, Node, RadixTree, block_keys
+from inferplane.worker.kv.window import NULL_BLOCK, WindowBlocks, first_kept_block
 from inferplane.worker.sequence import Sequence
 
 __all__ = ["RadixKV", "RadixScheduler"]
@@ -26,10 +33,11 @@ __all__ = ["RadixKV", "RadixScheduler"]
 class RadixKV:
     name = "radix"
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, windows: WindowBlocks | None = None):
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
-        self.tree = RadixTree(self.pool)
+        self.windows = windows  # the sliding layers' pool, for models that have them
+        self.tree = RadixTree(self.pool, windows.pool if windows is not None else None)
         self.peak_blocks_used = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -77,7 +85,14 @@ class RadixKV:
     def match_prefix(self, seq: Sequence) -> None:
         if seq.block_table or seq.num_computed_tokens:
             raise AssertionError(f"{seq.request_id}: match_prefix on a sequence that holds KV")
-        node, blocks = self.tree.match(self.namespace(seq), self._matchable_keys(seq))
+        keys = self._matchable_keys(seq)
+        node, blocks, windows = self.tree.match(self.namespace(seq), keys)
+        if self.windows is not None:
+            usable = self._window_usable(windows)
+            if usable < len(blocks):  # match again, to end (split) exactly where the windows allow
+                node, blocks, windows = self.tree.match(self.namespace(seq), keys[:usable])
+            first = first_kept_block(len(blocks) * self.block_size, self.windows.window, self.block_size)
+            seq.window_table = [NULL_BLOCK] * first + self.windows.share(windows[first:], len(blocks) - first)
         for block in blocks:
             self.pool.retain(block)
         self._relock(seq, node)
@@ -89,15 +104,42 @@ class RadixKV:
             self._pending_query[seq] = (seq.num_prompt_tokens, seq.num_cached_tokens)
         self._note_peak()
 
+    def _window_usable(self, windows: list[int]) -> int:
+        """The deepest block count d <= len(windows) whose window (blocks from first_kept_block(d)
+        to d) the tree keeps entirely; 0 always qualifies."""
+        bs, window = self.block_size, self.windows.window
+        for depth in range(len(windows), 0, -1):
+            if all(b != NULL_BLOCK for b in windows[first_kept_block(depth * bs, window, bs):depth]):
+                return depth
+        return 0
+
+    def _window_room(self, seq: Sequence, total: int) -> bool:
+        """Whether the window pool can give `seq` a table of `total` blocks, evicting cache for it."""
+        if self.windows is None:
+            return True
+        short = self.windows.missing(seq, total) - self.windows.pool.num_free
+        if short <= 0:
+            return True
+        if short > self.tree.evictable_windows():
+            return False
+        self.tree.evict_windows(short)
+        return True
+
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needed = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table)
+        total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        needed = total - len(seq.block_table)
         if needed > 0:
             short = needed - self.pool.num_free
             if short > 0:
                 if short > self.tree.evictable_blocks:
                     return False  # evict nothing for an allocation that would fail anyway
                 self.tree.evict(short)
+        if not self._window_room(seq, total):
+            return False
+        if needed > 0:
             seq.block_table.extend(self.pool.allocate(needed))
+        if self.windows is not None:
+            self.windows.grow(seq, total)
         query = self._pending_query.pop(seq, None)
         if query is not None:
             self.prefix_query_tokens += query[0]
@@ -114,8 +156,11 @@ class RadixKV:
             if self.tree.evictable_blocks < 1:
                 return None
             self.tree.evict(1)
+        if partial and self.windows is not None and self.windows.pool.num_free < 1:
+            if self.tree.evict_windows(1) < 1:
+                return None
         self.match_prefix(child)
-        copies = fork_blocks(self.pool, parent, child, self.block_size)
+        copies = fork_blocks(self.pool, parent, child, self.block_size, self.windows)
         if copies is None:  # cannot happen after the eviction above; undone for safety
             self.free(child)
             child.num_computed_tokens = child.num_cached_tokens = 0
@@ -127,6 +172,8 @@ class RadixKV:
         prefix start early; decode blocks wait until the sequence ends."""
         if seq.num_computed_tokens <= seq.num_prompt_tokens:
             self._insert(seq)
+        if self.windows is not None:  # after the insert: the tree keeps what the sequence lets go
+            self.windows.trim(seq)
 
     def free(self, seq: Sequence) -> None:
         self._pending_query.pop(seq, None)
@@ -136,6 +183,8 @@ class RadixKV:
             self.pool.release(block)
         self._relock(seq, None)
         seq.block_table = []
+        if self.windows is not None:
+            self.windows.free(seq)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -147,6 +196,8 @@ class RadixKV:
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "evicted_blocks": self.tree.evicted_blocks,
             "tree_nodes": self.tree.num_nodes,
+            **(self.windows.stats() if self.windows is not None else {}),
+            **({"window_evicted_blocks": self.tree.evicted_window_blocks} if self.windows is not None else {}),
         }
 
     # -- internals --------------------------------------------------------------------------------
@@ -175,11 +226,19 @@ class RadixKV:
         if full <= depth:
             return
         keys = block_keys(seq.all_token_ids, self.block_size, full)
-        node, held = self.tree.insert(self.namespace(seq), start, keys, seq.block_table[:full])
+        windows = seq.window_table[:full] if self.windows is not None else None
+        node, held, held_windows = self.tree.insert(self.namespace(seq), start, keys, seq.block_table[:full], windows)
         for i, block in enumerate(held, start=depth):
             own = seq.block_table[i]
             if own != block:
                 self.pool.retain(block)
                 self.pool.release(own)
                 seq.block_table[i] = block
+        if self.windows is not None:
+            for i, block in enumerate(held_windows, start=depth):
+                own = seq.window_table[i]
+                if own != NULL_BLOCK and own != block:  # never take back a block the window has passed
+                    self.windows.pool.retain(block)
+                    self.windows.pool.release(own)
+                    seq.window_table[i] = block
         self._relock(seq, node)

@@ -13,6 +13,13 @@ reports as cached.
 
 Each namespace (cache salt) has its own root, so two tenants never reach each other's blocks, and
 one LRU order spans them all, since they share one pool.
+
+Models with sliding-window layers (kv/window.py) have a second pool: beside each block a node keeps
+that block's window-pool block, or NULL_BLOCK where none is kept. The tree holds one reference on
+each it keeps; a window block only the tree holds is cache like any unlocked block, and
+`evict_windows` frees those (least recently used nodes first) even on locked paths, since no running
+sequence reads it. A prefix is usable only where its last window's blocks are all kept (the radix
+manager cuts matches there).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 
 from inferplane.worker.kv.block_pool import BlockPool
+from inferplane.worker.kv.window import NULL_BLOCK
 
 BlockKey = tuple[int, ...]
 
@@ -31,11 +39,13 @@ def block_keys(tokens: Sequence[int], block_size: int, num_blocks: int) -> list[
 
 
 class Node:
-    __slots__ = ("keys", "blocks", "children", "parent", "lock_ref", "last_access", "depth")
+    __slots__ = ("keys", "blocks", "windows", "children", "parent", "lock_ref", "last_access", "depth")
 
-    def __init__(self, keys: list[BlockKey], blocks: list[int], parent: Node | None, depth: int):
+    def __init__(self, keys: list[BlockKey], blocks: list[int], parent: Node | None, depth: int,
+                 windows: list[int] | None = None):
         self.keys = keys
         self.blocks = blocks
+        self.windows = windows if windows is not None else [NULL_BLOCK] * len(blocks)  # window-pool block per block
         self.children: dict[BlockKey, Node] = {}
         self.parent = parent
         self.lock_ref = 0
@@ -57,13 +67,15 @@ def _common(keys: list[BlockKey], query: Sequence[BlockKey], start: int) -> int:
 
 
 class RadixTree:
-    def __init__(self, pool: BlockPool):
+    def __init__(self, pool: BlockPool, window_pool: BlockPool | None = None):
         self.pool = pool
+        self.window_pool = window_pool
         self.roots: dict[str, Node] = {}
         self.num_nodes = 0  # roots excluded
         self.num_blocks = 0  # blocks the tree holds a reference on
         self.evictable_blocks = 0  # blocks in unlocked nodes: held by the tree alone
         self.evicted_blocks = 0
+        self.evicted_window_blocks = 0  # cached window blocks freed for the sliding layers' pool
         self._clock = itertools.count(1)  # logical LRU time: deterministic, never ties on one path
 
     # -- lookups ----------------------------------------------------------------------------------
@@ -83,14 +95,16 @@ class RadixTree:
             node = child
         return matched
 
-    def match(self, namespace: str, keys: Sequence[BlockKey]) -> tuple[Node | None, list[int]]:
-        """The longest cached prefix of `keys`: its deepest node and its blocks. A node matched part
-        way is split so that the match ends on a node boundary and can be locked exactly."""
+    def match(self, namespace: str, keys: Sequence[BlockKey]) -> tuple[Node | None, list[int], list[int]]:
+        """The longest cached prefix of `keys`: its deepest node, its blocks and their window blocks.
+        A node matched part way is split so that the match ends on a node boundary and can be locked
+        exactly."""
         node = self.roots.get(namespace)
         if node is None:
-            return None, []
+            return None, [], []
         now = next(self._clock)
         blocks: list[int] = []
+        windows: list[int] = []
         while len(blocks) < len(keys):
             child = node.children.get(keys[len(blocks)])
             if child is None:
@@ -100,51 +114,65 @@ class RadixTree:
                 child = self._split(child, k)
             child.last_access = now
             blocks.extend(child.blocks)
+            windows.extend(child.windows)
             node = child
-        return node, blocks
+        return node, blocks, windows
 
     # -- updates ----------------------------------------------------------------------------------
 
-    def insert(self, namespace: str, start: Node | None, keys: Sequence[BlockKey],
-               blocks: Sequence[int]) -> tuple[Node, list[int]]:
+    def insert(self, namespace: str, start: Node | None, keys: Sequence[BlockKey], blocks: Sequence[int],
+               windows: Sequence[int] | None = None) -> tuple[Node, list[int], list[int]]:
         """Adds `keys[start.depth:]` below `start` (the root when None), adopting the caller's blocks
-        where the tree has none. Returns the deepest node and, per inserted key, the block the tree
-        now holds for it: where that differs from the caller's, the caller should switch to it."""
+        (and window blocks) where the tree has none. Returns the deepest node and, per inserted key,
+        the block and the window block the tree now holds for it: where those differ from the
+        caller's, the caller should switch to them."""
         node = start if start is not None else self.roots.setdefault(namespace, Node([], [], None, 0))
+        windows = windows if windows is not None else [NULL_BLOCK] * len(keys)
         now = next(self._clock)
         i = node.depth
         held: list[int] = []
+        held_windows: list[int] = []
         while i < len(keys):
             child = node.children.get(keys[i])
             if child is None:
-                child = Node(list(keys[i:]), list(blocks[i:]), node, len(keys))
+                child = Node(list(keys[i:]), list(blocks[i:]), node, len(keys), list(windows[i:]))
                 for block in child.blocks:
                     self.pool.retain(block)
+                for block in child.windows:
+                    if block != NULL_BLOCK:
+                        self.window_pool.retain(block)
                 node.children[child.keys[0]] = child
                 self.num_nodes += 1
                 self.num_blocks += len(child.blocks)
                 self.evictable_blocks += len(child.blocks)
                 child.last_access = now
                 held.extend(child.blocks)
-                return child, held
+                held_windows.extend(child.windows)
+                return child, held, held_windows
             k = _common(child.keys, keys, i)
             if k < len(child.keys):
                 child = self._split(child, k)
             child.last_access = now
+            for j in range(k):  # keep a window block the tree lacks
+                if child.windows[j] == NULL_BLOCK and windows[i + j] != NULL_BLOCK:
+                    self.window_pool.retain(windows[i + j])
+                    child.windows[j] = windows[i + j]
             held.extend(child.blocks)
+            held_windows.extend(child.windows)
             node = child
             i += k
-        return node, held
+        return node, held, held_windows
 
     def _split(self, node: Node, k: int) -> Node:
         """Cuts `node` after its first k blocks; the new upper node inherits its lock and age."""
-        upper = Node(node.keys[:k], node.blocks[:k], node.parent, node.depth - len(node.keys) + k)
+        upper = Node(node.keys[:k], node.blocks[:k], node.parent, node.depth - len(node.keys) + k, node.windows[:k])
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         upper.children = {node.keys[k]: node}
         node.parent.children[upper.keys[0]] = upper
         node.keys = node.keys[k:]
         node.blocks = node.blocks[k:]
+        node.windows = node.windows[k:]
         node.parent = upper
         self.num_nodes += 1
         return upper
@@ -179,7 +207,11 @@ class RadixTree:
             for block in leaf.blocks[len(leaf.blocks) - take:]:
                 if not self.pool.release(block):
                     raise AssertionError(f"evicted block {block} is still referenced")
+            for block in leaf.windows[len(leaf.windows) - take:]:
+                if block != NULL_BLOCK:
+                    self.window_pool.release(block)
             del leaf.blocks[len(leaf.blocks) - take:]
+            del leaf.windows[len(leaf.windows) - take:]
             del leaf.keys[len(leaf.keys) - take:]
             leaf.depth -= take
             freed += take
@@ -194,6 +226,28 @@ class RadixTree:
         self.evictable_blocks -= freed
         self.evicted_blocks += freed
         self.roots = {ns: root for ns, root in self.roots.items() if root.children}
+        return freed
+
+    def _tree_only_windows(self) -> list[tuple[int, Node, int]]:
+        """(last access, node, index) of each window block only the tree references."""
+        refs = self.window_pool.ref_counts
+        return [(n.last_access, n, i) for n in self.nodes() for i, b in enumerate(n.windows)
+                if b != NULL_BLOCK and refs[b] == 1]
+
+    def evictable_windows(self) -> int:
+        return len(self._tree_only_windows()) if self.window_pool is not None else 0
+
+    def evict_windows(self, count: int) -> int:
+        """Frees up to `count` window blocks only the tree holds, least recently used nodes first
+        (and, within a node, the oldest positions first: the last window is what a match needs)."""
+        if self.window_pool is None:
+            return 0
+        candidates = sorted(self._tree_only_windows(), key=lambda c: (c[0], c[2]))
+        for _, node, i in candidates[:count]:
+            self.window_pool.release(node.windows[i])
+            node.windows[i] = NULL_BLOCK
+        freed = min(count, len(candidates))
+        self.evicted_window_blocks += freed
         return freed
 
     # -- introspection ----------------------------------------------------------------------------

@@ -163,6 +163,8 @@ class Attention(WatchedModule):
                 batch: AttentionBatch) -> torch.Tensor:
         t, heads, kv_heads, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         k_cache, v_cache = cache.layer(self.layer_index)
+        if cache.is_windowed(self.layer_index):  # this layer's KV is in the window pool: its own slots and tables
+            batch = batch.window
         kernels = native.kernels()
         if self.qkv_proj is not None:  # q and k are adjacent: one rotation for both
             qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, hd)
