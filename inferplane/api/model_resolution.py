@@ -14,7 +14,7 @@ from typing import Any, Literal
 # deployment naming one (without a version) needs no registry, in a cluster or locally.
 BUILTIN_MODELS = frozenset({"smollm2-135m"})
 
-ResolutionFailure = Literal["ModelNotFound", "ModelNotVerified", "RegistryUnavailable"]
+ResolutionFailure = Literal["ModelNotFound", "ModelNotVerified", "ModelKindMismatch", "RegistryUnavailable"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,15 @@ class ResolvedModel:
     sha256: str
     format: str  # "gguf" (one file) or "hf" (a Hugging Face folder)
     size_bytes: int | None = None
+    kind: str | None = None  # "generate" or "embedding", as the registry read it from the weights
+
+    def require_kind(self, kind: str) -> None:
+        """ModelKindMismatch where the deployment's `kind` is not the model's: an embedding model
+        deployed for chat (or the reverse) would start a worker that refuses its weights and
+        restarts forever, so nothing is started and the status says what to change."""
+        if self.kind is not None and self.kind != kind:
+            raise ModelResolutionError("ModelKindMismatch", f"model {self.ref} has kind {self.kind} but the "
+                                       f"deployment has kind {kind}; set spec.kind: {self.kind}")
 
     @property
     def is_folder(self) -> bool:
@@ -40,7 +49,7 @@ class ResolvedModel:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ResolvedModel:
         return cls(**{k: data[k] for k in ("name", "version", "uri", "sha256", "format")},
-                   size_bytes=data.get("size_bytes"))
+                   size_bytes=data.get("size_bytes"), kind=data.get("kind"))
 
 
 class ModelResolutionError(Exception):

@@ -530,7 +530,7 @@ def resolve_for_deployment(session: Session, name: str, version: str | None) -> 
     if not servable or row.sha256 is None:
         raise ModelResolutionError("ModelNotVerified", f"model {row.name}@{row.version} is {row.status}"
                                    + (f": {row.status_detail}" if row.status_detail else ""))
-    return ResolvedModel(row.name, row.version, row.uri, row.sha256, row.format, row.size_bytes)
+    return ResolvedModel(row.name, row.version, row.uri, row.sha256, row.format, row.size_bytes, _info(row).kind)
 
 
 def _find(session: Session, tenant: TenantScope, name: str, version: str | None) -> list[Model]:

@@ -140,6 +140,7 @@ class LocalPlatform:
                         raise
                     info = registry.register_model(session, model.name, actor="inferplane-up", name=model.name)
                     return str(info.path)
+            resolved.require_kind(manifest.spec.kind)
             fetched = fetch_model(resolved.uri, self.home / "model-cache", sha256=resolved.sha256)
             self.fetches[manifest.name] = fetched
             return str(fetched.path)

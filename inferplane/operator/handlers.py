@@ -195,13 +195,15 @@ async def _resolve_model(spec: InferenceDeploymentSpec, config: OperatorConfig, 
                          logger: logging.Logger) -> ResolvedModel | None:
     """The registry entry the spec names, or None (a path, a PVC, a model built into the image, or
     no registry to ask).
-    An unknown or unverified model: a False ModelResolved condition, no child touched, and another
-    try later (the model may be registered meanwhile)."""
+    An unknown or unverified model, or one of another kind than the spec's: a False ModelResolved
+    condition, no child touched, and another try later (the model may be registered meanwhile)."""
     name, version = spec.model.name, spec.model.version
     if name is None or config.registry is None or (name in BUILTIN_MODELS and version is None):
         return None
     try:
-        return await config.registry.resolve(name, version)
+        model = await config.registry.resolve(name, version)
+        model.require_kind(spec.kind)
+        return model
     except ModelResolutionError as exc:
         logger.warning(f"model not resolved: {exc.message}")
         patch.status.update(unresolved_model_status(exc, generation=meta.get("generation"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from inferplane.api.model_resolution import ModelResolutionError
+from inferplane.api.model_resolution import ModelResolutionError, ResolvedModel
 from inferplane.control_plane import auth, registry, tenants
 from inferplane.control_plane.errors import InvalidInput
 from inferplane.control_plane.gateway.rest import create_asgi_app
@@ -91,3 +91,24 @@ async def test_registering_a_uri_over_the_api_is_a_platform_admins_power(gateway
     unreachable = await call(gateway, "POST", "/admin/v1/models", BOOTSTRAP,
                              json={"source": "http://127.0.0.1:9/model.gguf", "name": "remote"})
     assert unreachable.status_code == 400 and "cannot fetch" in unreachable.json()["error"]["message"]
+
+
+def test_a_deployment_of_another_kind_than_its_model_is_refused_naming_both(sessions, make_gguf, tmp_path) -> None:
+    """A chat deployment of an embedding model (or the reverse) would start workers that refuse the
+    weights and restart forever: resolution carries the model's kind and the deployment's is checked."""
+    from tests.control_plane.test_registry import _sentence_transformers_folder
+
+    with sessions.begin() as s:
+        registry.register_model(s, str(make_gguf(tmp_path / "chat.gguf")), actor="t", name="chat-llm")
+        registry.register_model(s, str(_sentence_transformers_folder(tmp_path / "minilm")), actor="t", name="minilm")
+    with sessions() as s:
+        chat, encoder = (registry.resolve_for_deployment(s, name, None) for name in ("chat-llm", "minilm"))
+    assert (chat.kind, encoder.kind) == ("generate", "embedding")
+    chat.require_kind("generate")
+    encoder.require_kind("embedding")
+    with pytest.raises(ModelResolutionError) as wrong:
+        encoder.require_kind("generate")
+    assert wrong.value.reason == "ModelKindMismatch" and not wrong.value.retryable
+    assert "minilm@1" in wrong.value.message and "spec.kind: embedding" in wrong.value.message
+    # what the operator gets over the admin API carries the kind too
+    assert ResolvedModel.from_dict(encoder.to_dict()).kind == "embedding"

@@ -98,6 +98,18 @@ async def test_an_unknown_model_is_a_false_condition_and_no_worker(operator_with
     assert api.get("apps/v1/deployments", NAMESPACE, "ghost") is None
 
 
+async def test_a_model_of_another_kind_is_a_false_condition_and_no_worker(operator_with_registry: Any) -> None:
+    """`tiny` generates: an embedding deployment of it would start workers that refuse the weights."""
+    api = operator_with_registry
+    body = resource("encoder", {"name": "tiny", "version": "1"})
+    body["spec"].update(kind="embedding", runtime="embedding")
+    await create(api, body)
+    status = await eventually(lambda: condition(status_of(api, "encoder"), "ModelResolved"))
+    assert status["status"] == "False" and status["reason"] == "ModelKindMismatch"
+    assert "tiny@1" in status["message"] and "spec.kind: generate" in status["message"]
+    assert api.get("apps/v1/deployments", NAMESPACE, "encoder") is None
+
+
 async def test_a_new_version_rolls_the_pod_template_to_the_new_digest(
         operator_with_registry: Any, gateway: Gateway) -> None:
     api = operator_with_registry
