@@ -193,12 +193,14 @@ class InfoResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., runtime: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., architecture: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., add_bos: _Optional[bool] = ..., embedding_dimensions: _Optional[int] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("request_id", "inputs")
+    __slots__ = ("request_id", "inputs", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inputs: _containers.RepeatedCompositeFieldContainer[TokenIds]
-    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
     __slots__ = ("embeddings", "dimensions", "usage")

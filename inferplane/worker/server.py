@@ -168,7 +168,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 "(chat and completions), not Embed")
         inputs = [list(i.ids) for i in request.inputs]
         try:
-            vectors = await runner.embed(inputs)
+            vectors = await runner.embed(inputs, tenant=request.tenant)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:

@@ -248,6 +248,26 @@ async def test_concurrent_requests_share_a_forward_and_a_cancelled_one_is_droppe
     batcher.stop()
 
 
+async def test_tenants_take_turns_so_a_big_request_does_not_hold_another_tenants_input() -> None:
+    """Tenant A queues 40 inputs, then B one and C two: B's and C's share A's next forward instead of
+    waiting for A's ten; within a tenant, inputs keep their order."""
+    fake = RecordingEncoder(hold_first=True)
+    batcher = EmbeddingBatcher(fake, max_inputs=4, max_tokens=4096)
+    first = asyncio.ensure_future(batcher.embed([[0]], tenant="a"))
+    assert await asyncio.to_thread(fake.started.wait, 60)  # the thread is in a forward: the rest queue
+    big = asyncio.ensure_future(batcher.embed([[1, i] for i in range(40)], tenant="a"))
+    await asyncio.sleep(0)
+    small = asyncio.ensure_future(batcher.embed([[2]], tenant="b"))
+    pair = asyncio.ensure_future(batcher.embed([[3], [3]], tenant="c"))
+    await asyncio.sleep(0)
+    fake.release.set()
+    await asyncio.wait_for(asyncio.gather(first, big, small, pair), 60)
+    assert fake.forwards[1] == [[1, 0], [2], [3], [1, 1]]  # a, b, c, then a again
+    assert fake.forwards[2] == [[3], [1, 2], [1, 3], [1, 4]]  # c's second, then a's alone
+    assert len(fake.forwards) == 1 + 11 and batcher.num_in_flight == 0
+    batcher.stop()
+
+
 async def test_a_failed_forward_fails_its_requests_and_the_loop_goes_on() -> None:
     class Failing(RecordingEncoder):
         def embed(self, inputs):

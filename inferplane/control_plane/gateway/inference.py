@@ -332,7 +332,8 @@ class InferenceService:
         before its first message; settled once answered or failed (usage: the input tokens)."""
         model = prepared.model
         request = worker_pb2.EmbedRequest(request_id=prepared.request_id,
-                                          inputs=[worker_pb2.TokenIds(ids=ids) for ids in prepared.prompts])
+                                          inputs=[worker_pb2.TokenIds(ids=ids) for ids in prepared.prompts],
+                                          tenant=prepared.principal.tenant_id or "")
 
         async def call(endpoint) -> AsyncIterator[worker_pb2.EmbedResponse]:
             yield await self.channels.stub(endpoint.address).Embed(request, timeout=self.request_timeout)

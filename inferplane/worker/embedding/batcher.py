@@ -3,12 +3,16 @@
 Why a thread and a queue, not a forward per request: a forward holds a CPU (or the GPU) for
 milliseconds to seconds, which on the event loop would stall every other call, health checks and
 Stats included; and inputs of concurrent requests padded into one forward cost little more than
-one request's alone. So `embed` puts a request's inputs at the back of one queue (sorted by
-length within the request, so that neighbours pad little) and the thread drains it front first,
-forming each forward from consecutive inputs, across requests, within two bounds: `max_inputs`
-per forward and `max_tokens` padded tokens (inputs × the longest) per forward, one input always.
-A request whose caller went away has its queued inputs dropped unrun. First come, first served:
-a large request's forwards run before a later small one's.
+one request's alone. So `embed` puts a request's inputs at the back of its tenant's queue (sorted
+by length within the request, so that neighbours pad little) and the thread forms each forward
+within two bounds: `max_inputs` per forward and `max_tokens` padded tokens (inputs × the longest)
+per forward, one input always. A request whose caller went away has its queued inputs dropped
+unrun.
+
+Tenants take turns, an input each: the tenant whose input went into a forward goes to the back of
+the rotation, one whose next input did not fit keeps its turn for the next forward. So one
+tenant's request of 2,048 inputs shares every forward with another tenant's single input instead
+of running all its forwards first; within a tenant it is first come, first served.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -72,7 +76,7 @@ class EmbeddingBatcher:
         self.max_tokens = max(1, max_tokens)
         self._on_finished = on_finished
         self._wake = threading.Condition(threading.Lock())
-        self._pending: deque[_Input] = deque()
+        self._queues: OrderedDict[str, deque[_Input]] = OrderedDict()  # by tenant, in turn order
         self._requests = 0  # in flight: queued or running
         self._started = 0  # of those, the ones with an input forwarded already
         self._running = 0  # inputs in the forward now
@@ -94,7 +98,7 @@ class EmbeddingBatcher:
         one-input requests share one forward. (A request of many inputs counts once.)"""
         with self._wake:
             requests, started = self._requests, self._started
-            queued, forwarding = len(self._pending), self._running
+            queued, forwarding = self._queued(), self._running
         c = self.counters
         return {"num_running": float(started), "num_waiting": float(requests - started),
                 "max_num_seqs": float(self.max_inputs), "blocks_total": 0.0, "queued_inputs": float(queued),
@@ -103,9 +107,10 @@ class EmbeddingBatcher:
                 "padded_tokens": float(c.padded_tokens), "forwards": float(c.forwards),
                 "forward_seconds": c.seconds}
 
-    async def embed(self, inputs: Sequence[Sequence[int]]) -> list[bytes]:
+    async def embed(self, inputs: Sequence[Sequence[int]], tenant: str = "") -> list[bytes]:
         """Each input's vector as float32 little-endian bytes, in order. ValueError (naming
-        `input`) for inputs the model cannot take, before anything is queued."""
+        `input`) for inputs the model cannot take, before anything is queued. `tenant`: whose turn
+        the inputs take (module docstring)."""
         if not inputs:
             raise ValueError("input: at least one input is required")
         self.encoder.check(inputs)
@@ -117,7 +122,7 @@ class EmbeddingBatcher:
             if self._stopped:
                 raise RuntimeError("the embedding runtime has stopped")
             self._requests += 1
-            self._pending.extend(_Input(request, i, inputs[i]) for i in order)
+            self._queues.setdefault(tenant, deque()).extend(_Input(request, i, inputs[i]) for i in order)
             self._wake.notify()
         try:
             vectors = await request.future
@@ -137,20 +142,30 @@ class EmbeddingBatcher:
             self._stopped = True
             self._wake.notify()
 
+    def _queued(self) -> int:
+        return sum(len(queue) for queue in self._queues.values())
+
     def _take(self) -> list[_Input]:
-        """The next forward's inputs (caller holds the lock): consecutive live inputs from the front,
-        within max_inputs and max_tokens padded tokens; the first always."""
+        """The next forward's inputs (caller holds the lock): live inputs, the tenants in turn, within
+        max_inputs and max_tokens padded tokens; the first always."""
         batch: list[_Input] = []
         longest = 0
-        while self._pending and len(batch) < self.max_inputs:
-            item = self._pending[0]
+        while self._queues and len(batch) < self.max_inputs:
+            tenant, queue = next(iter(self._queues.items()))
+            item = queue[0]
             if item.request.cancelled:
-                self._pending.popleft()
+                queue.popleft()
+                if not queue:
+                    del self._queues[tenant]
                 continue
             wider = max(longest, len(item.ids))
             if batch and wider * (len(batch) + 1) > self.max_tokens:
-                break
-            batch.append(self._pending.popleft())
+                break  # this tenant's input starts the next forward
+            batch.append(queue.popleft())
+            if queue:
+                self._queues.move_to_end(tenant)
+            else:
+                del self._queues[tenant]
             longest = wider
             if not item.request.started:
                 item.request.started = True
@@ -160,11 +175,11 @@ class EmbeddingBatcher:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._pending and not self._stopped:
+                while not self._queues and not self._stopped:
                     self._wake.wait()
                 if self._stopped:
-                    leftover = {item.request for item in self._pending}
-                    self._pending.clear()
+                    leftover = {item.request for queue in self._queues.values() for item in queue}
+                    self._queues.clear()
                     for request in leftover:
                         _resolve(request, RuntimeError("the embedding runtime stopped before this request ran"))
                     return
