@@ -74,3 +74,33 @@ class CompleteResponse(_message.Message):
     index: int
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     def __init__(self, id: _Optional[str] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_worker_pb2.Usage, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_worker_pb2.TopLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+
+class EmbeddingsRequest(_message.Message):
+    __slots__ = ("model", "texts", "token_ids", "dimensions")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedCompositeFieldContainer[_worker_pb2.TokenIds]
+    dimensions: int
+    def __init__(self, model: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[_Union[_worker_pb2.TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EmbeddingsResponse(_message.Message):
+    __slots__ = ("id", "data", "dimensions", "usage")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    data: _containers.RepeatedCompositeFieldContainer[Embedding]
+    dimensions: int
+    usage: _worker_pb2.Usage
+    def __init__(self, id: _Optional[str] = ..., data: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., dimensions: _Optional[int] = ..., usage: _Optional[_Union[_worker_pb2.Usage, _Mapping]] = ...) -> None: ...

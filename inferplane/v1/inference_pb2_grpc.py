@@ -44,6 +44,11 @@ class InferenceStub:
                 request_serializer=inferplane_dot_v1_dot_inference__pb2.ChatRequest.SerializeToString,
                 response_deserializer=inferplane_dot_v1_dot_inference__pb2.CompleteResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/inferplane.v1.Inference/Embed',
+                request_serializer=inferplane_dot_v1_dot_inference__pb2.EmbeddingsRequest.SerializeToString,
+                response_deserializer=inferplane_dot_v1_dot_inference__pb2.EmbeddingsResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -61,6 +66,12 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +84,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Chat,
                     request_deserializer=inferplane_dot_v1_dot_inference__pb2.ChatRequest.FromString,
                     response_serializer=inferplane_dot_v1_dot_inference__pb2.CompleteResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=inferplane_dot_v1_dot_inference__pb2.EmbeddingsRequest.FromString,
+                    response_serializer=inferplane_dot_v1_dot_inference__pb2.EmbeddingsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +145,33 @@ class Inference:
             '/inferplane.v1.Inference/Chat',
             inferplane_dot_v1_dot_inference__pb2.ChatRequest.SerializeToString,
             inferplane_dot_v1_dot_inference__pb2.CompleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferplane.v1.Inference/Embed',
+            inferplane_dot_v1_dot_inference__pb2.EmbeddingsRequest.SerializeToString,
+            inferplane_dot_v1_dot_inference__pb2.EmbeddingsResponse.FromString,
             options,
             channel_credentials,
             insecure,

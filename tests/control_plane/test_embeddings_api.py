@@ -236,3 +236,54 @@ async def test_the_endpoint_is_documented(gateway) -> None:
     assert set(schema["components"]["schemas"][body]["properties"]) >= {"model", "input", "encoding_format",
                                                                          "dimensions", "user"}
     assert json.dumps(operation)  # serializable, as schemathesis reads it
+
+
+async def test_the_tenant_grpc_api_embeds_like_rest(gateway, reference) -> None:
+    """`inferplane.v1.Inference/Embed`: the same vectors, usage and refusals as /v1/embeddings."""
+    import grpc
+
+    from inferplane.control_plane.gateway.grpc_api import InferenceServicer
+    from inferplane.v1 import inference_pb2, inference_pb2_grpc
+
+    key = new_key(gateway, "grpc-tenant")
+    server = grpc.aio.server()
+    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(gateway.context), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    auth_header = [("authorization", f"Bearer {key}")]
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            answer = await stub.Embed(inference_pb2.EmbeddingsRequest(model=EMBED, texts=TEXTS),
+                                      metadata=auth_header, timeout=120)
+            ids = reference.tokenizer(TEXTS[0])["input_ids"]
+            by_ids = await stub.Embed(inference_pb2.EmbeddingsRequest(
+                model=EMBED, token_ids=[worker_pb2.TokenIds(ids=ids)]), metadata=auth_header, timeout=120)
+            refusals = {}
+            for name, request in {
+                "both": inference_pb2.EmbeddingsRequest(model=EMBED, texts=["a"],
+                                                        token_ids=[worker_pb2.TokenIds(ids=[1])]),
+                "dimensions": inference_pb2.EmbeddingsRequest(model=EMBED, texts=["a"], dimensions=8),
+                "kind": inference_pb2.EmbeddingsRequest(model=GENERATE, texts=["a"]),
+                "empty": inference_pb2.EmbeddingsRequest(model=EMBED),
+            }.items():
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await stub.Embed(request, metadata=auth_header, timeout=60)
+                refusals[name] = (caught.value.code(), caught.value.details())
+            with pytest.raises(grpc.aio.AioRpcError) as unauthenticated:
+                await stub.Embed(inference_pb2.EmbeddingsRequest(model=EMBED, texts=["a"]), timeout=60)
+    finally:
+        await server.stop(None)
+    expected = reference.encode(TEXTS, convert_to_numpy=True)
+    got = np.array([list(e.values) for e in answer.data])
+    assert answer.dimensions == 384 and got.shape == (len(TEXTS), 384)
+    assert cosines(got, expected).min() >= 0.999
+    assert answer.usage.prompt_tokens == sum(len(reference.tokenizer(t)["input_ids"]) for t in TEXTS)
+    # the same input alone, not padded beside longer ones: equal within float32 rounding
+    assert np.allclose(np.array(by_ids.data[0].values), got[0], atol=1e-5)
+    assert all(code == grpc.StatusCode.INVALID_ARGUMENT for code, _ in refusals.values()), refusals
+    assert refusals["both"][1].startswith("texts and token_ids")
+    assert refusals["dimensions"][1].startswith("dimensions")
+    assert "embedding" in refusals["kind"][1] or "generat" in refusals["kind"][1]
+    assert refusals["empty"][1].startswith("input")
+    assert unauthenticated.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -67,13 +67,18 @@ def tokenize(model: ServedModel, inputs: list[str] | list[list[int]]) -> list[li
     return token_lists
 
 
-def _vector(data: bytes, encoding: str) -> list[float] | str:
-    if encoding == "base64":
-        return base64.b64encode(data).decode("ascii")
+def floats(data: bytes) -> array.array:
+    """A worker's vector (float32, little-endian) as this machine's floats."""
     values = array.array("f", data)
     if sys.byteorder != "little":
         values.byteswap()
-    return values.tolist()
+    return values
+
+
+def _vector(data: bytes, encoding: str) -> list[float] | str:
+    if encoding == "base64":
+        return base64.b64encode(data).decode("ascii")
+    return floats(data).tolist()
 
 
 def answer_json(body: EmbeddingRequest, answer: worker_pb2.EmbedResponse, prompt_tokens: int) -> bytes:
@@ -88,7 +93,8 @@ class Embeddings:
     def __init__(self, ctx: GatewayContext) -> None:
         self.ctx = ctx
 
-    async def create(self, body: EmbeddingRequest, principal: Principal) -> Response:
+    async def vectors(self, body: EmbeddingRequest, principal: Principal) -> tuple[str, worker_pb2.EmbedResponse, int]:
+        """The request's id, the replica's answer and the inputs' tokens: the path REST and gRPC share."""
         inference = self.ctx.inference
         model = inference.served(principal, body.model, "embedding")
         check_dimensions(body, model)
@@ -98,6 +104,10 @@ class Embeddings:
         prepared = await inference.prepare_embedding(principal, model, token_lists)
         answer = await inference.embed(prepared)  # settles the request, answered or not
         self.ctx.metrics.tokens.labels(model.name, "prompt").inc(prepared.prompt_tokens)
+        return prepared.request_id, answer, prepared.prompt_tokens
+
+    async def create(self, body: EmbeddingRequest, principal: Principal) -> Response:
+        _, answer, prompt_tokens = await self.vectors(body, principal)
         floats = len(answer.embeddings) * answer.dimensions
-        content = await _run(floats > OFF_LOOP_FLOATS, lambda: answer_json(body, answer, prepared.prompt_tokens))
+        content = await _run(floats > OFF_LOOP_FLOATS, lambda: answer_json(body, answer, prompt_tokens))
         return Response(content, media_type="application/json")

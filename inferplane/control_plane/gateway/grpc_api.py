@@ -10,6 +10,7 @@ structured_outputs, tools), so they are validated there too.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -18,9 +19,10 @@ from pydantic import ValidationError
 
 from inferplane.control_plane.errors import ControlPlaneError
 from inferplane.control_plane.gateway.context import GatewayContext, bearer
+from inferplane.control_plane.gateway.embeddings import OFF_LOOP_FLOATS, Embeddings, floats
 from inferplane.control_plane.gateway.errors import GatewayError, as_error, validation_message
 from inferplane.control_plane.gateway.inference import ChatTools
-from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from inferplane.control_plane.gateway.tool_formats import held_answer
 from inferplane.v1 import inference_pb2, inference_pb2_grpc, worker_pb2
 
@@ -102,6 +104,7 @@ _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENT
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, ctx: GatewayContext):
         self.ctx = ctx
+        self.embeddings = Embeddings(ctx)
 
     def _principal(self, context):
         metadata = dict(context.invocation_metadata() or ())
@@ -148,13 +151,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     elif calling and not params.logprobs:
                         continue
                     yield out
-        except ValueError as exc:
-            known = isinstance(exc, (ControlPlaneError, GatewayError))
-            status, message = as_error(exc)[:2] if known else (400, str(exc))
-            await context.abort(_STATUS.get(status, grpc.StatusCode.INTERNAL), message)
-        except Exception as exc:
-            status, message, _, _ = as_error(exc)
-            await context.abort(_STATUS.get(status, grpc.StatusCode.INTERNAL), message)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the call's status
+            await self._abort(context, exc)
 
     async def Complete(self, request, context):
         async for out in self._run(context, request.model, request.params, prompt=request.prompt):
@@ -167,6 +165,42 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         async for out in self._run(context, request.model, request.params, messages=messages,
                                    tools=list(request.tools), tool_choice=request.tool_choice):
             yield out
+
+
+    async def Embed(self, request, context):
+        try:
+            principal = self._principal(context)
+            if request.texts and request.token_ids:
+                raise ValueError("texts and token_ids: give one of them")
+            inputs = list(request.texts) if request.texts else [list(t.ids) for t in request.token_ids]
+            try:
+                body = EmbeddingRequest.model_validate({"model": request.model, "input": inputs,
+                                                        "dimensions": request.dimensions or None})
+            except ValidationError as exc:
+                raise ValueError(validation_message(exc.errors())[0]) from None
+            request_id, answer, prompt_tokens = await self.embeddings.vectors(body, principal)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the call's status, as in _run
+            await self._abort(context, exc)
+        response = inference_pb2.EmbeddingsResponse(id=request_id, dimensions=answer.dimensions)
+        response.usage.prompt_tokens = prompt_tokens
+
+        def fill() -> None:
+            for vector in answer.embeddings:
+                response.data.add().values.extend(floats(vector))
+
+        if len(answer.embeddings) * answer.dimensions > OFF_LOOP_FLOATS:
+            await asyncio.to_thread(fill)
+        else:
+            fill()
+        return response
+
+    async def _abort(self, context, exc: Exception) -> None:
+        """The gRPC status an error maps to (a ValueError of the request's own is a 400)."""
+        if isinstance(exc, ValueError) and not isinstance(exc, (ControlPlaneError, GatewayError)):
+            status, message = 400, str(exc)
+        else:
+            status, message = as_error(exc)[:2]
+        await context.abort(_STATUS.get(status, grpc.StatusCode.INTERNAL), message)
 
 
 def _answer_call(out: inference_pb2.CompleteResponse, text: str, forced: bool, fmt: str | None,
