@@ -57,6 +57,21 @@ def canonical_architecture(name: str | None) -> str | None:
     return key if key in ARCHITECTURE_KINDS else None
 
 
+def config_architecture(config: dict) -> str | None:
+    """The architecture a Hugging Face config.json names: the first of its `model_type` and its
+    class names (`architectures`) that inferplane serves, canonical; else the first it names (for
+    the error that refuses it); None when it names none. The registry and the workers both read a
+    folder's architecture by this rule."""
+    architectures = config.get("architectures")
+    names = [config.get("model_type"), *(architectures if isinstance(architectures, list) else [])]
+    names = [str(n) for n in names if isinstance(n, str) and n]
+    for name in names:
+        canonical = canonical_architecture(name)
+        if canonical is not None:
+            return canonical
+    return names[0] if names else None
+
+
 def model_kind(architecture: str | None) -> ModelKind | None:
     """"generate" or "embedding" for a served architecture, None otherwise."""
     canonical = canonical_architecture(architecture)

@@ -48,7 +48,13 @@ from urllib.parse import unquote, urlparse
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from inferplane.api.architectures import ARCHITECTURE_KINDS, canonical_architecture, model_kind, unsupported_message
+from inferplane.api.architectures import (
+    ARCHITECTURE_KINDS,
+    canonical_architecture,
+    config_architecture,
+    model_kind,
+    unsupported_message,
+)
 from inferplane.api.model_resolution import BUILTIN_MODELS, ModelResolutionError, ResolvedModel, model_ref_text
 from inferplane.control_plane import audit
 from inferplane.control_plane.auth import ALL_TENANTS, TenantScope
@@ -184,11 +190,7 @@ def _read_hf_config(folder: Path) -> tuple[str | None, int | None]:
         raise CorruptWeights(f"unreadable config.json in {folder}: {e}") from None
     if not isinstance(config, dict):
         raise CorruptWeights(f"config.json in {folder} is not a JSON object")
-    # model_type ("qwen3", "gemma3_text", "bert" in a sentence-transformers folder), else the class name
-    arch = config.get("model_type")
-    architectures = config.get("architectures")
-    if not isinstance(arch, str) or not arch:
-        arch = architectures[0] if isinstance(architectures, list) and architectures else None
+    arch = config_architecture(config)  # the rule the workers read it by
     for scope in (config, config.get("text_config") or {}):
         for key in _CONTEXT_KEYS:
             if isinstance(scope.get(key), int):

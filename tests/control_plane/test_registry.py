@@ -116,8 +116,12 @@ def _sentence_transformers_folder(folder: Path) -> Path:
                                                "max_position_embeddings": 40960}), ("qwen3", "generate", 40960)),
         (lambda p, _: _hf_folder(p / "gemma-3-text", {"model_type": "gemma3_text"}), ("gemma3", "generate", None)),
         (lambda p, _: _sentence_transformers_folder(p / "minilm"), ("bert", "embedding", 512)),
+        # a model_type of its own over a class the workers load: read as the workers read it
+        (lambda p, _: _hf_folder(p / "custom", {"model_type": "my_llama", "architectures": ["LlamaForCausalLM"]}),
+         ("llama", "generate", None)),
     ],
-    ids=["gemma3-gguf", "qwen3moe-gguf", "qwen3-folder", "gemma3_text-folder", "sentence-transformers-folder"],
+    ids=["gemma3-gguf", "qwen3moe-gguf", "qwen3-folder", "gemma3_text-folder", "sentence-transformers-folder",
+         "custom-model_type-folder"],
 )
 def test_the_architecture_is_recorded_canonical_with_its_kind(
     sessions: Sessions, tmp_path: Path, make_gguf, make, expected

@@ -17,24 +17,20 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Tokenizer
 
-from inferplane.api.architectures import canonical_architecture, model_kind
+from inferplane.api.architectures import config_architecture, model_kind
 from inferplane.api.tokenizer import TextTokenizer
 from inferplane.worker.embedding.pooling import Pooling, read_pooling
-from inferplane.worker.model.bert import BertConfig, BertModel, load_bert, read_config
+from inferplane.worker.model.bert import BertConfig, BertModel, load_bert
 from inferplane.worker.model.config import ModelLoadError
+from inferplane.worker.model.hf_folder import read_config
 
 
 def folder_architecture(path: str) -> str | None:
-    """The architecture a HF folder's config.json names (model_type, else its first class name);
+    """The architecture a HF folder's config.json names (api/architectures.config_architecture);
     None for anything else (a GGUF file's loader reads its own)."""
     if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
         return None
-    config = read_config(path)
-    names = [config.get("model_type"), *(config.get("architectures") or [])]
-    for name in names:
-        if canonical_architecture(name) is not None:
-            return canonical_architecture(name)
-    return str(names[0]) if names[0] else None
+    return config_architecture(read_config(path))
 
 
 def _tokenizer(folder: str) -> TextTokenizer:

@@ -15,9 +15,7 @@ pooling ignores them).
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -26,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferplane.worker.model.config import ModelLoadError
-from inferplane.worker.model.safetensors_files import read_safetensors
+from inferplane.worker.model.hf_folder import read_config, read_safetensors
 
 # HF's names for the activations BERT checkpoints use.
 _ACTIVATIONS = {
@@ -218,17 +216,6 @@ def _fill(model: BertModel, tensors: Iterable[tuple[str, torch.Tensor]], dtype: 
         missing.discard(name)
     if missing:
         raise ModelLoadError(f"weights missing from the checkpoint: {', '.join(sorted(missing)[:5])}")
-
-
-def read_config(folder: str) -> dict:
-    path = os.path.join(folder, "config.json")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise ModelLoadError(f"{folder} has no config.json") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{path} is not a valid model config: {exc}") from None
 
 
 def load_bert(folder: str, device: torch.device, dtype: torch.dtype) -> BertModel:

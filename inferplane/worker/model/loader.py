@@ -4,7 +4,6 @@ sharded too) or a GGUF file. Every failure is a ModelLoadError with a one-line r
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -14,9 +13,9 @@ import torch
 from inferplane.api.model_resolution import BUILTIN_MODELS
 from inferplane.api.tokenizer import TextTokenizer
 from inferplane.worker.model.config import ModelConfig, ModelLoadError
+from inferplane.worker.model.hf_folder import read_config, read_safetensors
 from inferplane.worker.model.hf_weights import hf_tensors_for
 from inferplane.worker.model.llama import LlamaForCausalLM, Rotary, local_rotary
-from inferplane.worker.model.safetensors_files import read_safetensors
 from inferplane.worker.model.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -81,14 +80,10 @@ def _fill(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]], 
 def load_model(model: str, device: torch.device, dtype: torch.dtype, max_positions: int | None = None) -> LoadedModel:
     path = resolve_model_path(model)
     if os.path.isdir(path):
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.exists(cfg_path):
-            raise ModelLoadError(f"{path} has no config.json")
         try:
-            with open(cfg_path) as f:
-                config = ModelConfig.from_hf(json.load(f))
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise ModelLoadError(f"{cfg_path} is not a valid model config: {exc}") from exc
+            config = ModelConfig.from_hf(read_config(path))
+        except KeyError as exc:
+            raise ModelLoadError(f"{path}/config.json is not a valid model config: missing {exc}") from exc
         tensors = hf_tensors_for(config, read_safetensors(path))
         tokenizer = load_hf_tokenizer(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
     elif path.endswith(".gguf"):

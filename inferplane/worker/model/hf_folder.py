@@ -1,4 +1,5 @@
-"""Reading a Hugging Face folder's safetensors weights (one file or shards), for every loader."""
+"""Reading a Hugging Face folder, for every loader: its config.json and its safetensors weights
+(one file or shards)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,18 @@ def read_safetensors(folder: str) -> Iterable[tuple[str, torch.Tensor]]:
                     yield name, f.get_tensor(name)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+
+
+def read_config(folder: str) -> dict:
+    """The folder's config.json; a missing or unreadable one is a ModelLoadError naming it."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise ModelLoadError(f"{folder} has no config.json") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not a valid model config: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path} is not a JSON object")
+    return config
