@@ -96,6 +96,11 @@ class PreparedRequest:
         return len(self.prompts) * self.n
 
 
+def _band(principal: Principal, model: ServedModel) -> str:
+    """The priority band a request runs in: the key's, else the tenant's, else the deployment's."""
+    return resolve_band(principal.priority, principal.tenant_priority, model.priority)
+
+
 def _limits(principal: Principal) -> KeyLimits:
     return KeyLimits(requests_per_minute=principal.requests_per_minute, tokens_per_minute=principal.tokens_per_minute)
 
@@ -176,7 +181,7 @@ class InferenceService:
                 principal, _limits(principal), prompt_tokens, room, choices)
         prepared = PreparedRequest(uuid.uuid4().hex, principal, model, token_lists, max_tokens, n=n,
                                    reserved=prompt_tokens + choices * max_tokens, tool_format=fmt,
-                                   priority=resolve_band(principal.priority, principal.tenant_priority, model.priority))
+                                   priority=_band(principal, model))
         await self.admit(prepared, sequences=choices)
         return prepared
 
@@ -186,8 +191,7 @@ class InferenceService:
         reserves its input tokens (nothing is generated) and holds one sequence however many inputs
         it has, since its inputs run in a few forwards and keep nothing on the worker afterwards."""
         prepared = PreparedRequest(uuid.uuid4().hex, principal, model, token_lists, max_tokens=0,
-                                   reserved=sum(len(t) for t in token_lists),
-                                   priority=resolve_band(principal.priority, principal.tenant_priority, model.priority))
+                                   reserved=sum(len(t) for t in token_lists), priority=_band(principal, model))
         await self.admit(prepared, sequences=1)
         return prepared
 
