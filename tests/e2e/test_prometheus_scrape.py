@@ -138,7 +138,7 @@ def test_prometheus_scrapes_the_stack_and_every_rule_and_panel_query_works(manif
         pass
     prometheus = None
     try:
-        key = next(line.rsplit(": ", 1)[1].strip() for line in up.lines if "API key (shown once" in line)
+        key = up.key
         admin = (tmp_path / "home" / "admin-key").read_text().strip()
         platform_rules, local_rules = tmp_path / "platform.rules.yaml", tmp_path / "deployment.rules.yaml"
         platform_rules.write_text(render.platform_rules_yaml())

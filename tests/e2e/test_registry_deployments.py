@@ -49,7 +49,7 @@ def manifest(path: Path, *deployments: tuple[str, dict]) -> Path:
 
 
 def chat(up: Up, model: str) -> str:
-    key = next(line.rsplit(": ", 1)[1].strip() for line in up.lines if "API key (shown once" in line)
+    key = up.key
     client = OpenAI(base_url=f"http://127.0.0.1:{up.port}/v1", api_key=key, timeout=300)
     answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     return answer.choices[0].message.content or ""
@@ -186,7 +186,7 @@ def test_gemma3_gguf_registered_by_path_is_served_by_name(tmp_path: Path) -> Non
     assert "gemma3" in listed.stdout and "generate" in listed.stdout, listed.stdout
     up = Up(manifest(tmp_path / "gemma.yaml", ("gemma", {"name": "gemma3-270m", "version": "1"})), home)
     try:
-        key = next(line.rsplit(": ", 1)[1].strip() for line in up.lines if "API key (shown once" in line)
+        key = up.key
         client = OpenAI(base_url=f"http://127.0.0.1:{up.port}/v1", api_key=key, timeout=300)
         answer = client.completions.create(model="gemma3-270m", prompt="The days of the week are Monday, Tuesday,",
                                            max_tokens=6, temperature=0)

