@@ -147,6 +147,21 @@ def test_paged_decode_attention_equals_gather_and_sdpa(isa_kernels, heads, kv_he
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [1, 5, 16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_windowed_decode_attention_equals_the_masked_gather(isa_kernels, window, kv_dtype, monkeypatch):
+    """A sliding layer's decode on the C kernel reads each context's last `window` tokens: the same
+    as the masked gather and SDPA, for contexts shorter and longer than the window."""
+    q, k_cache, v_cache, batch = _decode_case([1, 4, 5, 13, 40], 6, 2, dim=24, kv_dtype=kv_dtype)
+    kv = q[:, :2]
+    got = paged_attention(q, kv, kv, k_cache, v_cache, batch, 0.2, window=window)
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    expected = paged_attention(q, kv, kv, k_cache, v_cache, batch, 0.2, window=window)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    whole = paged_attention(q, kv, kv, k_cache, v_cache, batch, 0.2)
+    assert not torch.allclose(got[-1], whole[-1])  # the window bound what the 40-token context read
+
+
 def test_paged_decode_attention_handles_long_contexts_and_extreme_scores(isa_kernels, monkeypatch):
     """A softmax over 700 tokens with scores hundreds apart: the kernel's exp must neither overflow
     nor lose the few keys that matter."""

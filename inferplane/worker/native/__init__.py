@@ -87,7 +87,7 @@ class NativeKernels:
         lib.ip_q4_1_dequantize.argtypes = [_P, _I, _I, _P]
         lib.ip_q4_1_dequantize.restype = None
         lib.ip_paged_decode_attention.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P,
-                                                  ctypes.c_float, _P, _I, ctypes.c_int]
+                                                  ctypes.c_float, _P, _I, ctypes.c_int, _I]
         lib.ip_paged_decode_attention.restype = ctypes.c_int
         lib.ip_f32_linear.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I]
         lib.ip_f32_linear.restype = ctypes.c_int
@@ -211,16 +211,17 @@ class NativeKernels:
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, window: int | None = None) -> torch.Tensor:
         """q [B, heads, d] (one query token per sequence); caches [blocks, block_size, kv_heads, d];
-        block_tables [B, max_blocks] and context_lens [B], int64. Returns [B, heads, d]."""
+        block_tables [B, max_blocks] and context_lens [B], int64. Returns [B, heads, d]. With
+        `window` (a sliding layer), each query reads only the last `window` tokens of its context."""
         b, heads, d = q.shape
         blocks, block_size, kv_heads, _ = k_cache.shape
         out = torch.empty(b, heads, d, dtype=torch.float32)
         rc = self._lib.ip_paged_decode_attention(
             q.data_ptr(), q.stride(0), b, heads, kv_heads, d, k_cache.data_ptr(), v_cache.data_ptr(), block_size,
             block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), scale, out.data_ptr(),
-            out.stride(0), _is_half(k_cache))
+            out.stride(0), _is_half(k_cache), window or 0)
         _check(rc, "ip_paged_decode_attention")
         return out
 

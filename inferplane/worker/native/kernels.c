@@ -900,11 +900,12 @@ static inline __attribute__((always_inline)) void attend(
  * token's keys (and values) are read as one contiguous row of kv_heads * d floats (split by KV head,
  * threads each read a part of every row and the KV reads ran at half the memory bandwidth). With
  * fewer sequences than two per thread, a task is one query head, so that a batch of one keeps both
- * threads busy (by KV head, three tasks on two threads left one idle a third of the time). */
+ * threads busy (by KV head, three tasks on two threads left one idle a third of the time).
+ * `window` > 0 (a sliding layer): each query reads only its context's last `window` tokens. */
 int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64_t heads, int64_t kv_heads,
                               int64_t d, const void *k_cache, const void *v_cache, int64_t block_size,
                               const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
-                              float scale, float *out, int64_t out_stride, int half) {
+                              float scale, float *out, int64_t out_stride, int half, int64_t window) {
     if (half && !IP_HALF_KV) return -1;
     const int64_t group = heads / kv_heads;
     const int64_t row = kv_heads * d;  /* floats per token in the cache */
@@ -925,9 +926,14 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
             if (!scores || !offs) continue;
             const int64_t seq = task / splits, part = task % splits;
             const int64_t qa = part * heads / splits, qb = (part + 1) * heads / splits;
-            const int64_t len = context_lens[seq];
+            /* a sliding layer's query (the last position) sees the last `window` positions only */
+            const int64_t first = window > 0 && context_lens[seq] > window ? context_lens[seq] - window : 0;
+            const int64_t len = context_lens[seq] - first;
             const int64_t *table = block_tables + seq * max_blocks;
-            for (int64_t t = 0; t < len; t++) offs[t] = (table[t / block_size] * block_size + t % block_size) * row;
+            for (int64_t t = 0; t < len; t++) {
+                const int64_t pos = first + t;
+                offs[t] = (table[pos / block_size] * block_size + pos % block_size) * row;
+            }
             if (half)
                 attend(q + seq * q_stride, qa, qb, group, d, k_cache, v_cache, offs, len, scale, scores,
                        out + seq * out_stride, 1);
@@ -1132,7 +1138,7 @@ static int decode_layer(float *x, int64_t b, int64_t hidden, const ip_layer_weig
     }
     if (rc == 0) {
         rc = ip_paged_decode_attention(wide, qkv_width, b, heads, kv_heads, d, L->k_cache, L->v_cache, block_size,
-                                       block_tables, max_blocks, context_lens, scale, narrow, heads * d, half);
+                                       block_tables, max_blocks, context_lens, scale, narrow, heads * d, half, 0);
     }
     if (rc == 0) rc = layer_linear(narrow, b, heads * d, heads * d, L->w[1], L->s[1], L->bias[1], hidden, delta, hidden);
     if (rc == 0) {
