@@ -49,7 +49,24 @@ def _op_by_op(llm, prompts, monkeypatch):
         return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, PARAMS)]
 
 
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])  # qwen2: biases on q, k and v
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory) -> str:
+    """Gemma 3's block: query/key norms, the sandwich of norms, GeGLU, sliding layers (window 16, in
+    their own KV pool, with their own rope) beside a global one."""
+    from tests.worker.test_architectures import save_family
+
+    return save_family(tmp_path_factory.mktemp("gemma3"), "gemma3_text", seed=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory) -> str:
+    from tests.worker.test_architectures import save_family
+
+    return save_family(tmp_path_factory.mktemp("qwen3"), "qwen3", seed=6)
+
+
+# qwen2: biases on q, k and v; qwen3: query/key norms; gemma3: all of Gemma 3's block, contexts past the window
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_gemma3"])
 def test_a_decode_step_is_one_call_whose_plan_is_built_once(model, request, isa_kernels, monkeypatch):  # noqa: F811
     llm = _llm(request.getfixturevalue(model))
     plan = llm.engine.loaded.model.fused_decode

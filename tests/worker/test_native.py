@@ -232,6 +232,15 @@ def test_silu_mul_matches_pytorch_including_saturated_gates(isa_kernels):
     assert torch.isfinite(got).all()
 
 
+def test_gelu_mul_matches_pytorchs_tanh_gelu_including_saturated_gates(isa_kernels):
+    gate = torch.cat([torch.randn(3, 21) * 4, torch.tensor([[-120.0, 120.0, -30.0, 45.0, 0.0, -1e-3, 9.5] * 3])])
+    up = torch.randn(4, 21)
+    got = isa_kernels.gelu_mul(torch.cat([gate, up], dim=1))
+    expected = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(got).all()
+
+
 @pytest.mark.parametrize("vocab", [1, 7, 16, 49152, 49157])  # tails shorter than a vector, and none
 def test_argmax_rows_is_torchs_argmax_with_ties_infinities_and_nans(isa_kernels, vocab):
     torch.manual_seed(vocab)

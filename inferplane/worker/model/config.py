@@ -80,11 +80,12 @@ class ModelConfig:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
-    def plain_llama_block(self) -> bool:
-        """True when every layer is the Llama block the fused CPU kernels were written for."""
-        return (self.hidden_act == "silu" and not self.qk_norm and not self.sandwich_norms
-                and self.attn_logit_softcap is None and self.sliding_window is None and self.num_experts == 0
-                and not self.rope_scaling_per_position)
+    def fused_decode_block(self) -> bool:
+        """True when every layer is a block the fused CPU decode computes: the Llama block, with
+        Gemma's and Qwen3's differences (GeGLU, query/key norms, the sandwich of norms, sliding
+        layers with their own rope); not soft-capped scores (Gemma 2), experts, or LongRoPE."""
+        return (self.hidden_act in ("silu", "gelu_tanh") and self.attn_logit_softcap is None
+                and self.num_experts == 0 and not self.rope_scaling_per_position)
 
     @property
     def rope_scaling_per_position(self) -> bool:

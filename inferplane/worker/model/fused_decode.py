@@ -23,7 +23,7 @@ import torch
 from inferplane.worker import native
 from inferplane.worker.attention import AttentionBatch, PagedKVCache
 from inferplane.worker.model import structure
-from inferplane.worker.model.config import ModelConfig
+from inferplane.worker.model.config import FULL, SLIDING, ModelConfig
 
 Segment = tuple[int, int, object]  # (first layer, end, ctypes array of LayerWeights or None: op by op)
 
@@ -52,7 +52,12 @@ class FusedDecode:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             operands = [lin.fused_operands() if hasattr(lin, "fused_operands") else None for lin in linears]
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            # norm1 and norm2 always; Gemma's: the query/key norms and the sandwich's other two
+            extra = [getattr(getattr(owner, name, None), "weight", None) for owner, name in (
+                (attn, "q_norm"), (attn, "k_norm"), (layer, "pre_feedforward_layernorm"),
+                (layer, "post_feedforward_layernorm"))]
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                     *(w for w in extra if w is not None)]
             k_cache, v_cache = cache.layer(attn.layer_index)
             if any(o is None for o in operands) or attn.head_dim > 512 or not native.float32_rows(*norms):
                 self._linears.append(None)
@@ -62,6 +67,10 @@ class FusedDecode:
                 dispatches[id(lin.dispatch)] = lin.dispatch
             entry = native.LayerWeights()
             entry.norm1, entry.norm2 = norms[0].data_ptr(), norms[1].data_ptr()
+            entry.q_norm, entry.k_norm, entry.norm3, entry.norm4 = (None if w is None else w.data_ptr() for w in extra)
+            entry.window = attn.window or 0
+            entry.view = int(cache.is_windowed(attn.layer_index))
+            entry.rope = int(layer.rope_kind == SLIDING)
             for i, (weight, scale, bias) in enumerate(operands):
                 entry.w[i] = weight.data_ptr()
                 entry.s[i] = None if scale is None else scale.data_ptr()
@@ -90,19 +99,26 @@ class FusedDecode:
             self._segments[key] = found
         return found
 
-    def forward(self, x: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor], cache: PagedKVCache,
-                batch: AttentionBatch) -> torch.Tensor | None:
+    def forward(self, x: torch.Tensor, rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                cache: PagedKVCache, batch: AttentionBatch) -> torch.Tensor | None:
         """x after every decoder layer, fused runs in C and the rest op by op; None where the step
-        is not decode rows only or the C kernels do not apply (the caller then runs every layer)."""
+        is not decode rows only or the C kernels do not apply (the caller then runs every layer).
+        `rope_tables`: by rope kind (FULL, and SLIDING where the sliding layers have their own)."""
         rows = x.shape[0]
         kernels = native.kernels()
+        pools = [(cache.data, batch)]
+        if cache.window_data is not None:
+            pools.append((cache.window_data, batch.window))
         if (batch.num_decodes != rows or batch.prefills or x.dim() != 2 or kernels is None
-                or not kernels.has_int8_linear or not native.float32_rows(x, *rope_tables)
-                # x stands in for q: what is checked is the cache's and the tables' dtypes and layout
-                or not kernels.decode_attention_applies(x.view(rows, 1, -1), cache.data, batch.decode_block_tables,
-                                                        batch.decode_context_lens)):
+                or not kernels.has_int8_linear or not native.float32_rows(x, *(t for ts in rope_tables.values()
+                                                                                 for t in ts))
+                # x stands in for q: what is checked is the caches' and the tables' dtypes and layout
+                or not all(view is not None and kernels.decode_attention_applies(
+                    x.view(rows, 1, -1), data, view.decode_block_tables, view.decode_context_lens)
+                    for data, view in pools)):
             return None
-        key = (structure.version(), id(cache), cache.data.data_ptr())
+        key = (structure.version(), id(cache), cache.data.data_ptr(),
+               None if cache.window_data is None else cache.window_data.data_ptr())
         if key != self._key:
             self._build(cache, key)
         segments = self._segments_for(rows)
@@ -110,13 +126,16 @@ class FusedDecode:
             return None
         config = self.config
         shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size)
+        ropes = [rope_tables[FULL], rope_tables.get(SLIDING, rope_tables[FULL])]
+        views = [(view.slot_mapping, view.decode_block_tables, view.decode_context_lens) for _, view in pools]
+        views.append(views[0])  # no window pool: no layer names view 1
         for start, end, weights in segments:
             if weights is None:
                 for layer in self.layers[start:end]:
-                    x = layer(x, rope_tables, cache, batch)
+                    x = layer(x, rope_tables[layer.rope_kind], cache, batch)
                 continue
             x = x.contiguous()
-            kernels.decode_layers(x, weights, config.rms_norm_eps, shape, rope_tables, batch.slot_mapping,
-                                  cache.block_size, batch.decode_block_tables, batch.decode_context_lens,
-                                  config.head_dim**-0.5, kv_half=cache.data.dtype == torch.float16)
+            kernels.decode_layers(x, weights, config.rms_norm_eps, shape, ropes, views[:2], cache.block_size,
+                                  config.attention_scale, kv_half=cache.data.dtype == torch.float16,
+                                  gelu=config.hidden_act == "gelu_tanh")
         return x

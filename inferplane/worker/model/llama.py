@@ -165,29 +165,27 @@ class Attention(WatchedModule):
         k_cache, v_cache = cache.layer(self.layer_index)
         if cache.is_windowed(self.layer_index):  # this layer's KV is in the window pool: its own slots and tables
             batch = batch.window
-        kernels = native.kernels()
-        if self.qkv_proj is not None:  # q and k are adjacent: one rotation for both
-            qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, hd)
-            if (self.q_norm is None and kernels is not None and hd <= 512
-                    and native.float32_rows(qkv, *rope_tables) and kernels.reads_kv_cache(k_cache)):
-                # rotation and the KV write in one pass over the rows
-                kernels.rope_store_kv(qkv, heads, kv_heads, *rope_tables, batch.slot_mapping, k_cache, v_cache)
-                q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-                out = self._attend(q, k, v, k_cache, v_cache, batch)
-                return self.o_proj(out.reshape(t, -1))
-            q, k = self._head_norms(qkv[:, :heads], qkv[:, heads : heads + kv_heads])
-            if self.q_norm is None:
-                qk = rope(qkv[:, : heads + kv_heads], *rope_tables)
-                q, k = qk[:, :heads], qk[:, heads:]
-            else:
-                q, k = rope(q, *rope_tables), rope(k, *rope_tables)
-            v = qkv[:, heads + kv_heads :]
-        else:
+        if self.qkv_proj is None:
             q, k = self._head_norms(self.q_proj(x).view(t, heads, hd), self.k_proj(x).view(t, kv_heads, hd))
             q, k = rope(q, *rope_tables), rope(k, *rope_tables)
             v = self.v_proj(x).view(t, kv_heads, hd)
-        store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        out = self._attend(q, k, v, k_cache, v_cache, batch)
+            store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+            return self.o_proj(self._attend(q, k, v, k_cache, v_cache, batch).reshape(t, -1))
+        qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, hd)  # q and k adjacent: one rotation for both
+        if self.q_norm is not None:  # normed in place, before the rotation (as the fused decode does)
+            qkv[:, :heads], qkv[:, heads : heads + kv_heads] = self._head_norms(qkv[:, :heads],
+                                                                             qkv[:, heads : heads + kv_heads])
+        kernels = native.kernels()
+        if (kernels is not None and hd <= 512 and native.float32_rows(qkv, *rope_tables)
+                and kernels.reads_kv_cache(k_cache)):
+            # rotation and the KV write in one pass over the rows
+            kernels.rope_store_kv(qkv, heads, kv_heads, *rope_tables, batch.slot_mapping, k_cache, v_cache)
+            q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
+        else:
+            qk = rope(qkv[:, : heads + kv_heads], *rope_tables)
+            q, k = qk[:, :heads], qk[:, heads:]
+            store_kv(k_cache, v_cache, k, qkv[:, heads + kv_heads :], batch.slot_mapping)
+        out = self._attend(q, k, qkv[:, heads + kv_heads :], k_cache, v_cache, batch)
         return self.o_proj(out.reshape(t, -1))
 
     def _attend(self, q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
@@ -213,8 +211,8 @@ class MLP(WatchedModule):
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
             kernels = native.kernels()
-            if not self.gelu and kernels is not None and gate_up.dim() == 2 and native.float32_rows(gate_up):
-                return self.down_proj(kernels.silu_mul(gate_up))
+            if kernels is not None and gate_up.dim() == 2 and native.float32_rows(gate_up):
+                return self.down_proj(kernels.gelu_mul(gate_up) if self.gelu else kernels.silu_mul(gate_up))
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(self._act(gate) * up)
         return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
@@ -289,15 +287,14 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if self.config.embedding_multiplier is not None:  # Gemma: the scale rounded to the compute dtype
             x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
-        rope_tables = self.rotary(positions, x.dtype)
-        fused = None
-        if x.device.type == "cpu" and self.config.plain_llama_block:
-            fused = self.fused_decode.forward(x, rope_tables, cache, batch)
-        if fused is not None:
-            return self.model.norm(fused)
-        tables = {FULL: rope_tables}
+        tables = {FULL: self.rotary(positions, x.dtype)}
         if self.rotary_local is not None:
             tables[SLIDING] = self.rotary_local(positions, x.dtype)
+        fused = None
+        if x.device.type == "cpu" and self.config.fused_decode_block:
+            fused = self.fused_decode.forward(x, tables, cache, batch)
+        if fused is not None:
+            return self.model.norm(fused)
         for layer in self.model.layers:
             x = layer(x, tables[layer.rope_kind], cache, batch)
         return self.model.norm(x)

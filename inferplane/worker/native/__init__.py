@@ -49,7 +49,7 @@ ISA_BUILDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
 }
 # What each kernel is called in stats, metrics and bench output.
 KERNEL_NAMES = ("int8_linear", "q4_1_linear", "f32_linear", "decode_attention", "rms_norm", "silu_mul",
-                "rope_store_kv", "argmax")
+                "gelu_mul", "rope_store_kv", "argmax")
 _FEATURE_INT8_LINEAR = 1
 _FEATURE_F32_LINEAR = 2
 _FEATURE_Q4_1_LINEAR = 4
@@ -63,10 +63,24 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 class LayerWeights(ctypes.Structure):
     """One decoder layer as ip_decode_layers reads it (kernels.c's ip_layer_weights): the norms, the
     four linears (qkv, o, gate_up, down) as packed int8 weight + scale, or Q4_1 blocks with a NULL
-    scale, biases or NULL, and the layer's K and V caches."""
+    scale, biases or NULL, the layer's K and V caches; Gemma's query/key and sandwich norms (NULL
+    where none), and a sliding layer's window, attention view and rope tables (kernels.c says how)."""
 
     _fields_ = [("norm1", _P), ("norm2", _P), ("w", _P * 4), ("s", _P * 4), ("bias", _P * 4),
-                ("k_cache", _P), ("v_cache", _P)]
+                ("k_cache", _P), ("v_cache", _P), ("q_norm", _P), ("k_norm", _P), ("norm3", _P), ("norm4", _P),
+                ("window", _I), ("view", _I), ("rope", _I)]
+
+
+class AttnView(ctypes.Structure):
+    """kernels.c's ip_attn_view: one pool's slots, block tables and context lengths for a step."""
+
+    _fields_ = [("slots", _P), ("block_tables", _P), ("context_lens", _P), ("max_blocks", _I)]
+
+
+class RopeTables(ctypes.Structure):
+    """kernels.c's ip_rope: cos and signed sin for each row's position."""
+
+    _fields_ = [("cos", _P), ("signed_sin", _P)]
 
 
 class NativeKernels:
@@ -95,12 +109,14 @@ class NativeKernels:
         lib.ip_rms_norm.restype = None
         lib.ip_silu_mul.argtypes = [_P, _I, _I, _P]
         lib.ip_silu_mul.restype = None
+        lib.ip_gelu_mul.argtypes = [_P, _I, _I, _P]
+        lib.ip_gelu_mul.restype = None
         lib.ip_argmax_rows.argtypes = [_P, _I, _I, _I, _P]
         lib.ip_argmax_rows.restype = None
         lib.ip_rope_store_kv.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, ctypes.c_int]
         lib.ip_rope_store_kv.restype = ctypes.c_int
-        lib.ip_decode_layers.argtypes = [_P, _I, _I, _P, _I, ctypes.c_float, _I, _I, _I, _I, _P, _P, _P, _I, _P,
-                                         _I, _P, ctypes.c_float, ctypes.c_int]
+        lib.ip_decode_layers.argtypes = [_P, _I, _I, _P, _I, ctypes.c_float, _I, _I, _I, _I, _P, _P, _I,
+                                         ctypes.c_float, ctypes.c_int, ctypes.c_int]
         lib.ip_decode_layers.restype = ctypes.c_int
         features = lib.ip_features()
         self.has_int8_linear = bool(features & _FEATURE_INT8_LINEAR)
@@ -189,6 +205,13 @@ class NativeKernels:
         self._lib.ip_silu_mul(gate_up.data_ptr(), m, width // 2, out.data_ptr())
         return out
 
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[M, 2I] (gate | up) -> gelu(gate) * up [M, I], GELU's tanh approximation (Gemma's GeGLU)."""
+        m, width = gate_up.shape
+        out = torch.empty(m, width // 2, dtype=torch.float32)
+        self._lib.ip_gelu_mul(gate_up.data_ptr(), m, width // 2, out.data_ptr())
+        return out
+
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, N] float32 on the CPU (rows may be strided) -> int64 [M]: torch.argmax(x, dim=-1)'s
         answer (the first maximum; the first NaN where a row has one)."""
@@ -226,19 +249,23 @@ class NativeKernels:
         return out
 
     def decode_layers(self, x: torch.Tensor, layers: ctypes.Array, eps: float, shape: tuple[int, int, int, int],
-                      rope_tables: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, block_size: int,
-                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                      kv_half: bool = False) -> None:
+                      ropes: list[tuple[torch.Tensor, torch.Tensor]],
+                      views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block_size: int, scale: float,
+                      kv_half: bool = False, gelu: bool = False) -> None:
         """Consecutive decoder layers for decode rows in one call (ip_decode_layers), x [B, hidden]
         updated in place. `layers`: a ctypes array of LayerWeights (the caller keeps the tensors
-        they point to alive); `shape`: (heads, kv_heads, head_dim, intermediate); `kv_half`: the
-        caches hold float16."""
+        they point to alive); `shape`: (heads, kv_heads, head_dim, intermediate); `ropes`: the
+        model's (cos, signed sin) and the sliding layers' own; `views`: (slots, block tables,
+        context lengths) of the main pool and of the window pool (the layers' `rope` and `view`
+        pick one of each); `kv_half`: the caches hold float16; `gelu`: the MLP is GeGLU."""
         b, hidden = x.shape
         heads, kv_heads, d, inter = shape
+        rope_array = (RopeTables * 2)(*(RopeTables(c.data_ptr(), s.data_ptr()) for c, s in ropes))
+        view_array = (AttnView * 2)(*(AttnView(slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1])
+                                      for slots, tables, lens in views))
         rc = self._lib.ip_decode_layers(
             x.data_ptr(), b, hidden, ctypes.addressof(layers), len(layers), eps, heads, kv_heads, d, inter,
-            rope_tables[0].data_ptr(), rope_tables[1].data_ptr(), slots.data_ptr(), block_size,
-            block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), scale, int(kv_half))
+            ctypes.addressof(rope_array), ctypes.addressof(view_array), block_size, scale, int(kv_half), int(gelu))
         _check(rc, "ip_decode_layers")
 
     def reads_kv_cache(self, cache: torch.Tensor) -> bool:

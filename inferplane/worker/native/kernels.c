@@ -991,6 +991,31 @@ void ip_silu_mul(const float *gate_up, int64_t m, int64_t inter, float *out) {
     }
 }
 
+/* gate_up [m, 2 * inter] -> out [m, inter]: gelu(gate) * up with the tanh approximation (Gemma's
+ * GeGLU), written as gate * sigmoid(2z), z = sqrt(2/pi) (gate + 0.044715 gate^3), which equals
+ * 0.5 gate (1 + tanh(z)) and shares silu's vector exp. */
+void ip_gelu_mul(const float *gate_up, int64_t m, int64_t inter, float *out) {
+    const float c = 0.7978845608028654f, a = 0.044715f;
+#pragma omp parallel for schedule(static) if (m >= 8)
+    for (int64_t i = 0; i < m; i++) {
+        const float *g = gate_up + i * 2 * inter, *u = g + inter;
+        float *o = out + i * inter;
+        int64_t j = 0;
+#if IP_VECTOR
+        for (; j + VF_WIDTH <= inter; j += VF_WIDTH) {
+            const vf gv = vf_load(g + j);
+            const vf z2 = vf_mul(vf_set1(-2.0f * c), vf_fmadd(vf_mul(vf_set1(a), gv), vf_mul(gv, gv), gv));
+            const vf gelu = vf_div(gv, vf_add(vf_set1(1.0f), vf_exp(z2)));
+            vf_store(o + j, vf_mul(gelu, vf_load(u + j)));
+        }
+#endif
+        for (; j < inter; j++) {
+            const float z = c * (g[j] + a * g[j] * g[j] * g[j]);
+            o[j] = g[j] / (1.0f + expf(-2.0f * z)) * u[j];
+        }
+    }
+}
+
 /* Row-wise argmax of x [m, n] (rows ldx apart) into out [m]: the first index of each row's largest
  * value, as torch.argmax returns it, and for a row holding a NaN the first NaN's (torch counts NaN
  * as largest). Greedy decoding takes one per sampled row: PyTorch's CPU argmax took 0.7 ms for 16
@@ -1112,56 +1137,94 @@ static int layer_linear(const float *x, int64_t b, int64_t k, int64_t ldx, const
 
 /* One decoder layer's weights and KV cache, as ip_decode_layers reads them: the four linears (qkv, o,
  * gate_up, down) each as packed int8 with per-channel scales s, or (s NULL) Q4_1 blocks; biases may be
- * NULL. Python builds an array of these once (model/fused_decode.py), so a decode step passes one
- * pointer for the whole model. */
+ * NULL. The Llama block has norm1 (attention input) and norm2 (MLP input). Gemma adds: q_norm and
+ * k_norm over each head before the rotation, and a sandwich of norms, where norm2 norms the attention
+ * output, norm3 is the MLP's input norm and norm4 norms the MLP's output (NULL where a family has
+ * none). A sliding layer has its window, its KV addressed through the window view (its own pool)
+ * and, in Gemma 3, its own rope tables. Python builds an array of these once
+ * (model/fused_decode.py), so a decode step passes one pointer for the whole model. */
 typedef struct {
     const float *norm1, *norm2;
     const uint8_t *w[4];
     const float *s[4];
     const float *bias[4];
     void *k_cache, *v_cache;  /* float32, or float16 where ip_decode_layers' `half` says so */
+    const float *q_norm, *k_norm, *norm3, *norm4;
+    int64_t window;  /* > 0: attends to the last `window` tokens only */
+    int64_t view;    /* the ip_attn_view its KV is addressed by: 0 the main pool, 1 the window pool */
+    int64_t rope;    /* the ip_rope it rotates by: 0 the model's, 1 the sliding layers' own */
 } ip_layer_weights;
 
-/* A Llama decoder layer for b decode rows (one new token per sequence): the kernels above in the order
- * the model's Python calls them, so the result is the same bits. x [b, hidden] (contiguous) becomes
+/* Where a step's KV goes and is read from, for the layers of one pool: each row's slot, its block
+ * table [b, max_blocks] and context length. */
+typedef struct {
+    const int64_t *slots, *block_tables, *context_lens;
+    int64_t max_blocks;
+} ip_attn_view;
+
+/* One rope's cos and signed sin tables for each row's position, [b, d]. */
+typedef struct {
+    const float *cos, *signed_sin;
+} ip_rope;
+
+/* A decoder layer for b decode rows (one new token per sequence): the kernels above in the order the
+ * model's Python calls them, so the result is the same bits. x [b, hidden] (contiguous) becomes
  * x + attn, then + mlp, in place. h, wide, narrow and delta are scratch rows the caller owns. */
 static int decode_layer(float *x, int64_t b, int64_t hidden, const ip_layer_weights *L, float eps,
-                        int64_t heads, int64_t kv_heads, int64_t d, int64_t inter, const float *cos,
-                        const float *signed_sin, const int64_t *slots, int64_t block_size,
-                        const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, float scale,
-                        int half, float *h, float *wide, float *narrow, float *delta) {
+                        int64_t heads, int64_t kv_heads, int64_t d, int64_t inter, const ip_rope *ropes,
+                        const ip_attn_view *views, int64_t block_size, float scale, int half, int gelu,
+                        float *h, float *wide, float *narrow, float *delta) {
     const int64_t qkv_width = (heads + 2 * kv_heads) * d;
+    const ip_attn_view *view = views + L->view;
+    const ip_rope *rope = ropes + L->rope;
     ip_rms_norm(x, NULL, b, hidden, L->norm1, eps, h);
     int rc = layer_linear(h, b, hidden, hidden, L->w[0], L->s[0], L->bias[0], qkv_width, wide, qkv_width);
+    if (rc == 0 && L->q_norm) {
+        for (int64_t r = 0; r < b; r++) {  /* each head's row normed in place, as Attention._head_norms */
+            float *row = wide + r * qkv_width;
+            ip_rms_norm(row, NULL, heads, d, L->q_norm, eps, row);
+            ip_rms_norm(row + heads * d, NULL, kv_heads, d, L->k_norm, eps, row + heads * d);
+        }
+    }
     if (rc == 0) {
-        rc = ip_rope_store_kv(wide, b, heads, kv_heads, d, cos, signed_sin, slots, L->k_cache, L->v_cache, half);
+        rc = ip_rope_store_kv(wide, b, heads, kv_heads, d, rope->cos, rope->signed_sin, view->slots, L->k_cache,
+                              L->v_cache, half);
     }
     if (rc == 0) {
         rc = ip_paged_decode_attention(wide, qkv_width, b, heads, kv_heads, d, L->k_cache, L->v_cache, block_size,
-                                       block_tables, max_blocks, context_lens, scale, narrow, heads * d, half, 0);
+                                       view->block_tables, view->max_blocks, view->context_lens, scale, narrow,
+                                       heads * d, half, L->window);
     }
     if (rc == 0) rc = layer_linear(narrow, b, heads * d, heads * d, L->w[1], L->s[1], L->bias[1], hidden, delta, hidden);
     if (rc == 0) {
-        ip_rms_norm(x, delta, b, hidden, L->norm2, eps, h);  /* x += attn; h = norm(x) */
+        if (L->norm3) {  /* Gemma: the attention output normed, then x += it and the MLP's own input norm */
+            ip_rms_norm(delta, NULL, b, hidden, L->norm2, eps, delta);
+            ip_rms_norm(x, delta, b, hidden, L->norm3, eps, h);
+        } else {
+            ip_rms_norm(x, delta, b, hidden, L->norm2, eps, h);  /* x += attn; h = norm(x) */
+        }
         rc = layer_linear(h, b, hidden, hidden, L->w[2], L->s[2], L->bias[2], 2 * inter, wide, 2 * inter);
     }
     if (rc == 0) {
-        ip_silu_mul(wide, b, inter, narrow);
+        if (gelu) ip_gelu_mul(wide, b, inter, narrow);
+        else ip_silu_mul(wide, b, inter, narrow);
         rc = layer_linear(narrow, b, inter, inter, L->w[3], L->s[3], L->bias[3], hidden, delta, hidden);
     }
-    if (rc == 0)
+    if (rc == 0) {
+        if (L->norm4) ip_rms_norm(delta, NULL, b, hidden, L->norm4, eps, delta);
         for (int64_t i = 0; i < b * hidden; i++) x[i] += delta[i];
+    }
     return rc;
 }
 
 /* n_layers consecutive decoder layers for b decode rows, one call per decode step instead of ~10 per
  * layer: from Python each call cost tens of microseconds of argument handling, which for SmolLM2 at
- * batch 1 was a third of the step. Every layer shares the step's rope tables [b, d], KV slots and
- * block tables. Returns 0, -1 where this build has no int8 kernel, -2 when out of memory. */
+ * batch 1 was a third of the step. Every layer reads the step's rope tables and attention view its
+ * entry names (ropes[2], views[2]: the model's and the sliding layers'). `gelu`: the MLP is GeGLU
+ * (tanh), else SwiGLU. Returns 0, -1 where this build has no int8 kernel, -2 when out of memory. */
 int ip_decode_layers(float *x, int64_t b, int64_t hidden, const ip_layer_weights *layers, int64_t n_layers,
-                     float eps, int64_t heads, int64_t kv_heads, int64_t d, int64_t inter, const float *cos,
-                     const float *signed_sin, const int64_t *slots, int64_t block_size, const int64_t *block_tables,
-                     int64_t max_blocks, const int64_t *context_lens, float scale, int half) {
+                     float eps, int64_t heads, int64_t kv_heads, int64_t d, int64_t inter, const ip_rope *ropes,
+                     const ip_attn_view *views, int64_t block_size, float scale, int half, int gelu) {
     if (!(ip_features() & IP_FEATURE_INT8_LINEAR)) return -1;
     const int64_t qkv_width = (heads + 2 * kv_heads) * d;
     const int64_t widest = qkv_width > 2 * inter ? qkv_width : 2 * inter;
@@ -1171,8 +1234,8 @@ int ip_decode_layers(float *x, int64_t b, int64_t hidden, const ip_layer_weights
     float *delta = (float *)malloc(sizeof(float) * (size_t)(b * hidden));
     int rc = (!h || !wide || !narrow || !delta) ? -2 : 0;
     for (int64_t l = 0; rc == 0 && l < n_layers; l++)
-        rc = decode_layer(x, b, hidden, layers + l, eps, heads, kv_heads, d, inter, cos, signed_sin, slots,
-                          block_size, block_tables, max_blocks, context_lens, scale, half, h, wide, narrow, delta);
+        rc = decode_layer(x, b, hidden, layers + l, eps, heads, kv_heads, d, inter, ropes, views, block_size, scale,
+                          half, gelu, h, wide, narrow, delta);
     free(h); free(wide); free(narrow); free(delta);
     return rc;
 }
