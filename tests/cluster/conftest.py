@@ -159,6 +159,9 @@ def platform(node: NodeCluster, helm: Path, images: dict[str, Any]) -> Iterator[
             "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
             "--set", f"operator.watchNamespaces={{{WATCHED}}}", "--set", "controlPlane.drainGraceSeconds=10",
             "--set", f"operator.modelCache.hostPath={MODEL_CACHE}",
+            # the test's model server listens on the node's own (private) address, which the
+            # gateway refuses to fetch from unless allowed, as an on-premises source would be
+            "--set-json", f'controlPlane.outboundAllow=["{NODE_IP}/32"]',
             "--wait", "--timeout", "15m")
     print(f"\nhelm install --wait: {time.monotonic() - started:.0f} s")
     secret = cluster.call("GET", f"/api/v1/namespaces/{RELEASE_NS}/secrets/{RELEASE}-gateway-auth")
