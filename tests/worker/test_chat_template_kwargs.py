@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from inferplane.api.tokenizer import RESERVED_TEMPLATE_VARIABLES, TextTokenizer
+from tests.control_plane.test_gateway_loop import byte_tokenizer
 
 # Qwen3's chat template (Qwen/Qwen3-8B), less its tool branches: the reasoning of earlier turns is
 # dropped, and `enable_thinking=False` opens the answer with an empty <think> block.
@@ -78,17 +79,11 @@ EMPTY_THINK = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 def _tokenizers() -> tuple[TextTokenizer, object]:
     """Ours and transformers' over one byte-level BPE with <s> and </s> (no network, no files)."""
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from dataclasses import replace
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(alphabet)}, merges=[], fuse_unk=False,
-                               byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken("<s>", special=True, normalized=False),
-                            AddedToken("</s>", special=True, normalized=False)])
-    ours = TextTokenizer(tokenizer=tok, chat_template=QWEN3_TEMPLATE, bos_token="<s>", eos_token="</s>")
+    transformers = pytest.importorskip("transformers")
+    ours = replace(byte_tokenizer(), chat_template=QWEN3_TEMPLATE)
+    tok = ours.tokenizer
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     hf.chat_template = QWEN3_TEMPLATE
     return ours, hf
