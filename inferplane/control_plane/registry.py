@@ -292,11 +292,14 @@ class ModelInfo:
         return f"{self.name}:{self.version}"
 
 
+def _kind(row: Model) -> str | None:
+    return row.kind or model_kind(row.architecture)  # rows from before kinds were recorded
+
+
 def _info(row: Model) -> ModelInfo:
-    kind = row.kind or model_kind(row.architecture)  # rows from before kinds were recorded
     return ModelInfo(
         row.id, row.name, row.version, row.uri, row.format, row.sha256, row.size_bytes, row.architecture,
-        kind, row.context_length, row.status, row.status_detail, row.owner_tenant_id, row.visibility,
+        _kind(row), row.context_length, row.status, row.status_detail, row.owner_tenant_id, row.visibility,
         row.created_at, row.updated_at,
     )  # fmt: skip
 
@@ -532,7 +535,7 @@ def resolve_for_deployment(session: Session, name: str, version: str | None) -> 
     if not servable or row.sha256 is None:
         raise ModelResolutionError("ModelNotVerified", f"model {row.name}@{row.version} is {row.status}"
                                    + (f": {row.status_detail}" if row.status_detail else ""))
-    return ResolvedModel(row.name, row.version, row.uri, row.sha256, row.format, row.size_bytes, _info(row).kind)
+    return ResolvedModel(row.name, row.version, row.uri, row.sha256, row.format, row.size_bytes, _kind(row))
 
 
 def _find(session: Session, tenant: TenantScope, name: str, version: str | None) -> list[Model]:

@@ -239,7 +239,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if (nd and kernels is not None and softcap is None
             and kernels.decode_attention_applies(q, k_cache, batch.decode_block_tables, batch.decode_context_lens)):
         out[:nd] = kernels.paged_decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables,
-                                                  batch.decode_context_lens, scale, None if whole_context else window)
+                                                  batch.decode_context_lens, scale, window)
     elif nd:
         max_len = batch.decode_max_len
         keys = _gather(k_cache, batch.decode_block_tables, max_len).to(q.dtype).transpose(1, 2)  # [B, kvh, L, d]

@@ -66,7 +66,7 @@ class ModelRunner:
             else:
                 ctx = start + n
                 prefills.append(PrefillSegment(
-                    start=row, length=n, context_len=ctx, key_offset=first * bs if ctx != n else 0,
+                    start=row, length=n, context_len=ctx, key_offset=first * bs,
                     block_table=None if ctx == n else self._to_device(table[first:])))
             row += n
         attn = AttentionBatch(slot_mapping=self._to_device(slots), num_decodes=len(decode_tables), prefills=prefills)
