@@ -42,7 +42,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--head", choices=["float", "int8", "both"], default="both",
                    help="cpu-int8 output head: int8 (the runtime's default), float (quantize_head=False) or both")
     p.add_argument("--weights", choices=["file", "int8", "both"], default="file",
-                   help="cpu-int8 linears: file (a GGUF file's Q4_0/Q4_1 blocks as they are: the runtime's "
+                   help="cpu-int8 linears: file (a GGUF file's 4-, 5- and 6-bit blocks as they are: the runtime's "
                         "default), int8 (requantize_q4) or both")
     p.add_argument("--ppl-tokens", type=int, default=1024,
                    help="evaluation tokens for the perplexity rise (0: skip)")
@@ -130,10 +130,10 @@ def _int8_only(model):
     """The int8 kernel for every row count while scoring (what decode runs; see Int8Dispatch)."""
     import contextlib
 
+    from inferplane.worker.quant.block_linear import BlockLinear
     from inferplane.worker.quant.int8_linear import Int8Linear
-    from inferplane.worker.quant.q4_linear import Q4Linear
 
-    layer = next((m for m in model.modules() if isinstance(m, (Int8Linear, Q4Linear))), None)
+    layer = next((m for m in model.modules() if isinstance(m, (Int8Linear, BlockLinear))), None)
     return layer.dispatch.int8_only() if layer is not None else contextlib.nullcontext()
 
 
@@ -377,8 +377,9 @@ def main(argv: list[str]) -> int:
     for name, llm in variants.items():
         report = llm.weight_report
         mib = {k: v / 2**20 for k, v in report.items() if "bytes" in k and "ratio" not in k}
-        q4 = int(report.get("q4_1_layers_from_file", 0))
-        kind = f"{q4} Q4_1 layers from the file + int8" if q4 else "int8"
+        from_file = [f"{int(report[f'{kind}_layers_from_file'])} {kind.upper()}" for kind in native.BLOCK_KINDS.values()
+                     if report.get(f"{kind}_layers_from_file")]
+        kind = f"{' + '.join(from_file)} layers from the file's blocks + int8" if from_file else "int8"
         print(f"\n{name}: {kind} weights {mib['weight_bytes_int8']:.1f} MiB vs float32 "
               f"{mib['weight_bytes_float32']:.1f} MiB ({report['weight_bytes_ratio']:.3f}x); "
               f"whole model {mib['model_bytes_int8']:.1f} MiB vs {mib['model_bytes_float32']:.1f} MiB")

@@ -75,8 +75,9 @@ class EngineOptions:
     skip_quality_gate: bool = option(False, "cpu-int8: serve even if the int8 quality gate fails")
     quantize_head: bool | None = option(None, "cpu-int8: the output head in int8 (unset: yes, the runtime's "
                                               "default; --no-quantize-head keeps it float32; embeddings stay float)")
-    requantize_q4: bool = option(False, "cpu-int8: requantize a GGUF file's Q4_0/Q4_1/Q4_K linears to int8 (with "
-                                        "smoothing) instead of serving their own 4-bit blocks")
+    requantize_q4: bool = option(False, "cpu-int8: requantize a GGUF file's 4-, 5- and 6-bit linears (Q4_0/Q4_1/"
+                                        "Q4_K, Q5_0/Q5_1/Q5_K, Q6_K) to int8 (with smoothing) instead of serving their "
+                                        "own blocks")
     # Test hook: scales multiplied by this make a deliberately wrong quantization the gate must catch.
     quant_scale_multiplier: float = option(1.0, "cpu-int8 test hook: != 1 stores wrong scales", hidden=True)
 

@@ -106,13 +106,15 @@ def kernel_isas(model: nn.Module) -> dict[str, str]:
     isas.pop("silu_mul" if gelu else "gelu_mul", None)  # the gated MLP's activation this model has
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu" or param.dtype != torch.float32:
-        isas.pop("q4_1_linear", None)
+        for kind in native.BLOCK_KINDS.values():
+            isas.pop(f"{kind}_linear", None)
         return dict.fromkeys(isas, "torch")
     kinds = {getattr(m, "kind", None): getattr(m, "is_packed", False) for m in model.modules() if hasattr(m, "kind")}
     if not kinds.get("int8"):  # no Int8Linear on the C kernel (none, or on PyTorch's ops)
         isas["int8_linear"] = "torch"
-    if "q4_1" not in kinds:  # only a model with layers from a file's 4-bit blocks uses it
-        isas.pop("q4_1_linear", None)
+    for kind in native.BLOCK_KINDS.values():  # only a model with layers from a file's own blocks uses them
+        if kind not in kinds:
+            isas.pop(f"{kind}_linear", None)
     head = getattr(model, "lm_head", None)
     if type(head) is not nn.Linear or getattr(model, "head_torch_from_rows", NEVER) <= 1:
         isas["f32_linear"] = "torch"

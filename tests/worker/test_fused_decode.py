@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from inferplane.worker.model import fused_decode
+from inferplane.worker.quant.block_linear import BlockLinear, quantize_blocks
 from inferplane.worker.quant.int8_linear import Int8Linear
-from inferplane.worker.quant.q4_linear import Q4Linear, quantize_q4_1
 from inferplane.worker.sampling import SamplingParams
 from tests.worker.conftest import prompts_of_lengths
 from tests.worker.test_native import isa_kernels  # noqa: F401 (the fixture: every ISA build here)
@@ -96,8 +96,8 @@ def test_a_swapped_layer_rebuilds_the_plan_and_a_layer_off_its_kernel_runs_op_by
                         (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
         current = getattr(owner, attr)
         assert isinstance(current, Int8Linear)
-        setattr(owner, attr, Q4Linear(quantize_q4_1(current.dequantized_weight()), current.in_features,
-                                      current.bias, current.dispatch))
+        setattr(owner, attr, BlockLinear(quantize_blocks(current.dequantized_weight()), current.bias,
+                                         current.dispatch))
         current.dispatch.set_float_from(current.in_features, current.out_features, 2, "q4_1")
     calls = _record_calls(isa_kernels, monkeypatch)
     fused = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, PARAMS)]

@@ -118,8 +118,8 @@ def test_a_second_start_restores_the_conversion_from_disk(tmp_path, monkeypatch,
     import torch
 
     from inferplane.worker.llm import LLM
+    from inferplane.worker.quant.block_linear import BlockLinear
     from inferplane.worker.quant.int8_linear import Int8Linear
-    from inferplane.worker.quant.q4_linear import Q4Linear
     from inferplane.worker.sampling import SamplingParams
 
     monkeypatch.setenv("INFERPLANE_QUANT_CACHE", str(tmp_path))
@@ -130,13 +130,14 @@ def test_a_second_start_restores_the_conversion_from_disk(tmp_path, monkeypatch,
     assert {k: v for k, v in s1.items() if k.startswith("gate_")} == {k: v for k, v in s2.items()
                                                                        if k.startswith("gate_")}
     m1, m2 = first.engine.loaded.model, second.engine.loaded.model
-    layers = [(a, b) for a, b in zip(m1.modules(), m2.modules(), strict=True) if isinstance(a, (Int8Linear, Q4Linear))]
+    layers = [(a, b) for a, b in zip(m1.modules(), m2.modules(), strict=True)
+              if isinstance(a, (Int8Linear, BlockLinear))]
     assert len(layers) == s1["int8_layers"] and all(type(a) is type(b) for a, b in layers)
     # The packaged file is Q4_1: its layers are served from those blocks, restored as they were; the
     # head (the tied Q8_0 embedding) is int8.
-    assert sum(isinstance(a, Q4Linear) for a, _ in layers) == len(layers) - 1 and s1["q4_1_layers_from_file"] == 210
+    assert sum(isinstance(a, BlockLinear) for a, _ in layers) == len(layers) - 1 and s1["q4_1_layers_from_file"] == 210
     assert isinstance(m1.lm_head, Int8Linear)
-    assert all(torch.equal(a.blocks, b.blocks) if isinstance(a, Q4Linear) else
+    assert all(torch.equal(a.blocks, b.blocks) if isinstance(a, BlockLinear) else
                torch.equal(a.int8_weight(), b.int8_weight()) and torch.equal(a.scale, b.scale) for a, b in layers)
     assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters(), strict=True))
     params = SamplingParams(max_tokens=12, temperature=0.0)
@@ -151,7 +152,7 @@ def test_a_second_start_restores_the_conversion_from_disk(tmp_path, monkeypatch,
     stats = requantized.stats()  # the int8 path: smoothed, requantized, cached under its own key
     assert stats["startup_cache_hit"] == 0.0 and stats["q4_1_layers_from_file"] == 0.0
     assert stats["gate_ppl_rise_pct"] < stats["gate_threshold_pct"]
-    assert not any(isinstance(m, Q4Linear) for m in requantized.engine.loaded.model.modules())
+    assert not any(isinstance(m, BlockLinear) for m in requantized.engine.loaded.model.modules())
     del requantized
     for stored in tmp_path.glob("*.pt"):
         stored.write_bytes(stored.read_bytes()[:1000])  # truncated, as by a full disk

@@ -74,6 +74,7 @@ class FusedDecode:
             for i, (weight, scale, bias) in enumerate(operands):
                 entry.w[i] = weight.data_ptr()
                 entry.s[i] = None if scale is None else scale.data_ptr()
+                entry.bits[i] = linears[i].bits if scale is None else 0  # a BlockLinear's blocks
                 entry.bias[i] = None if bias is None else bias.data_ptr()
                 self._keep.extend(t for t in (weight, scale, bias) if t is not None)
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()

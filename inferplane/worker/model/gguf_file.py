@@ -183,12 +183,19 @@ def _dequant_q6_k(raw: np.ndarray) -> torch.Tensor:
     # 32 j + k).
     blocks = _blocks(raw, 210)
     n = blocks.shape[0]
+    q = q6_k_values(blocks).sub_(32).view(torch.int8)
+    dl = _f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()
+    return _k_scaled(q.reshape(n, 16, 16), dl)
+
+
+def q6_k_values(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K super-blocks uint8 [n, 210] -> their 6-bit values uint8 [n, 256] in weight order (q,
+    before the - 32)."""
+    n = blocks.shape[0]
     ql = blocks[:, :128].reshape(n, 2, 1, 64)
     ql = torch.cat([ql & 0xF, ql >> 4], dim=2).reshape(n, 2, 4, 32)
     qh = _crumbs(blocks[:, 128:192].reshape(n, 2, 32)).bitwise_left_shift_(4)
-    q = ql.bitwise_or_(qh).sub_(32).view(torch.int8)
-    dl = _f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()
-    return _k_scaled(q.reshape(n, 16, 16), dl)
+    return ql.bitwise_or_(qh).reshape(n, 256)
 
 
 def _f16_to_f32(raw: np.ndarray) -> torch.Tensor:

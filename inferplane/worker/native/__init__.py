@@ -47,28 +47,31 @@ ISA_BUILDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "avx2-vnni": (("-march=x86-64-v3", "-mavxvnni"), _X86_64_V3 | {"avx_vnni"}),
     "avx2": (("-march=x86-64-v3",), _X86_64_V3),
 }
+# A GGUF block layout's name by its value bits (ip_block_linear reads each; see pack_blocks).
+BLOCK_KINDS = {4: "q4_1", 5: "q5_1", 6: "q6_k"}
 # What each kernel is called in stats, metrics and bench output.
-KERNEL_NAMES = ("int8_linear", "q4_1_linear", "f32_linear", "decode_attention", "rms_norm", "silu_mul",
+KERNEL_NAMES = ("int8_linear", *(f"{kind}_linear" for kind in BLOCK_KINDS.values()), "f32_linear",
+                "decode_attention", "rms_norm", "silu_mul",
                 "gelu_mul", "rope_store_kv", "argmax")
 _FEATURE_INT8_LINEAR = 1
 _FEATURE_F32_LINEAR = 2
-_FEATURE_Q4_1_LINEAR = 4
+_FEATURE_BLOCK_LINEAR = 4  # ip_block_linear: GGUF blocks of 4, 5 or 6 bits
 _FEATURE_HALF_KV = 8  # float16 KV caches (F16C)
-Q4_1_BLOCK = 32  # inputs per GGUF Q4_1 block
-Q4_1_BYTES = 20  # float16 scale + float16 minimum + 16 bytes of 4-bit values
+BLOCK = 32  # inputs per GGUF block (Q4_0, Q4_1, Q5_0, Q5_1; a K-quant's sub-block)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class LayerWeights(ctypes.Structure):
     """One decoder layer as ip_decode_layers reads it (kernels.c's ip_layer_weights): the norms, the
-    four linears (qkv, o, gate_up, down) as packed int8 weight + scale, or Q4_1 blocks with a NULL
-    scale, biases or NULL, the layer's K and V caches; Gemma's query/key and sandwich norms (NULL
-    where none), and a sliding layer's window, attention view and rope tables (kernels.c says how)."""
+    four linears (qkv, o, gate_up, down) as packed int8 weight + scale, or GGUF blocks with a NULL
+    scale and their `bits`, biases or NULL, the layer's K and V caches; Gemma's query/key and sandwich
+    norms (NULL where none), and a sliding layer's window, attention view and rope tables (kernels.c
+    says how)."""
 
     _fields_ = [("norm1", _P), ("norm2", _P), ("w", _P * 4), ("s", _P * 4), ("bias", _P * 4),
                 ("k_cache", _P), ("v_cache", _P), ("q_norm", _P), ("k_norm", _P), ("norm3", _P), ("norm4", _P),
-                ("window", _I), ("view", _I), ("rope", _I)]
+                ("window", _I), ("view", _I), ("rope", _I), ("bits", _I * 4)]
 
 
 class AttnView(ctypes.Structure):
@@ -96,10 +99,10 @@ class NativeKernels:
         lib.ip_int8_linear.restype = ctypes.c_int
         lib.ip_int8_dequantize.argtypes = [_P, _I, _I, _P, _P]
         lib.ip_int8_dequantize.restype = None
-        lib.ip_q4_1_linear.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I]
-        lib.ip_q4_1_linear.restype = ctypes.c_int
-        lib.ip_q4_1_dequantize.argtypes = [_P, _I, _I, _P]
-        lib.ip_q4_1_dequantize.restype = None
+        lib.ip_block_linear.argtypes = [_P, _I, _I, _I, _P, ctypes.c_int, _P, _I, _P, _I]
+        lib.ip_block_linear.restype = ctypes.c_int
+        lib.ip_block_dequantize.argtypes = [_P, ctypes.c_int, _I, _I, _P]
+        lib.ip_block_dequantize.restype = None
         lib.ip_paged_decode_attention.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P,
                                                   ctypes.c_float, _P, _I, ctypes.c_int, _I]
         lib.ip_paged_decode_attention.restype = ctypes.c_int
@@ -121,13 +124,13 @@ class NativeKernels:
         features = lib.ip_features()
         self.has_int8_linear = bool(features & _FEATURE_INT8_LINEAR)
         self.has_f32_linear = bool(features & _FEATURE_F32_LINEAR)
-        self.has_q4_1_linear = bool(features & _FEATURE_Q4_1_LINEAR)
+        self.has_block_linear = bool(features & _FEATURE_BLOCK_LINEAR)
         self.has_half_kv = bool(features & _FEATURE_HALF_KV)
 
     def kernel_isas(self) -> dict[str, str]:
         """Kernel name -> the ISA it runs on here, or "torch" where this build lacks it."""
         present = {"int8_linear": self.has_int8_linear, "f32_linear": self.has_f32_linear,
-                   "q4_1_linear": self.has_q4_1_linear}
+                   **{f"{kind}_linear": self.has_block_linear for kind in BLOCK_KINDS.values()}}
         return {name: self.isa if present.get(name, True) else "torch" for name in KERNEL_NAMES}
 
     def int8_linear(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
@@ -151,25 +154,26 @@ class NativeKernels:
         self._lib.ip_int8_dequantize(packed.data_ptr(), nb * 16, k4 * 4, scale.data_ptr(), out.data_ptr())
         return out
 
-    def q4_1_linear(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] float32 (rows may be strided) -> [M, N] float32, the weight as GGUF Q4_1
-        blocks in pack_q4_1's layout: uint8 [N / 16, K / 32, 320]."""
+    def block_linear(self, x: torch.Tensor, blocks: torch.Tensor, bits: int,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] float32 (rows may be strided) -> [M, N] float32, the weight as GGUF blocks of
+        `bits` in pack_blocks' layout: uint8 [N / 16, K / 32, block_group_bytes(bits)]."""
         m, k = x.shape
         n = blocks.shape[0] * 16
         if x.stride(1) != 1:
             x = x.contiguous()
         out = torch.empty(m, n, dtype=torch.float32)
-        rc = self._lib.ip_q4_1_linear(x.data_ptr(), m, k, x.stride(0), blocks.data_ptr(),
-                                      None if bias is None else bias.data_ptr(), n, out.data_ptr(), n)
-        _check(rc, "ip_q4_1_linear")
+        rc = self._lib.ip_block_linear(x.data_ptr(), m, k, x.stride(0), blocks.data_ptr(), bits,
+                                       None if bias is None else bias.data_ptr(), n, out.data_ptr(), n)
+        _check(rc, "ip_block_linear")
         return out
 
-    def q4_1_dequantize(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Packed Q4_1 blocks [N / 16, K / 32, 320] -> float32 [N, K] (w = d * q + m)."""
+    def block_dequantize(self, blocks: torch.Tensor, bits: int) -> torch.Tensor:
+        """Packed blocks [N / 16, K / 32, block_group_bytes(bits)] -> float32 [N, K] (w = d * q + m)."""
         groups, nb, _ = blocks.shape
-        n, k = groups * 16, nb * Q4_1_BLOCK
+        n, k = groups * 16, nb * BLOCK
         out = torch.empty(n, k, dtype=torch.float32)
-        self._lib.ip_q4_1_dequantize(blocks.data_ptr(), n, k, out.data_ptr())
+        self._lib.ip_block_dequantize(blocks.data_ptr(), bits, n, k, out.data_ptr())
         return out
 
     def f32_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -317,38 +321,79 @@ def unpack_int8_weight(packed: torch.Tensor) -> torch.Tensor:
     return (packed.permute(0, 2, 1, 3).reshape(nb * 16, k4 * 4).to(torch.int16) - 128).to(torch.int8)
 
 
-def q4_1_shape_supported(out_features: int, in_features: int) -> bool:
-    """The packed Q4_1 layout holds groups of 16 output channels and blocks of 32 inputs."""
-    return out_features % 16 == 0 and in_features % Q4_1_BLOCK == 0
+def block_shape_supported(out_features: int, in_features: int) -> bool:
+    """The packed block layout holds groups of 16 output channels and blocks of 32 inputs."""
+    return out_features % 16 == 0 and in_features % BLOCK == 0
 
 
-def pack_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    """GGUF Q4_1 blocks uint8 [N, K / 32 * 20] (per row: float16 d, float16 m, 16 bytes of nibbles,
-    inputs 0-15 low and 16-31 high) -> uint8 [N / 16, K / 32, 320], the order ip_q4_1_linear reads:
-    per group of 16 rows and block, 4 chunks of 64 bytes (byte ch * 4 + j holds input 8p + j in its
-    low nibble and 8p + 4 + j in its high one), then the 16 d and the 16 m as float16."""
-    n, width = blocks.shape
-    nb = width // Q4_1_BYTES
-    b = blocks.reshape(n, nb, Q4_1_BYTES)
-    qs = b[..., 4:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [n, nb, 32], input order
-    steps = q.reshape(n // 16, 16, nb, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # [g, nb, chunk, parity, ch, in]
-    nibbles = (steps[:, :, :, 0] | (steps[:, :, :, 1] << 4)).reshape(n // 16, nb, 256)
-    d = b[..., 0:2].reshape(n // 16, 16, nb, 2).permute(0, 2, 1, 3).reshape(n // 16, nb, 32)
-    m = b[..., 2:4].reshape(n // 16, 16, nb, 2).permute(0, 2, 1, 3).reshape(n // 16, nb, 32)
-    return torch.cat([nibbles, d, m], dim=-1).contiguous()
+def block_group_bytes(bits: int) -> int:
+    """Bytes of one 16-channel group's block of 32 inputs in pack_blocks' layout: 4 chunks of 64
+    bytes of low nibbles, 64 bytes of fifth bits (5 bits) or 128 of the top two (6 bits), then 16
+    float16 d and 16 float16 m (6 bits: 2 x 16 int8 sub-block scales and 16 float16 d)."""
+    return 256 + {4: 0, 5: 64, 6: 128}[bits] + 64
 
 
-def unpack_q4_1(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of pack_q4_1: the file's blocks again (what the start-up cache stores)."""
+def pack_blocks(values: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
+    """A weight as blocks of 32: values uint8 [N, K] (< 2 ** bits) with d and m float16 [N, K / 32],
+    w = d * q + m; or, for 6 bits (Q6_K's form), d float16 [N, K / 32] and m the int8 scales of the
+    half-blocks [N, K / 16], w = d * m * (q - 32). -> uint8 [N / 16, K / 32, block_group_bytes(bits)],
+    the order ip_block_linear reads: per group of 16 rows and block, 4 chunks of 64 bytes (byte
+    ch * 4 + j holds the low 4 bits of input 8p + j in its low nibble and of 8p + 4 + j in its high
+    one); for 5 bits 64 bytes whose byte ch * 4 + j holds bit 4 of input 4s + j in its bit s; for 6
+    bits 2 planes of 64 bytes whose byte ch * 4 + j of plane h holds bits 4-5 of input 4(4h + t) + j
+    in its bits 2t, 2t + 1; then the 16 d and the 16 m (6 bits: the 16 first and the 16 second
+    half-block scales, then the 16 d)."""
+    if bits not in BLOCK_KINDS:
+        raise ValueError(f"blocks of {bits} bits: the kernel reads {tuple(BLOCK_KINDS)}")
+    n, k = values.shape
+    g, nb = n // 16, k // BLOCK
+    steps = values.reshape(g, 16, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [g, nb, step, ch, in]
+    low = steps & 0x0F
+    parts = [(low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(g, nb, 256)]
+    high = steps >> 4
+    if bits == 5:
+        plane = torch.zeros(g, nb, 16, 4, dtype=torch.uint8)
+        for step in range(8):
+            plane |= high[:, :, step] << step
+        parts.append(plane.reshape(g, nb, 64))
+    if bits == 6:
+        planes = torch.zeros(g, nb, 2, 16, 4, dtype=torch.uint8)
+        for step in range(8):
+            planes[:, :, step // 4] |= high[:, :, step] << (2 * (step % 4))
+        parts.append(planes.reshape(g, nb, 128))
+
+    def by_group(t: torch.Tensor, per_block: int) -> torch.Tensor:  # [n, nb * per_block] -> [g, nb, ...]
+        t = t.contiguous().view(torch.uint8).reshape(g, 16, nb, -1).permute(0, 2, 1, 3)
+        return t.reshape(g, nb, 16, per_block, -1).transpose(2, 3).reshape(g, nb, -1)
+
+    parts += [by_group(m, 2), by_group(d, 1)] if bits == 6 else [by_group(d, 1), by_group(m, 1)]
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def unpack_blocks(packed: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of pack_blocks: (values uint8 [N, K], d, m) as pack_blocks takes them."""
     groups, nb, _ = packed.shape
     nibbles = packed[..., :256].reshape(groups, nb, 4, 16, 4)  # [g, nb, chunk, ch, in]
-    steps = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3)  # [g, nb, chunk, parity, ch, in]
-    q = steps.permute(0, 4, 1, 2, 3, 5).reshape(groups * 16, nb, 32)
-    qs = q[..., :16] | (q[..., 16:] << 4)
-    d = packed[..., 256:288].reshape(groups, nb, 16, 2).permute(0, 2, 1, 3).reshape(groups * 16, nb, 2)
-    m = packed[..., 288:].reshape(groups, nb, 16, 2).permute(0, 2, 1, 3).reshape(groups * 16, nb, 2)
-    return torch.cat([d, m, qs], dim=-1).reshape(groups * 16, nb * Q4_1_BYTES).contiguous()
+    steps = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).reshape(groups, nb, 8, 16, 4)
+    shifts = torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1, 1)
+    if bits == 5:
+        plane = packed[..., 256:320].reshape(groups, nb, 1, 16, 4)
+        steps = steps | (((plane >> shifts) & 1) << 4)
+    if bits == 6:
+        planes = packed[..., 256:384].reshape(groups, nb, 2, 1, 16, 4).expand(groups, nb, 2, 4, 16, 4)
+        steps = steps | (((planes.reshape(groups, nb, 8, 16, 4) >> (2 * (shifts % 4))) & 3) << 4)
+    values = steps.permute(0, 3, 1, 2, 4).reshape(groups * 16, nb * BLOCK)
+    at = block_group_bytes(bits) - 64
+
+    def by_row(raw: torch.Tensor, per_block: int, dtype: torch.dtype) -> torch.Tensor:
+        t = raw.reshape(groups, nb, per_block, 16, -1).transpose(2, 3).permute(0, 2, 1, 3, 4)
+        return t.contiguous().view(dtype).reshape(groups * 16, nb * per_block)
+
+    if bits == 6:
+        m, d = by_row(packed[..., at:at + 32], 2, torch.int8), by_row(packed[..., at + 32:], 1, torch.float16)
+    else:
+        d, m = (by_row(packed[..., start:start + 32], 1, torch.float16) for start in (at, at + 32))
+    return values.contiguous(), d, m
 
 
 def _cache_dir() -> Path:

@@ -422,42 +422,53 @@ void ip_int8_dequantize(const uint8_t *w, int64_t n, int64_t k, const float *wsc
     }
 }
 
-/* ---------------------------------------------------------------- Q4_1 linear (GGUF's own blocks) */
+/* ---------------------------------------------------------------- block linear (GGUF's own blocks) */
 
-/* A GGUF Q4_1 weight as the file stores it: per output row, blocks of 32 inputs, each a float16
- * scale d, a float16 minimum m and 16 bytes of 4-bit values q (the low nibbles are inputs 0-15, the
- * high ones 16-31): w = d * q + m. The input row is quantized the same way llama.cpp does for this
- * product (Q8_1): per block of 32, int8 values with a scale dx and their scaled sum sx. Then
+/* A GGUF weight in blocks of 32 inputs per output row, each a float16 scale d, a float16 minimum m
+ * and 32 unsigned `bits`-bit values q: w = d * q + m. Bits 4 is GGUF's Q4_1 (and Q4_0, Q4_K exactly
+ * or nearly turned into it, quant/gguf_blocks.py), bits 5 its Q5_1 (and Q5_0, Q5_K). The input row
+ * is quantized the same way llama.cpp does for this product (Q8_1): per block of 32, int8 values
+ * with a scale dx and their scaled sum sx. Then
  *   sum_j w_j x_j = d * dx * sum_j q_j xq_j + m * sx,
  * an unsigned-by-signed byte dot product (vpdpbusd, or vpmaddubsw + vpmaddwd on plain AVX2: at most
- * 2 * 15 * 127 per pair, so nothing saturates), one float FMA per block and one scalar FMA. */
+ * 2 * 31 * 127 per pair, so nothing saturates), one float FMA per block and one scalar FMA.
+ *
+ * Bits 6 is GGUF's Q6_K as the file has it: 6-bit values q, per half-block of 16 an int8 scale sc
+ * and per row of a super-block of 256 a float16 d, w = d * sc * (q - 32). With s16 the sum of the
+ * quantized inputs over a half-block,
+ *   sum_j w_j x_j = d * sc * dx * (sum_j q_j xq_j - 32 * s16),
+ * one float FMA per half-block (a pair is at most 2 * 63 * 127 = 16002: vpmaddubsw does not
+ * saturate, and plain AVX2 widens every pair). */
 
-#define IP_FEATURE_Q4_1_LINEAR 4
-#define Q4_BLOCK 32
-#define Q4_1_BYTES 20
-#define Q4G_BYTES (4 * 64 + 64) /* the repacked layout: one 16-channel group's block, nibbles then d and m */
+#define IP_FEATURE_BLOCK_LINEAR 4
+#define QB_BLOCK 32
+/* The repacked layout: one 16-channel group's block of 32 inputs, the low nibbles, for 5 bits the
+ * plane of fifth bits and for 6 two planes of the top two, then d and m (6 bits: sc and d). */
+#define QB_GROUP_BYTES(bits) ((bits) == 6 ? 256 + 128 + 32 + 32 : (bits) == 5 ? 256 + 64 + 64 : 256 + 64)
+#define QB_HIGH_AT 256
+#define QB_SCALES_AT(bits) ((bits) == 6 ? 256 + 128 : (bits) == 5 ? 256 + 64 : 256)
 
 #if IP_INT8
 
 /* Row x [k] -> q [k] int8 and, per block of 32, dx = max|x| / 127 and sx = dx * sum(q). */
 static void quantize_row_blocks(const float *x, int64_t k, int8_t *q, float *dx, float *sx) {
-    for (int64_t b = 0; b < k / Q4_BLOCK; b++) {
-        const float *xb = x + b * Q4_BLOCK;
+    for (int64_t b = 0; b < k / QB_BLOCK; b++) {
+        const float *xb = x + b * QB_BLOCK;
         vf amax = vf_zero();
 #pragma GCC unroll 4
-        for (int i = 0; i < Q4_BLOCK; i += VF_WIDTH) amax = vf_max(amax, vf_abs(vf_load(xb + i)));
+        for (int i = 0; i < QB_BLOCK; i += VF_WIDTH) amax = vf_max(amax, vf_abs(vf_load(xb + i)));
         const float d = vf_reduce_max(amax) / 127.0f;
         const vf inv = vf_set1(d > 0.0f ? 1.0f / d : 0.0f);
-        int8_t *qb = q + b * Q4_BLOCK;
+        int8_t *qb = q + b * QB_BLOCK;
         int32_t total = 0;
 #if IP_AVX512
-        for (int i = 0; i < Q4_BLOCK; i += 16) {
+        for (int i = 0; i < QB_BLOCK; i += 16) {
             const __m512i v = vf_to_int(vf_mul(vf_load(xb + i), inv));
             total += _mm512_reduce_add_epi32(v);
             _mm_storeu_si128((__m128i *)(qb + i), _mm512_cvtsepi32_epi8(v));
         }
 #else
-        for (int i = 0; i < Q4_BLOCK; i += 8) {
+        for (int i = 0; i < QB_BLOCK; i += 8) {
             const __m256i v = vf_to_int(vf_mul(vf_load(xb + i), inv));
             const __m128i halves = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
             const __m128i bytes = _mm_packs_epi16(halves, halves);
@@ -472,13 +483,17 @@ static void quantize_row_blocks(const float *x, int64_t k, int8_t *q, float *dx,
     }
 }
 
-/* The repacked layout (pack_q4_1 in Python), per group of 16 output channels and block b of 32 inputs:
- *   nibbles: 4 chunks of 64 bytes; byte i of chunk p holds value i of input step 2p in its low nibble
- *            and of step 2p + 1 in its high one, where a step is 4 inputs and value i = channel i / 4,
- *            input i % 4 (the int8 kernel's 16 x 4 order);
- *   d, m:    16 float16 scales, then 16 float16 minimums.
+/* The repacked layout (pack_blocks in Python), per group of 16 output channels and block b of 32 inputs:
+ *   nibbles: 4 chunks of 64 bytes; byte i of chunk p holds the low 4 bits of value i of input step 2p
+ *            in its low nibble and of step 2p + 1 in its high one, where a step is 4 inputs and
+ *            value i = channel i / 4, input i % 4 (the int8 kernel's 16 x 4 order);
+ *   fifth bits (5 bits only): 64 bytes; bit s of byte i is bit 4 of value i of step s;
+ *   top bits (6 bits only): 2 planes of 64 bytes; bits 2t, 2t + 1 of byte i of plane h are bits 4
+ *            and 5 of value i of step 4h + t;
+ *   d, m:    16 float16 scales, then 16 float16 minimums; for 6 bits instead 16 int8 sc of the first
+ *            half-block, 16 of the second, then the 16 rows' float16 d.
  * So one vector op covers 8 (AVX2) or 16 (AVX-512) channels x 4 inputs, the scale is applied once
- * per block and channel vector, and 0.625 bytes a weight are read, as in the file. */
+ * per block and channel vector, and 0.625 (4 bits) or 0.75 (5 bits) bytes a weight are read. */
 
 #if IP_AVX512
 typedef __m512i vq;
@@ -488,6 +503,22 @@ static inline vq vq_low4(vq v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0
 static inline vq vq_high4(vq v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 static inline vq vq_set1(int32_t a) { return _mm512_set1_epi32(a); }
 static inline vq vq_zero(void) { return _mm512_setzero_si512(); }
+static inline vq vq_or(vq a, vq b) { return _mm512_or_si512(a, b); }
+static inline vq vq_sub(vq a, vq b) { return _mm512_sub_epi32(a, b); }
+static inline vf vf_load_i8(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* bits 2t, 2t + 1 of every byte moved to bits 4, 5, the rest cleared */
+static inline vq vq_top_bits(vq v, int t) {
+    const vq moved = t < 2 ? _mm512_slli_epi16(v, 4 - 2 * t) : _mm512_srli_epi16(v, 2 * t - 4);
+    return _mm512_and_si512(moved, _mm512_set1_epi8(0x30));
+}
+/* bit s of every byte moved to bit 4, the rest cleared (16-bit shifts by at most 4 keep bit 4 of
+ * each byte within its own byte) */
+static inline vq vq_fifth_bit(vq v, int s) {
+    const vq moved = s < 4 ? _mm512_slli_epi16(v, 4 - s) : _mm512_srli_epi16(v, s - 4);
+    return _mm512_and_si512(moved, _mm512_set1_epi8(0x10));
+}
 static inline vq vq_dot(vq acc, vq u, vq s) { return _mm512_dpbusd_epi32(acc, u, s); }
 static inline vf vq_to_float(vq v) { return _mm512_cvtepi32_ps(v); }
 static inline vf vf_load_half(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
@@ -499,6 +530,19 @@ static inline vq vq_low4(vq v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0
 static inline vq vq_high4(vq v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 static inline vq vq_set1(int32_t a) { return _mm256_set1_epi32(a); }
 static inline vq vq_zero(void) { return _mm256_setzero_si256(); }
+static inline vq vq_or(vq a, vq b) { return _mm256_or_si256(a, b); }
+static inline vq vq_sub(vq a, vq b) { return _mm256_sub_epi32(a, b); }
+static inline vf vf_load_i8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vq vq_top_bits(vq v, int t) {
+    const vq moved = t < 2 ? _mm256_slli_epi16(v, 4 - 2 * t) : _mm256_srli_epi16(v, 2 * t - 4);
+    return _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
+}
+static inline vq vq_fifth_bit(vq v, int s) {
+    const vq moved = s < 4 ? _mm256_slli_epi16(v, 4 - s) : _mm256_srli_epi16(v, s - 4);
+    return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+}
 static inline vq vq_dot(vq acc, vq u, vq s) {
 #if IP_AVX2_VNNI
     return _mm256_dpbusd_avx_epi32(acc, u, s);
@@ -510,35 +554,49 @@ static inline vf vq_to_float(vq v) { return _mm256_cvtepi32_ps(v); }
 static inline vf vf_load_half(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #endif
 
-/* Plain AVX2 sums the vpmaddubsw pairs of a whole block in int16 and widens them once per block:
- * a pair is at most 2 * 15 * 127 = 3810, a block's eight at most 30480 < 32768. */
+/* Plain AVX2 sums vpmaddubsw pairs in int16 and widens them every few steps: a pair is at most
+ * 2 * 15 * 127 = 3810 for 4-bit values, so a whole block's eight fit (30480 < 32768); for 5-bit ones
+ * 2 * 31 * 127 = 7874, so four (31496) are widened at a time. */
 #if IP_AVX512 || IP_AVX2_VNNI
-#define Q4_INT16_SUMS 0
+#define QB_INT16_SUMS 0
 #else
-#define Q4_INT16_SUMS 1
+#define QB_INT16_SUMS 1
 #endif
 
-/* Q4_LANES channels (vector `c` of a 16-channel group) for MR quantized input rows. */
-static inline __attribute__((always_inline)) void q4_tile(
+/* Q4_LANES channels (vector `c` of a 16-channel group) for MR quantized input rows; `bits` 4 or 5
+ * (a constant where inlined, so each case compiles to its own loop). */
+static inline __attribute__((always_inline)) void qb_tile(
         const int8_t *q, const float *dx, const float *sx, int64_t k, int mr, const uint8_t *group, int c,
-        const float *bias, float *out, int64_t ldo) {
-    const int64_t nb = k / Q4_BLOCK;
+        const int bits, const float *bias, float *out, int64_t ldo) {
+    const int64_t nb = k / QB_BLOCK;
+    const int64_t group_bytes = QB_GROUP_BYTES(bits);
+    const int scales_at = QB_SCALES_AT(bits);
     vf facc[4];
 #pragma GCC unroll 4
     for (int r = 0; r < mr; r++) facc[r] = vf_zero();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = group + b * Q4G_BYTES;
+        const uint8_t *blk = group + b * group_bytes;
         vq iacc[4];
+#if QB_INT16_SUMS
+        vq wide[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) wide[r] = vq_zero();
+#endif
 #pragma GCC unroll 4
         for (int r = 0; r < mr; r++) iacc[r] = vq_zero();
+        const vq high = bits == 5 ? vq_load(blk + QB_HIGH_AT + c * (Q4_LANES * 4)) : vq_zero();
 #pragma GCC unroll 4
         for (int p = 0; p < 4; p++) {
             const vq raw = vq_load(blk + p * 64 + c * (Q4_LANES * 4));
-            const vq w0 = vq_low4(raw), w1 = vq_high4(raw);
+            vq w0 = vq_low4(raw), w1 = vq_high4(raw);
+            if (bits == 5) {
+                w0 = vq_or(w0, vq_fifth_bit(high, 2 * p));
+                w1 = vq_or(w1, vq_fifth_bit(high, 2 * p + 1));
+            }
 #pragma GCC unroll 4
             for (int r = 0; r < mr; r++) {
-                const int8_t *xr = q + r * k + b * Q4_BLOCK + p * 8;
-#if Q4_INT16_SUMS
+                const int8_t *xr = q + r * k + b * QB_BLOCK + p * 8;
+#if QB_INT16_SUMS
                 iacc[r] = _mm256_add_epi16(iacc[r], _mm256_maddubs_epi16(w0, vq_set1(load_i32(xr))));
                 iacc[r] = _mm256_add_epi16(iacc[r], _mm256_maddubs_epi16(w1, vq_set1(load_i32(xr + 4))));
 #else
@@ -546,13 +604,22 @@ static inline __attribute__((always_inline)) void q4_tile(
                 iacc[r] = vq_dot(iacc[r], w1, vq_set1(load_i32(xr + 4)));
 #endif
             }
-        }
-#if Q4_INT16_SUMS
+#if QB_INT16_SUMS
+            if (p == 3 || (bits == 5 && p == 1)) {
 #pragma GCC unroll 4
-        for (int r = 0; r < mr; r++) iacc[r] = _mm256_madd_epi16(iacc[r], _mm256_set1_epi16(1));
+                for (int r = 0; r < mr; r++) {
+                    wide[r] = _mm256_add_epi32(wide[r], _mm256_madd_epi16(iacc[r], _mm256_set1_epi16(1)));
+                    iacc[r] = vq_zero();
+                }
+            }
 #endif
-        const vf dv = vf_load_half(blk + 256 + c * Q4_LANES * 2);
-        const vf mv = vf_load_half(blk + 256 + 32 + c * Q4_LANES * 2);
+        }
+#if QB_INT16_SUMS
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) iacc[r] = wide[r];
+#endif
+        const vf dv = vf_load_half(blk + scales_at + c * Q4_LANES * 2);
+        const vf mv = vf_load_half(blk + scales_at + 32 + c * Q4_LANES * 2);
 #pragma GCC unroll 4
         for (int r = 0; r < mr; r++) {
             facc[r] = vf_fmadd(vq_to_float(iacc[r]), vf_mul(dv, vf_set1(dx[r * nb + b])), facc[r]);
@@ -564,53 +631,117 @@ static inline __attribute__((always_inline)) void q4_tile(
     for (int r = 0; r < mr; r++) vf_store(out + r * ldo + c * Q4_LANES, vf_add(facc[r], bv));
 }
 
+/* Q4_LANES channels of 6-bit blocks (Q6_K's) for MR quantized input rows; s16 [mr, k / 16] the
+ * rows' sums per half-block. */
+static inline __attribute__((always_inline)) void q6_tile(
+        const int8_t *q, const float *dx, const int32_t *s16, int64_t k, int mr, const uint8_t *group, int c,
+        const float *bias, float *out, int64_t ldo) {
+    const int64_t nb = k / QB_BLOCK;
+    const int64_t group_bytes = QB_GROUP_BYTES(6);
+    vf facc[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) facc[r] = vf_zero();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = group + b * group_bytes;
+        const vf dv = vf_load_half(blk + QB_SCALES_AT(6) + 32 + c * Q4_LANES * 2);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const vq top = vq_load(blk + QB_HIGH_AT + h * 64 + c * (Q4_LANES * 4));
+            vq iacc[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++) iacc[r] = vq_zero();
+#pragma GCC unroll 2
+            for (int p = 2 * h; p < 2 * h + 2; p++) {
+                const vq raw = vq_load(blk + p * 64 + c * (Q4_LANES * 4));
+                const vq w0 = vq_or(vq_low4(raw), vq_top_bits(top, 2 * p - 4 * h));
+                const vq w1 = vq_or(vq_high4(raw), vq_top_bits(top, 2 * p + 1 - 4 * h));
+#pragma GCC unroll 4
+                for (int r = 0; r < mr; r++) {
+                    const int8_t *xr = q + r * k + b * QB_BLOCK + p * 8;
+                    iacc[r] = vq_dot(iacc[r], w0, vq_set1(load_i32(xr)));
+                    iacc[r] = vq_dot(iacc[r], w1, vq_set1(load_i32(xr + 4)));
+                }
+            }
+            const vf dsc = vf_mul(dv, vf_load_i8(blk + QB_SCALES_AT(6) + h * 16 + c * Q4_LANES));
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++) {
+                const vq centred = vq_sub(iacc[r], vq_set1(32 * s16[r * (k / 16) + 2 * b + h]));
+                facc[r] = vf_fmadd(vq_to_float(centred), vf_mul(dsc, vf_set1(dx[r * nb + b])), facc[r]);
+            }
+        }
+    }
+    const vf bv = bias ? vf_load(bias + c * Q4_LANES) : vf_zero();
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) vf_store(out + r * ldo + c * Q4_LANES, vf_add(facc[r], bv));
+}
+
+/* One row group of `mr` rows (a constant where inlined, to keep the accumulators in registers). */
+static inline __attribute__((always_inline)) void qb_rows(
+        const int8_t *q, const float *dx, const float *sx, const int32_t *s16, int64_t k, int mr,
+        const uint8_t *group, int c, int bits, const float *bias, float *out, int64_t ldo) {
+    if (bits == 6) q6_tile(q, dx, s16, k, mr, group, c, bias, out, ldo);
+    else if (bits == 5) qb_tile(q, dx, sx, k, mr, group, c, 5, bias, out, ldo);
+    else qb_tile(q, dx, sx, k, mr, group, c, 4, bias, out, ldo);
+}
+
 #endif /* IP_INT8 */
 
-/* x [m, k] float32 (rows ldx apart) @ W.T -> out [m, n] (rows ldo apart), W [n, k] as Q4_1 blocks in
- * the repacked layout above (pack_q4_1 in Python), bias [n] or NULL. Needs k % 32 == 0, n % 16 == 0.
- * Returns 0, -1 where this build has no such kernel, -2 when out of memory. */
-int ip_q4_1_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, const float *bias,
-                   int64_t n, float *out, int64_t ldo) {
+/* x [m, k] float32 (rows ldx apart) @ W.T -> out [m, n] (rows ldo apart), W [n, k] as blocks of
+ * `bits` (4, 5 or 6) in the repacked layout above (pack_blocks in Python), bias [n] or NULL. Needs
+ * k % 32 == 0, n % 16 == 0. Returns 0, -1 where this build has no such kernel (or bits is none of
+ * those), -2 when out of memory. */
+int ip_block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int bits,
+                    const float *bias, int64_t n, float *out, int64_t ldo) {
 #if IP_INT8
-    if (k % Q4_BLOCK || n % 16) return -1;
-    const int64_t nb = k / Q4_BLOCK;
+    if (k % QB_BLOCK || n % 16 || bits < 4 || bits > 6) return -1;
+    const int64_t nb = k / QB_BLOCK;
     int8_t *q = (int8_t *)malloc((size_t)(m * k + 64));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(m * nb));
     float *sx = (float *)malloc(sizeof(float) * (size_t)(m * nb));
-    if (!q || !dx || !sx) {
-        free(q); free(dx); free(sx);
+    int32_t *s16 = bits == 6 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(m * 2 * nb)) : NULL;
+    if (!q || !dx || !sx || (bits == 6 && !s16)) {
+        free(q); free(dx); free(sx); free(s16);
         return -2;
     }
     const int64_t per_group = 16 / Q4_LANES;
     const int64_t vectors = n / Q4_LANES;
+    const int64_t group_bytes = QB_GROUP_BYTES(bits);
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++) quantize_row_blocks(x + i * ldx, k, q + i * k, dx + i * nb, sx + i * nb);
+        for (int64_t i = 0; i < m; i++) {
+            quantize_row_blocks(x + i * ldx, k, q + i * k, dx + i * nb, sx + i * nb);
+            for (int64_t half = 0; s16 && half < 2 * nb; half++) {
+                int32_t total = 0;
+                for (int j = 0; j < 16; j++) total += q[i * k + half * 16 + j];
+                s16[i * 2 * nb + half] = total;
+            }
+        }
 #pragma omp for schedule(static)
         for (int64_t v = 0; v < vectors; v++) {
             const int64_t g = v / per_group;
             const int c = (int)(v % per_group);
-            const uint8_t *group = w + g * nb * Q4G_BYTES;
+            const uint8_t *group = w + g * nb * group_bytes;
             const float *bg = bias ? bias + g * 16 : NULL;
             for (int64_t r0 = 0; r0 < m; r0 += 4) {
                 const int mr = (int)(m - r0 < 4 ? m - r0 : 4);
                 const int8_t *qr = q + r0 * k;
                 const float *dr = dx + r0 * nb, *sr = sx + r0 * nb;
+                const int32_t *hr = s16 ? s16 + r0 * 2 * nb : NULL;
                 float *o = out + r0 * ldo + g * 16;
                 switch (mr) { /* constant row counts keep the accumulators in registers */
-                    case 4: q4_tile(qr, dr, sr, k, 4, group, c, bg, o, ldo); break;
-                    case 3: q4_tile(qr, dr, sr, k, 3, group, c, bg, o, ldo); break;
-                    case 2: q4_tile(qr, dr, sr, k, 2, group, c, bg, o, ldo); break;
-                    default: q4_tile(qr, dr, sr, k, 1, group, c, bg, o, ldo); break;
+                    case 4: qb_rows(qr, dr, sr, hr, k, 4, group, c, bits, bg, o, ldo); break;
+                    case 3: qb_rows(qr, dr, sr, hr, k, 3, group, c, bits, bg, o, ldo); break;
+                    case 2: qb_rows(qr, dr, sr, hr, k, 2, group, c, bits, bg, o, ldo); break;
+                    default: qb_rows(qr, dr, sr, hr, k, 1, group, c, bits, bg, o, ldo); break;
                 }
             }
         }
     }
-    free(q); free(dx); free(sx);
+    free(q); free(dx); free(sx); free(s16);
     return 0;
 #else
-    (void)x; (void)m; (void)k; (void)ldx; (void)w; (void)bias; (void)n; (void)out; (void)ldo;
+    (void)x; (void)m; (void)k; (void)ldx; (void)w; (void)bits; (void)bias; (void)n; (void)out; (void)ldo;
     return -1;
 #endif
 }
@@ -634,21 +765,32 @@ static float half_to_float(const uint8_t *p) {
     return v;
 }
 
-/* The repacked Q4_1 weight as float32 out [n, k]: for a float GEMM where many rows (prefill) make that
- * faster. */
-void ip_q4_1_dequantize(const uint8_t *w, int64_t n, int64_t k, float *out) {
-    const int64_t nb = k / Q4_BLOCK;
+/* The repacked weight of `bits` (4, 5 or 6) as float32 out [n, k]: for a float GEMM where many rows
+ * (prefill) make that faster. 6 bits: (d * sc) * (q - 32), in gguf-py's order. */
+void ip_block_dequantize(const uint8_t *w, int bits, int64_t n, int64_t k, float *out) {
+    const int64_t nb = k / QB_BLOCK;
+    const int64_t group_bytes = QB_GROUP_BYTES(bits);
+    const int scales_at = QB_SCALES_AT(bits);
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < n / 16; g++) {
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = w + (g * nb + b) * Q4G_BYTES;
+            const uint8_t *blk = w + (g * nb + b) * group_bytes;
             for (int ch = 0; ch < 16; ch++) {
-                const float d = half_to_float(blk + 256 + 2 * ch), mn = half_to_float(blk + 256 + 32 + 2 * ch);
-                float *o = out + (g * 16 + ch) * k + b * Q4_BLOCK;
+                const float d = half_to_float(blk + scales_at + (bits == 6 ? 32 : 0) + 2 * ch);
+                const float mn = bits == 6 ? 0.0f : half_to_float(blk + scales_at + 32 + 2 * ch);
+                float *o = out + (g * 16 + ch) * k + b * QB_BLOCK;
                 for (int step = 0; step < 8; step++)
                     for (int j = 0; j < 4; j++) {
                         const uint8_t byte = blk[(step / 2) * 64 + ch * 4 + j];
-                        o[step * 4 + j] = (float)((step % 2 ? byte >> 4 : byte) & 0x0F) * d + mn;
+                        int v = (step % 2 ? byte >> 4 : byte) & 0x0F;
+                        if (bits == 5) v |= ((blk[QB_HIGH_AT + ch * 4 + j] >> step) & 1) << 4;
+                        if (bits == 6) {
+                            v |= ((blk[QB_HIGH_AT + (step / 4) * 64 + ch * 4 + j] >> (2 * (step % 4))) & 3) << 4;
+                            const float dsc = d * (float)(int8_t)blk[scales_at + (step / 4) * 16 + ch];
+                            o[step * 4 + j] = dsc * (float)(v - 32);
+                        } else {
+                            o[step * 4 + j] = (float)v * d + mn;
+                        }
                     }
             }
         }
@@ -1106,7 +1248,7 @@ int ip_rope_store_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, int
 
 /* Which of the kernels above this build has (the others return -1). */
 int ip_features(void) {
-    return (IP_INT8 ? IP_FEATURE_INT8_LINEAR | IP_FEATURE_Q4_1_LINEAR : 0) | (IP_VECTOR ? IP_FEATURE_F32_LINEAR : 0)
+    return (IP_INT8 ? IP_FEATURE_INT8_LINEAR | IP_FEATURE_BLOCK_LINEAR : 0) | (IP_VECTOR ? IP_FEATURE_F32_LINEAR : 0)
            | (IP_HALF_KV ? IP_FEATURE_HALF_KV : 0);
 }
 
@@ -1128,15 +1270,17 @@ const char *ip_isa(void) {
 
 /* ---------------------------------------------------------------- one whole decoder layer */
 
-/* One of the layer's linears: packed int8 with per-channel scales s, or (s NULL) GGUF Q4_1 blocks. */
+/* One of the layer's linears: packed int8 with per-channel scales s, or (s NULL) GGUF blocks of `bits`
+ * (4, 5 or 6). */
 static int layer_linear(const float *x, int64_t b, int64_t k, int64_t ldx, const uint8_t *w, const float *s,
-                        const float *bias, int64_t n, float *out, int64_t ldo) {
+                        int64_t bits, const float *bias, int64_t n, float *out, int64_t ldo) {
     if (s) return ip_int8_linear(x, b, k, ldx, w, s, bias, n, out, ldo);
-    return ip_q4_1_linear(x, b, k, ldx, w, bias, n, out, ldo);
+    return ip_block_linear(x, b, k, ldx, w, (int)bits, bias, n, out, ldo);
 }
 
 /* One decoder layer's weights and KV cache, as ip_decode_layers reads them: the four linears (qkv, o,
- * gate_up, down) each as packed int8 with per-channel scales s, or (s NULL) Q4_1 blocks; biases may be
+ * gate_up, down) each as packed int8 with per-channel scales s, or (s NULL) GGUF blocks of bits[i]
+ * (4, 5 or 6, ip_block_linear); biases may be
  * NULL. The Llama block has norm1 (attention input) and norm2 (MLP input). Gemma adds: q_norm and
  * k_norm over each head before the rotation, and a sandwich of norms, where norm2 norms the attention
  * output, norm3 is the MLP's input norm and norm4 norms the MLP's output (NULL where a family has
@@ -1153,6 +1297,7 @@ typedef struct {
     int64_t window;  /* > 0: attends to the last `window` tokens only */
     int64_t view;    /* the ip_attn_view its KV is addressed by: 0 the main pool, 1 the window pool */
     int64_t rope;    /* the ip_rope it rotates by: 0 the model's, 1 the sliding layers' own */
+    int64_t bits[4]; /* where s[i] is NULL: the bits of linear i's blocks */
 } ip_layer_weights;
 
 /* Where a step's KV goes and is read from, for the layers of one pool: each row's slot, its block
@@ -1178,7 +1323,7 @@ static int decode_layer(float *x, int64_t b, int64_t hidden, const ip_layer_weig
     const ip_attn_view *view = views + L->view;
     const ip_rope *rope = ropes + L->rope;
     ip_rms_norm(x, NULL, b, hidden, L->norm1, eps, h);
-    int rc = layer_linear(h, b, hidden, hidden, L->w[0], L->s[0], L->bias[0], qkv_width, wide, qkv_width);
+    int rc = layer_linear(h, b, hidden, hidden, L->w[0], L->s[0], L->bits[0], L->bias[0], qkv_width, wide, qkv_width);
     if (rc == 0 && L->q_norm) {
         for (int64_t r = 0; r < b; r++) {  /* each head's row normed in place, as Attention._head_norms */
             float *row = wide + r * qkv_width;
@@ -1195,7 +1340,7 @@ static int decode_layer(float *x, int64_t b, int64_t hidden, const ip_layer_weig
                                        view->block_tables, view->max_blocks, view->context_lens, scale, narrow,
                                        heads * d, half, L->window);
     }
-    if (rc == 0) rc = layer_linear(narrow, b, heads * d, heads * d, L->w[1], L->s[1], L->bias[1], hidden, delta, hidden);
+    if (rc == 0) rc = layer_linear(narrow, b, heads * d, heads * d, L->w[1], L->s[1], L->bits[1], L->bias[1], hidden, delta, hidden);
     if (rc == 0) {
         if (L->norm3) {  /* Gemma: the attention output normed, then x += it and the MLP's own input norm */
             ip_rms_norm(delta, NULL, b, hidden, L->norm2, eps, delta);
@@ -1203,12 +1348,12 @@ static int decode_layer(float *x, int64_t b, int64_t hidden, const ip_layer_weig
         } else {
             ip_rms_norm(x, delta, b, hidden, L->norm2, eps, h);  /* x += attn; h = norm(x) */
         }
-        rc = layer_linear(h, b, hidden, hidden, L->w[2], L->s[2], L->bias[2], 2 * inter, wide, 2 * inter);
+        rc = layer_linear(h, b, hidden, hidden, L->w[2], L->s[2], L->bits[2], L->bias[2], 2 * inter, wide, 2 * inter);
     }
     if (rc == 0) {
         if (gelu) ip_gelu_mul(wide, b, inter, narrow);
         else ip_silu_mul(wide, b, inter, narrow);
-        rc = layer_linear(narrow, b, inter, inter, L->w[3], L->s[3], L->bias[3], hidden, delta, hidden);
+        rc = layer_linear(narrow, b, inter, inter, L->w[3], L->s[3], L->bits[3], L->bias[3], hidden, delta, hidden);
     }
     if (rc == 0) {
         if (L->norm4) ip_rms_norm(delta, NULL, b, hidden, L->norm4, eps, delta);

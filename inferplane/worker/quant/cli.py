@@ -20,7 +20,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize-head", action=argparse.BooleanOptionalAction, default=True,
                         help="int8 output head, as the runtime's default (--no-quantize-head: float32)")
     parser.add_argument("--requantize-q4", action="store_true",
-                        help="a GGUF file's Q4_0/Q4_1 linears requantized to int8 instead of served as they are")
+                        help="a GGUF file's 4-, 5- and 6-bit linears requantized to int8 instead of served as they are")
     parser.add_argument("--corrupt-scales", type=float, default=1.0, metavar="FACTOR",
                         help="multiply every int8 scale by FACTOR (a wrong quantization: the gate must fail)")
 
@@ -51,8 +51,9 @@ def run(args: argparse.Namespace) -> int:
         result = gate.compare_models(loaded.model, int8_model, token_ids, window=args.window,
                                      threshold_pct=args.threshold_pct)
     from_blocks = f", {report.from_q8_0} straight from Q8_0 blocks" if report.from_q8_0 else ""
-    if report.from_q4:
-        from_blocks += f", {report.from_q4} served from the file's Q4 blocks"
+    for count, kind in ((report.from_q4, "4-bit"), (report.from_q5, "5-bit"), (report.from_q6, "Q6_K")):
+        if count:
+            from_blocks += f", {count} served from the file's {kind} blocks"
     print(f"model {loaded.name}: {report.source_layers} linear layers as {len(report.layers)} "
           f"(q/k/v and gate/up fused){from_blocks}")
     print(f"weights: quantized {report.int8_bytes / 2**20:.1f} MiB vs float32 "

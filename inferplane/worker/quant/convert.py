@@ -19,9 +19,10 @@ from inferplane.worker import native
 from inferplane.worker.model.llama import RMSNorm
 from inferplane.worker.native.choice import NEVER
 from inferplane.worker.quant import gate
+from inferplane.worker.quant.block_linear import BlockLinear
 from inferplane.worker.quant.dispatch import calibrate, calibrate_packed, default_min_rows
+from inferplane.worker.quant.gguf_blocks import Blocks
 from inferplane.worker.quant.int8_linear import Int8Dispatch, Int8Linear, quantize_per_channel
-from inferplane.worker.quant.q4_linear import Q4Linear, scaled_q4_1
 from inferplane.worker.quant.smooth import (
     CALIBRATION_TOKENS,
     DEFAULT_ALPHA,
@@ -41,11 +42,13 @@ class QualityGateFailed(Exception):
 
 @dataclass
 class ConversionReport:
-    layers: list[Int8Linear | Q4Linear] = field(default_factory=list)
+    layers: list[Int8Linear | BlockLinear] = field(default_factory=list)
     dispatch: Int8Dispatch = field(default_factory=Int8Dispatch)
     source_layers: int = 0  # nn.Linear layers converted (fused ones count each)
     from_q8_0: int = 0  # of those, built directly from GGUF Q8_0 blocks
-    from_q4: int = 0  # of those, served from the file's own Q4_0/Q4_1/Q4_K blocks (Q4Linear)
+    from_q4: int = 0  # of those, served from the file's own 4-bit blocks (Q4_0/Q4_1/Q4_K: BlockLinear)
+    from_q5: int = 0  # of those, served from the file's own 5-bit blocks (Q5_0/Q5_1/Q5_K: BlockLinear)
+    from_q6: int = 0  # of those, served from the file's own Q6_K blocks (BlockLinear)
     float_bytes: int = 0  # what the converted layers took as float32
     packed: int = 0  # layers moved to the C kernel's layout (worker/native)
 
@@ -109,9 +112,10 @@ def convert_model(model: nn.Module, *, quantize_head: bool = False, scale_multip
                   measure_dispatch: bool = True, pack: bool = True, q4_blocks: bool = False) -> ConversionReport:
     """Replaces the model's linear layers with Int8Linear in place.
 
-    With `q4_blocks`, layers the GGUF file stores as Q4_0/Q4_1/Q4_K become Q4Linear over those very
-    blocks (a 4-bit model stays 4-bit, and its weights are exactly the file's); smoothing is then
-    off, since it would change them. Needs the C kernels; without them this falls back to int8.
+    With `q4_blocks`, layers the GGUF file stores as 4-, 5- or 6-bit blocks (Q4_0/Q4_1/Q4_K,
+    Q5_0/Q5_1/Q5_K, Q6_K: gguf_blocks.py) become BlockLinear over those very blocks (a 4-bit model stays
+    4-bit, and its weights are the file's); smoothing is then off, since it would change them. Needs
+    the C kernels; without them this falls back to int8.
 
     With `calibration_ids`, activation outliers are first folded into the weights (smooth.py). With
     `fuse`, q/k/v and gate/up become one layer each: per-row quantization makes that exactly the
@@ -123,14 +127,14 @@ def convert_model(model: nn.Module, *, quantize_head: bool = False, scale_multip
     GEMM over the dequantized weight is faster (dispatch.calibrate_packed).
     """
     groups = _groups(model, quantize_head, fuse)
-    file_q4: dict[str, torch.Tensor] = {}
+    file_q4: dict[str, Blocks] = {}
     kernels = native.kernels()
     if (q4_blocks and gguf_path is not None and gguf_path.endswith(".gguf") and kernels is not None
-            and kernels.has_q4_1_linear):
-        from inferplane.worker.quant.gguf_q4 import load_q4_blocks
+            and kernels.has_block_linear):
+        from inferplane.worker.quant.gguf_blocks import load_blocks
 
         wanted = {_weight_name(model, name) for g in groups for name, _, _ in g.members}
-        file_q4 = load_q4_blocks(gguf_path, model.config, wanted)
+        file_q4 = load_blocks(gguf_path, model.config, wanted)
     smoothed = False
     if calibration_ids and smooth_alpha and _is_llama_shaped(model) and not file_q4:
         smooth_llama(model, input_absmax(model, calibration_ids), smooth_alpha)
@@ -145,9 +149,9 @@ def convert_model(model: nn.Module, *, quantize_head: bool = False, scale_multip
         from_blocks = load_q8_0_linears(gguf_path, model.config, wanted, scale_multiplier)
     report = ConversionReport(dispatch=Int8Dispatch(default_min_rows()))
     for group in groups:
-        q4_layer = _q4_layer(model, group, file_q4, report, scale_multiplier)
-        if q4_layer is not None:
-            report.layers.append(_install(group, q4_layer))
+        block_layer = _block_layer(model, group, file_q4, report, scale_multiplier)
+        if block_layer is not None:
+            report.layers.append(_install(group, block_layer))
             continue
         qs, scales = [], []
         for name, _, linear in group.members:
@@ -175,25 +179,32 @@ def _group_bias(group: _Group) -> torch.Tensor | None:
                       for b, (_, _, linear) in zip(biases, group.members, strict=True)])
 
 
-def _q4_layer(model: nn.Module, group: _Group, file_q4: dict[str, torch.Tensor], report: ConversionReport,
-              scale_multiplier: float = 1.0) -> Q4Linear | None:
-    """The group as one Q4Linear over the file's blocks, when the file has them for every member
-    (`scale_multiplier`, the gate's test hook, scales every weight: d and m alike)."""
-    blocks = [file_q4.get(_weight_name(model, name)) for name, _, _ in group.members]
-    if not file_q4 or any(b is None for b in blocks):
+def _block_layer(model: nn.Module, group: _Group, file_blocks: dict[str, Blocks], report: ConversionReport,
+                 scale_multiplier: float = 1.0) -> BlockLinear | None:
+    """The group as one BlockLinear over the file's blocks, when the file has them for every member
+    (at the widest member's bits: 4-bit values are the same numbers in 5; `scale_multiplier`, the
+    gate's test hook, scales every weight: d and m alike)."""
+    parts = [file_blocks.get(_weight_name(model, name)) for name, _, _ in group.members]
+    if not file_blocks or any(b is None for b in parts):
         return None
     in_features = group.members[0][2].in_features
-    rows = sum(b.shape[0] for b in blocks)
-    if not native.q4_1_shape_supported(rows, in_features):
+    if not native.block_shape_supported(sum(b.rows for b in parts), in_features):
+        return None
+    blocks = Blocks.stacked(parts)
+    if blocks is None:
         return None
     for _, _, linear in group.members:
         report.float_bytes += linear.weight.numel() * 4
         report.source_layers += 1
-        report.from_q4 += 1
-    weight = torch.cat(blocks)
+        if blocks.bits == 6:
+            report.from_q6 += 1
+        elif blocks.bits == 5:
+            report.from_q5 += 1
+        else:
+            report.from_q4 += 1
     if scale_multiplier != 1.0:
-        weight = scaled_q4_1(weight, scale_multiplier)
-    return Q4Linear(weight, in_features, _group_bias(group), report.dispatch)
+        blocks = blocks.scaled(scale_multiplier)
+    return BlockLinear(blocks, _group_bias(group), report.dispatch)
 
 
 def _install(group: _Group, layer: nn.Module) -> nn.Module:
@@ -211,17 +222,23 @@ def _finish(report: ConversionReport, pack: bool, measure_dispatch: bool) -> Non
         calibrate_packed(report.layers, report.dispatch)
 
 
+def _block_entry(layer: BlockLinear) -> dict:
+    """A BlockLinear as plain tensors (the start-up cache loads with weights_only)."""
+    blocks = layer.file_blocks()
+    return {"values": blocks.values, "d": blocks.d, "m": blocks.m, "bits": blocks.bits, "bias": layer.bias}
+
+
 def snapshot(model: nn.Module, report: ConversionReport) -> dict:
     """What convert_model computed, in a form any CPU can restore: each int8 layer's plain int8
     weight, scales and bias in conversion order, and the RMSNorm weights (smoothing divided them)."""
     return {
-        "layers": [{"q4_blocks": layer.file_blocks(), "bias": layer.bias} if isinstance(layer, Q4Linear) else
+        "layers": [_block_entry(layer) if isinstance(layer, BlockLinear) else
                    {"qweight": layer.int8_weight(), "scale": layer.scale, "bias": layer.bias}
                    for layer in report.layers],
         "norms": {name: module.weight.detach().clone() for name, module in model.named_modules()
                   if isinstance(module, RMSNorm)},
         "source_layers": report.source_layers, "from_q8_0": report.from_q8_0, "from_q4": report.from_q4,
-        "float_bytes": report.float_bytes,
+        "from_q5": report.from_q5, "from_q6": report.from_q6, "float_bytes": report.float_bytes,
     }
 
 
@@ -237,16 +254,19 @@ def restore(model: nn.Module, saved: dict, *, quantize_head: bool = False, fuse:
         if name not in norms or norms[name].weight.shape != weight.shape:
             raise ValueError(f"snapshot norm {name} does not fit the model")
     report = ConversionReport(dispatch=Int8Dispatch(default_min_rows()), source_layers=saved["source_layers"],
-                              from_q8_0=saved["from_q8_0"], from_q4=saved.get("from_q4", 0),
+                              from_q8_0=saved["from_q8_0"], from_q4=saved["from_q4"], from_q5=saved["from_q5"],
+                              from_q6=saved["from_q6"],
                               float_bytes=saved["float_bytes"])
     layers = []
     for group, entry in zip(groups, saved["layers"], strict=True):
         rows = sum(linear.out_features for _, _, linear in group.members)
         in_features = group.members[0][2].in_features
-        if "q4_blocks" in entry:
-            layers.append(Q4Linear(entry["q4_blocks"], in_features, entry["bias"], report.dispatch))
-            if layers[-1].out_features != rows:
-                raise ValueError(f"snapshot layer {group.members[0][0]} has {layers[-1].out_features} rows")
+        if "bits" in entry:
+            blocks = Blocks(entry["values"], entry["d"], entry["m"], entry["bits"])
+            layers.append(BlockLinear(blocks, entry["bias"], report.dispatch))
+            if (layers[-1].out_features, layers[-1].in_features) != (rows, in_features):
+                raise ValueError(f"snapshot layer {group.members[0][0]} has shape "
+                                 f"{(layers[-1].out_features, layers[-1].in_features)}")
             continue
         if tuple(entry["qweight"].shape) != (rows, in_features):
             raise ValueError(f"snapshot layer {group.members[0][0]} has shape {tuple(entry['qweight'].shape)}")
@@ -344,6 +364,8 @@ def quantize_loaded_model(loaded, options) -> dict[str, float]:
         "int8_layers": float(len(report.layers)),
         "int8_layers_from_q8_0": float(report.from_q8_0),
         "q4_1_layers_from_file": float(report.from_q4),  # linears served from the file's 4-bit blocks
+        "q5_1_layers_from_file": float(report.from_q5),  # and from its 5-bit ones
+        "q6_k_layers_from_file": float(report.from_q6),  # and from its Q6_K ones
         "int8_layers_packed": float(report.packed),
         # from how many rows some packed layer multiplies in float32 instead (0: none does)
         "int8_float_gemm_from_rows": float(min((r for r in report.dispatch.float_from.values() if r < NEVER),
