@@ -505,6 +505,7 @@ static inline vq vq_set1(int32_t a) { return _mm512_set1_epi32(a); }
 static inline vq vq_zero(void) { return _mm512_setzero_si512(); }
 static inline vq vq_or(vq a, vq b) { return _mm512_or_si512(a, b); }
 static inline vq vq_sub(vq a, vq b) { return _mm512_sub_epi32(a, b); }
+static inline vq vq_add(vq a, vq b) { return _mm512_add_epi32(a, b); }
 static inline vf vf_load_i8(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
@@ -532,6 +533,7 @@ static inline vq vq_set1(int32_t a) { return _mm256_set1_epi32(a); }
 static inline vq vq_zero(void) { return _mm256_setzero_si256(); }
 static inline vq vq_or(vq a, vq b) { return _mm256_or_si256(a, b); }
 static inline vq vq_sub(vq a, vq b) { return _mm256_sub_epi32(a, b); }
+static inline vq vq_add(vq a, vq b) { return _mm256_add_epi32(a, b); }
 static inline vf vf_load_i8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
@@ -563,6 +565,11 @@ static inline vf vf_load_half(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loa
 #define QB_INT16_SUMS 1
 #endif
 
+/* Integer accumulators per row: with few rows, one chain of dependent vpdpbusd per row would make
+ * the loop wait on their latency (batch-1 decode ran at a third of the memory bandwidth), so each
+ * row spreads its steps over several independent chains, summed once per block. */
+#define QB_CHAINS(mr) ((mr) == 1 ? 4 : (mr) == 2 ? 2 : 1)
+
 /* Q4_LANES channels (vector `c` of a 16-channel group) for MR quantized input rows; `bits` 4 or 5
  * (a constant where inlined, so each case compiles to its own loop). */
 static inline __attribute__((always_inline)) void qb_tile(
@@ -571,19 +578,19 @@ static inline __attribute__((always_inline)) void qb_tile(
     const int64_t nb = k / QB_BLOCK;
     const int64_t group_bytes = QB_GROUP_BYTES(bits);
     const int scales_at = QB_SCALES_AT(bits);
+    const int chains = QB_CHAINS(mr);
     vf facc[4];
 #pragma GCC unroll 4
     for (int r = 0; r < mr; r++) facc[r] = vf_zero();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = group + b * group_bytes;
-        vq iacc[4];
+        vq iacc[4], total[4];
 #if QB_INT16_SUMS
-        vq wide[4];
 #pragma GCC unroll 4
-        for (int r = 0; r < mr; r++) wide[r] = vq_zero();
+        for (int r = 0; r < mr; r++) total[r] = vq_zero();
 #endif
 #pragma GCC unroll 4
-        for (int r = 0; r < mr; r++) iacc[r] = vq_zero();
+        for (int a = 0; a < mr * chains; a++) iacc[a] = vq_zero();
         const vq high = bits == 5 ? vq_load(blk + QB_HIGH_AT + c * (Q4_LANES * 4)) : vq_zero();
 #pragma GCC unroll 4
         for (int p = 0; p < 4; p++) {
@@ -596,34 +603,40 @@ static inline __attribute__((always_inline)) void qb_tile(
 #pragma GCC unroll 4
             for (int r = 0; r < mr; r++) {
                 const int8_t *xr = q + r * k + b * QB_BLOCK + p * 8;
+                const int a = r * chains + p % chains;
 #if QB_INT16_SUMS
-                iacc[r] = _mm256_add_epi16(iacc[r], _mm256_maddubs_epi16(w0, vq_set1(load_i32(xr))));
-                iacc[r] = _mm256_add_epi16(iacc[r], _mm256_maddubs_epi16(w1, vq_set1(load_i32(xr + 4))));
+                iacc[a] = _mm256_add_epi16(iacc[a], _mm256_maddubs_epi16(w0, vq_set1(load_i32(xr))));
+                iacc[a] = _mm256_add_epi16(iacc[a], _mm256_maddubs_epi16(w1, vq_set1(load_i32(xr + 4))));
 #else
-                iacc[r] = vq_dot(iacc[r], w0, vq_set1(load_i32(xr)));
-                iacc[r] = vq_dot(iacc[r], w1, vq_set1(load_i32(xr + 4)));
+                iacc[a] = vq_dot(iacc[a], w0, vq_set1(load_i32(xr)));
+                iacc[a] = vq_dot(iacc[a], w1, vq_set1(load_i32(xr + 4)));
 #endif
             }
 #if QB_INT16_SUMS
-            if (p == 3 || (bits == 5 && p == 1)) {
+            if (p == 3 || (bits == 5 && p == 1)) { /* each chain widened before its int16 sums can wrap */
 #pragma GCC unroll 4
-                for (int r = 0; r < mr; r++) {
-                    wide[r] = _mm256_add_epi32(wide[r], _mm256_madd_epi16(iacc[r], _mm256_set1_epi16(1)));
-                    iacc[r] = vq_zero();
+                for (int a = 0; a < mr * chains; a++) {
+                    total[a / chains] = vq_add(total[a / chains], _mm256_madd_epi16(iacc[a], _mm256_set1_epi16(1)));
+                    iacc[a] = vq_zero();
                 }
             }
 #endif
         }
-#if QB_INT16_SUMS
+#if !QB_INT16_SUMS
 #pragma GCC unroll 4
-        for (int r = 0; r < mr; r++) iacc[r] = wide[r];
+        for (int r = 0; r < mr; r++) {
+            total[r] = iacc[r * chains];
+#pragma GCC unroll 4
+            for (int j = 1; j < chains; j++) total[r] = vq_add(total[r], iacc[r * chains + j]);
+        }
 #endif
         const vf dv = vf_load_half(blk + scales_at + c * Q4_LANES * 2);
         const vf mv = vf_load_half(blk + scales_at + 32 + c * Q4_LANES * 2);
 #pragma GCC unroll 4
-        for (int r = 0; r < mr; r++) {
-            facc[r] = vf_fmadd(vq_to_float(iacc[r]), vf_mul(dv, vf_set1(dx[r * nb + b])), facc[r]);
-            facc[r] = vf_fmadd(mv, vf_set1(sx[r * nb + b]), facc[r]);
+        for (int r = 0; r < mr; r++) { /* the block's sum first: one add on the accumulator's chain */
+            const vf block = vf_fmadd(vq_to_float(total[r]), vf_mul(dv, vf_set1(dx[r * nb + b])),
+                                      vf_mul(mv, vf_set1(sx[r * nb + b])));
+            facc[r] = vf_add(facc[r], block);
         }
     }
     const vf bv = bias ? vf_load(bias + c * Q4_LANES) : vf_zero();
@@ -647,9 +660,10 @@ static inline __attribute__((always_inline)) void q6_tile(
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const vq top = vq_load(blk + QB_HIGH_AT + h * 64 + c * (Q4_LANES * 4));
+            const int chains = mr <= 2 ? 2 : 1;
             vq iacc[4];
 #pragma GCC unroll 4
-            for (int r = 0; r < mr; r++) iacc[r] = vq_zero();
+            for (int a = 0; a < mr * chains; a++) iacc[a] = vq_zero();
 #pragma GCC unroll 2
             for (int p = 2 * h; p < 2 * h + 2; p++) {
                 const vq raw = vq_load(blk + p * 64 + c * (Q4_LANES * 4));
@@ -658,14 +672,16 @@ static inline __attribute__((always_inline)) void q6_tile(
 #pragma GCC unroll 4
                 for (int r = 0; r < mr; r++) {
                     const int8_t *xr = q + r * k + b * QB_BLOCK + p * 8;
-                    iacc[r] = vq_dot(iacc[r], w0, vq_set1(load_i32(xr)));
-                    iacc[r] = vq_dot(iacc[r], w1, vq_set1(load_i32(xr + 4)));
+                    const int a = r * chains + p % chains;
+                    iacc[a] = vq_dot(iacc[a], w0, vq_set1(load_i32(xr)));
+                    iacc[a] = vq_dot(iacc[a], w1, vq_set1(load_i32(xr + 4)));
                 }
             }
             const vf dsc = vf_mul(dv, vf_load_i8(blk + QB_SCALES_AT(6) + h * 16 + c * Q4_LANES));
 #pragma GCC unroll 4
             for (int r = 0; r < mr; r++) {
-                const vq centred = vq_sub(iacc[r], vq_set1(32 * s16[r * (k / 16) + 2 * b + h]));
+                const vq sum = chains == 2 ? vq_add(iacc[2 * r], iacc[2 * r + 1]) : iacc[r];
+                const vq centred = vq_sub(sum, vq_set1(32 * s16[r * (k / 16) + 2 * b + h]));
                 facc[r] = vf_fmadd(vq_to_float(centred), vf_mul(dsc, vf_set1(dx[r * nb + b])), facc[r]);
             }
         }
