@@ -373,6 +373,13 @@ def main(argv: list[str]) -> int:
             if per_token:
                 print(f"  {name:20} batch  1: {rates[(name, 1)] * per_token / bandwidth:.2f} of its bound "
                       f"({per_token / 1e6:.1f} MB of weights per token)")
+        from inferplane.bench.step_split import step_split
+
+        for name, llm in variants.items():
+            split = step_split(llm, _prompts(tokens, 1, args.prompt_len)[0], args.new_tokens)
+            if split is not None:
+                print(f"  {name:20} batch-1 step {split.total:.2f} ms: fused decoder layers {split.layers:.2f}, "
+                      f"head {split.head:.2f}, the rest (engine, embedding, sampling) {split.rest:.2f}")
 
     for name, llm in variants.items():
         report = llm.weight_report

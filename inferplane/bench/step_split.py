@@ -1,0 +1,74 @@
+"""Where a batch-1 decode step's time goes: the fused decoder layers (one C call), the output head,
+and the rest (the engine's Python, embedding, sampling).
+
+Why: the bound fraction says how far batch-1 decode is from the memory bandwidth, not why; this
+splits the step so the next change aims at the part that is slow. The two calls are timed by
+wrapping them on the objects the engine calls (the loaded kernels and the model's head) for the
+measurement only; prefill is taken out by timing a one-token generate of the same prompt first.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass
+class StepSplit:
+    """Milliseconds per decode token."""
+
+    layers: float
+    head: float
+    rest: float
+
+    @property
+    def total(self) -> float:
+        return self.layers + self.head + self.rest
+
+
+@contextmanager
+def _timed_attribute(owner, name: str, spent: list[float]):
+    """owner.name wrapped to add its wall time to spent[0]; restored on exit."""
+    real = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    setattr(owner, name, timed)
+    try:
+        yield
+    finally:
+        delattr(owner, name)  # the class's (or module's) own attribute again
+
+
+def step_split(llm, prompt: list[int], new_tokens: int) -> StepSplit | None:
+    """Batch-1 greedy decode of `new_tokens` after `prompt`, split per token; None where the
+    model has no fused decode on the C kernels (nothing to split)."""
+    from inferplane.worker import native
+    from inferplane.worker.sampling import SamplingParams
+
+    kernels = native.kernels()
+    head = getattr(llm.engine.loaded.model, "lm_head", None)
+    if kernels is None or head is None:
+        return None
+    layers, head_time = [0.0], [0.0]
+
+    def run(tokens: int) -> tuple[float, float, float]:
+        layers[0] = head_time[0] = 0.0
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+        return time.perf_counter() - start, layers[0], head_time[0]
+
+    with _timed_attribute(kernels, "decode_layers", layers), _timed_attribute(head, "forward", head_time):
+        run(new_tokens + 1)  # warm
+        base = run(1)  # prefill and the first token
+        full = run(new_tokens + 1)
+    if full[1] == 0.0:
+        return None
+    total, fused, head_spent = ((f - b) * 1e3 / new_tokens for f, b in zip(full, base, strict=True))
+    return StepSplit(layers=fused, head=head_spent, rest=total - fused - head_spent)

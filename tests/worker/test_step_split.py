@@ -1,0 +1,23 @@
+"""bench's batch-1 step split (inferplane/bench/step_split.py): it times the fused layers and the
+head of a real cpu-int8 decode, and leaves the engine's objects as they were."""
+
+from __future__ import annotations
+
+from inferplane.bench.step_split import step_split
+from inferplane.worker import native
+from tests.worker.test_native import isa_kernels  # noqa: F401 (the fixture: kernels on this CPU)
+
+
+def test_the_split_times_layers_and_head_and_restores_them(tiny_llama, isa_kernels):  # noqa: F811
+    from inferplane.worker.llm import LLM
+    from inferplane.worker.sampling import SamplingParams
+
+    llm = LLM(tiny_llama, runtime="cpu-int8", device="cpu", num_kv_blocks=64, skip_quality_gate=True)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    before = llm.generate([[5, 6, 7, 8]], params)[0].token_ids
+    split = step_split(llm, [5, 6, 7, 8], 8)
+    assert split is not None and split.layers > 0 and split.head > 0
+    assert abs(split.total - (split.layers + split.head + split.rest)) < 1e-9
+    kernels = native.kernels()
+    assert "decode_layers" not in vars(kernels) and "forward" not in vars(llm.engine.loaded.model.lm_head)
+    assert llm.generate([[5, 6, 7, 8]], params)[0].token_ids == before
