@@ -509,17 +509,9 @@ static inline vq vq_add(vq a, vq b) { return _mm512_add_epi32(a, b); }
 static inline vf vf_load_i8(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-/* bits 2t, 2t + 1 of every byte moved to bits 4, 5, the rest cleared */
-static inline vq vq_top_bits(vq v, int t) {
-    const vq moved = t < 2 ? _mm512_slli_epi16(v, 4 - 2 * t) : _mm512_srli_epi16(v, 2 * t - 4);
-    return _mm512_and_si512(moved, _mm512_set1_epi8(0x30));
-}
-/* bit s of every byte moved to bit 4, the rest cleared (16-bit shifts by at most 4 keep bit 4 of
- * each byte within its own byte) */
-static inline vq vq_fifth_bit(vq v, int s) {
-    const vq moved = s < 4 ? _mm512_slli_epi16(v, 4 - s) : _mm512_srli_epi16(v, s - 4);
-    return _mm512_and_si512(moved, _mm512_set1_epi8(0x10));
-}
+static inline vq vq_shl16(vq v, int n) { return _mm512_slli_epi16(v, n); }
+static inline vq vq_shr16(vq v, int n) { return _mm512_srli_epi16(v, n); }
+static inline vq vq_and8(vq v, int mask) { return _mm512_and_si512(v, _mm512_set1_epi8((char)mask)); }
 static inline vq vq_dot(vq acc, vq u, vq s) { return _mm512_dpbusd_epi32(acc, u, s); }
 static inline vf vq_to_float(vq v) { return _mm512_cvtepi32_ps(v); }
 static inline vf vf_load_half(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
@@ -537,14 +529,9 @@ static inline vq vq_add(vq a, vq b) { return _mm256_add_epi32(a, b); }
 static inline vf vf_load_i8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
-static inline vq vq_top_bits(vq v, int t) {
-    const vq moved = t < 2 ? _mm256_slli_epi16(v, 4 - 2 * t) : _mm256_srli_epi16(v, 2 * t - 4);
-    return _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
-}
-static inline vq vq_fifth_bit(vq v, int s) {
-    const vq moved = s < 4 ? _mm256_slli_epi16(v, 4 - s) : _mm256_srli_epi16(v, s - 4);
-    return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
-}
+static inline vq vq_shl16(vq v, int n) { return _mm256_slli_epi16(v, n); }
+static inline vq vq_shr16(vq v, int n) { return _mm256_srli_epi16(v, n); }
+static inline vq vq_and8(vq v, int mask) { return _mm256_and_si256(v, _mm256_set1_epi8((char)mask)); }
 static inline vq vq_dot(vq acc, vq u, vq s) {
 #if IP_AVX2_VNNI
     return _mm256_dpbusd_avx_epi32(acc, u, s);
@@ -555,6 +542,13 @@ static inline vq vq_dot(vq acc, vq u, vq s) {
 static inline vf vq_to_float(vq v) { return _mm256_cvtepi32_ps(v); }
 static inline vf vf_load_half(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #endif
+
+/* Bits from `from` up of every byte moved to bit 4 and masked: the fifth bit of a 5-bit value (mask
+ * 0x10) or the top two of a 6-bit one (0x30). 16-bit shifts by at most 4 keep the bits that the
+ * mask keeps within their own byte. */
+static inline vq vq_bits_at4(vq v, int from, int mask) {
+    return vq_and8(from < 4 ? vq_shl16(v, 4 - from) : vq_shr16(v, from - 4), mask);
+}
 
 /* Plain AVX2 sums vpmaddubsw pairs in int16 and widens them every few steps: a pair is at most
  * 2 * 15 * 127 = 3810 for 4-bit values, so a whole block's eight fit (30480 < 32768); for 5-bit ones
@@ -597,8 +591,8 @@ static inline __attribute__((always_inline)) void qb_tile(
             const vq raw = vq_load(blk + p * 64 + c * (Q4_LANES * 4));
             vq w0 = vq_low4(raw), w1 = vq_high4(raw);
             if (bits == 5) {
-                w0 = vq_or(w0, vq_fifth_bit(high, 2 * p));
-                w1 = vq_or(w1, vq_fifth_bit(high, 2 * p + 1));
+                w0 = vq_or(w0, vq_bits_at4(high, 2 * p, 0x10));
+                w1 = vq_or(w1, vq_bits_at4(high, 2 * p + 1, 0x10));
             }
 #pragma GCC unroll 4
             for (int r = 0; r < mr; r++) {
@@ -667,8 +661,8 @@ static inline __attribute__((always_inline)) void q6_tile(
 #pragma GCC unroll 2
             for (int p = 2 * h; p < 2 * h + 2; p++) {
                 const vq raw = vq_load(blk + p * 64 + c * (Q4_LANES * 4));
-                const vq w0 = vq_or(vq_low4(raw), vq_top_bits(top, 2 * p - 4 * h));
-                const vq w1 = vq_or(vq_high4(raw), vq_top_bits(top, 2 * p + 1 - 4 * h));
+                const vq w0 = vq_or(vq_low4(raw), vq_bits_at4(top, 2 * (2 * p - 4 * h), 0x30));
+                const vq w1 = vq_or(vq_high4(raw), vq_bits_at4(top, 2 * (2 * p + 1 - 4 * h), 0x30));
 #pragma GCC unroll 4
                 for (int r = 0; r < mr; r++) {
                     const int8_t *xr = q + r * k + b * QB_BLOCK + p * 8;
