@@ -13,7 +13,8 @@ layer. Chunks that continue a cached sequence, and long ones, run one sequence e
 Sliding-window layers (Gemma, Mistral, Phi-3) pass `window`: a query at position p sees keys at
 positions p - window < k <= p, the rule transformers applies; the masks below add that bound, and
 the C decode kernel reads only each context's last `window` positions. Gemma 2's soft-capped scores
-(`softcap`) run through an explicit softmax, since PyTorch's fused attention has no such option.
+(`softcap`) run through an explicit softmax in PyTorch, since its fused attention has no such option;
+the C decode kernel caps them itself.
 """
 
 from __future__ import annotations
@@ -236,10 +237,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     nd = batch.num_decodes
     kernels = native.kernels() if q.device.type == "cpu" else None
     whole_context = window is None or batch.decode_max_len <= window  # the window limits nothing yet
-    if (nd and kernels is not None and softcap is None
+    if (nd and kernels is not None
             and kernels.decode_attention_applies(q, k_cache, batch.decode_block_tables, batch.decode_context_lens)):
         out[:nd] = kernels.paged_decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables,
-                                                  batch.decode_context_lens, scale, window)
+                                                  batch.decode_context_lens, scale, window, softcap)
     elif nd:
         max_len = batch.decode_max_len
         keys = _gather(k_cache, batch.decode_block_tables, max_len).to(q.dtype).transpose(1, 2)  # [B, kvh, L, d]

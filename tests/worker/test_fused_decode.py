@@ -59,14 +59,24 @@ def tiny_gemma3(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def tiny_gemma2(tmp_path_factory) -> str:
+    """Gemma 2's block: soft-capped attention scores (and logits), the sandwich of norms, GeGLU,
+    sliding layers (window 16) alternating with global ones."""
+    from tests.worker.test_architectures import save_family
+
+    return save_family(tmp_path_factory.mktemp("gemma2"), "gemma2", seed=7)
+
+
+@pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory) -> str:
     from tests.worker.test_architectures import save_family
 
     return save_family(tmp_path_factory.mktemp("qwen3"), "qwen3", seed=6)
 
 
-# qwen2: biases on q, k and v; qwen3: query/key norms; gemma3: all of Gemma 3's block, contexts past the window
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_gemma3"])
+# qwen2: biases on q, k and v; qwen3: query/key norms; gemma3: all of Gemma 3's block, contexts past the window;
+# gemma2: soft-capped scores
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_gemma3", "tiny_gemma2"])
 def test_a_decode_step_is_one_call_whose_plan_is_built_once(model, request, isa_kernels, monkeypatch):  # noqa: F811
     llm = _llm(request.getfixturevalue(model))
     plan = llm.engine.loaded.model.fused_decode

@@ -162,6 +162,20 @@ def test_windowed_decode_attention_equals_the_masked_gather(isa_kernels, window,
     assert not torch.allclose(got[-1], whole[-1])  # the window bound what the 40-token context read
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_soft_capped_decode_attention_equals_the_explicit_softmax(isa_kernels, window, monkeypatch):  # noqa: F811
+    """Gemma 2's scores, cap * tanh(score / cap), on the C kernel: the same as PyTorch's explicit
+    softmax, with scores large enough that the cap changes the answer."""
+    q, k_cache, v_cache, batch = _decode_case([1, 4, 5, 13, 40], 6, 2, dim=24)
+    q, kv = q * 3, q[:, :2]
+    got = paged_attention(q, kv, kv, k_cache, v_cache, batch, 0.5, window=window, softcap=2.0)
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    expected = paged_attention(q, kv, kv, k_cache, v_cache, batch, 0.5, window=window, softcap=2.0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    uncapped = paged_attention(q, kv, kv, k_cache, v_cache, batch, 0.5, window=window)
+    assert not torch.allclose(got, uncapped, atol=1e-3)
+
+
 def test_paged_decode_attention_handles_long_contexts_and_extreme_scores(isa_kernels, monkeypatch):
     """A softmax over 700 tokens with scores hundreds apart: the kernel's exp must neither overflow
     nor lose the few keys that matter."""

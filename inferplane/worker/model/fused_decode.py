@@ -69,6 +69,7 @@ class FusedDecode:
             entry.norm1, entry.norm2 = norms[0].data_ptr(), norms[1].data_ptr()
             entry.q_norm, entry.k_norm, entry.norm3, entry.norm4 = (None if w is None else w.data_ptr() for w in extra)
             entry.window = attn.window or 0
+            entry.softcap = attn.softcap or 0.0
             entry.view = int(cache.is_windowed(attn.layer_index))
             entry.rope = int(layer.rope_kind == SLIDING)
             for i, (weight, scale, bias) in enumerate(operands):

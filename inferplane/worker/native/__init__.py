@@ -66,12 +66,12 @@ class LayerWeights(ctypes.Structure):
     """One decoder layer as ip_decode_layers reads it (kernels.c's ip_layer_weights): the norms, the
     four linears (qkv, o, gate_up, down) as packed int8 weight + scale, or GGUF blocks with a NULL
     scale and their `bits`, biases or NULL, the layer's K and V caches; Gemma's query/key and sandwich
-    norms (NULL where none), and a sliding layer's window, attention view and rope tables (kernels.c
-    says how)."""
+    norms (NULL where none), a sliding layer's window, attention view and rope tables, and Gemma 2's
+    score soft-cap (0: none; kernels.c says how)."""
 
     _fields_ = [("norm1", _P), ("norm2", _P), ("w", _P * 4), ("s", _P * 4), ("bias", _P * 4),
                 ("k_cache", _P), ("v_cache", _P), ("q_norm", _P), ("k_norm", _P), ("norm3", _P), ("norm4", _P),
-                ("window", _I), ("view", _I), ("rope", _I), ("bits", _I * 4)]
+                ("window", _I), ("view", _I), ("rope", _I), ("bits", _I * 4), ("softcap", ctypes.c_float)]
 
 
 class AttnView(ctypes.Structure):
@@ -104,7 +104,7 @@ class NativeKernels:
         lib.ip_block_dequantize.argtypes = [_P, ctypes.c_int, _I, _I, _P]
         lib.ip_block_dequantize.restype = None
         lib.ip_paged_decode_attention.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P,
-                                                  ctypes.c_float, _P, _I, ctypes.c_int, _I]
+                                                  ctypes.c_float, _P, _I, ctypes.c_int, _I, ctypes.c_float]
         lib.ip_paged_decode_attention.restype = ctypes.c_int
         lib.ip_f32_linear.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I]
         lib.ip_f32_linear.restype = ctypes.c_int
@@ -238,17 +238,18 @@ class NativeKernels:
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float, window: int | None = None) -> torch.Tensor:
+                               scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """q [B, heads, d] (one query token per sequence); caches [blocks, block_size, kv_heads, d];
         block_tables [B, max_blocks] and context_lens [B], int64. Returns [B, heads, d]. With
-        `window` (a sliding layer), each query reads only the last `window` tokens of its context."""
+        `window` (a sliding layer), each query reads only the last `window` tokens of its context;
+        with `softcap` (Gemma 2), scores are soft-capped: softcap * tanh(score / softcap)."""
         b, heads, d = q.shape
         blocks, block_size, kv_heads, _ = k_cache.shape
         out = torch.empty(b, heads, d, dtype=torch.float32)
         rc = self._lib.ip_paged_decode_attention(
             q.data_ptr(), q.stride(0), b, heads, kv_heads, d, k_cache.data_ptr(), v_cache.data_ptr(), block_size,
             block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), scale, out.data_ptr(),
-            out.stride(0), _is_half(k_cache), window or 0)
+            out.stride(0), _is_half(k_cache), window or 0, softcap or 0.0)
         _check(rc, "ip_paged_decode_attention")
         return out
 

@@ -990,7 +990,8 @@ static inline __attribute__((always_inline)) void weighted_sum(const float *p, c
  * and scaled by 1/sum. Inlined once per cache type, so the inner loops test no flag. */
 static inline __attribute__((always_inline)) void attend(
         const float *qs, int64_t qa, int64_t qb, int64_t group, int64_t d, const void *k_cache,
-        const void *v_cache, const int64_t *offs, int64_t len, float scale, float *scores, float *o, const int half) {
+        const void *v_cache, const int64_t *offs, int64_t len, float scale, float softcap, float *scores, float *o,
+        const int half) {
     int64_t t0 = 0;
 #if IP_VECTOR
     if (d % 8 == 0 && (IP_HALF_KV || !half)) {
@@ -1018,6 +1019,8 @@ static inline __attribute__((always_inline)) void attend(
             for (int64_t j = 0; j < d; j++) total += qv[j] * kv_get(k_cache, at + j, half);
             scores[(qh - qa) * len + t] = total * scale;
         }
+    if (softcap > 0.0f) /* Gemma 2: scores -> cap * tanh(scores / cap), before the softmax */
+        for (int64_t i = 0; i < (qb - qa) * len; i++) scores[i] = tanhf(scores[i] / softcap) * softcap;
     for (int64_t qh = qa; qh < qb; qh++) {
         float *s = scores + (qh - qa) * len;
         float top = -INFINITY;
@@ -1053,11 +1056,13 @@ static inline __attribute__((always_inline)) void attend(
  * threads each read a part of every row and the KV reads ran at half the memory bandwidth). With
  * fewer sequences than two per thread, a task is one query head, so that a batch of one keeps both
  * threads busy (by KV head, three tasks on two threads left one idle a third of the time).
- * `window` > 0 (a sliding layer): each query reads only its context's last `window` tokens. */
+ * `window` > 0 (a sliding layer): each query reads only its context's last `window` tokens.
+ * `softcap` > 0 (Gemma 2): scores become softcap * tanh(score / softcap) before the softmax. */
 int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64_t heads, int64_t kv_heads,
                               int64_t d, const void *k_cache, const void *v_cache, int64_t block_size,
                               const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
-                              float scale, float *out, int64_t out_stride, int half, int64_t window) {
+                              float scale, float *out, int64_t out_stride, int half, int64_t window,
+                              float softcap) {
     if (half && !IP_HALF_KV) return -1;
     const int64_t group = heads / kv_heads;
     const int64_t row = kv_heads * d;  /* floats per token in the cache */
@@ -1087,10 +1092,10 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
                 offs[t] = (table[pos / block_size] * block_size + pos % block_size) * row;
             }
             if (half)
-                attend(q + seq * q_stride, qa, qb, group, d, k_cache, v_cache, offs, len, scale, scores,
+                attend(q + seq * q_stride, qa, qb, group, d, k_cache, v_cache, offs, len, scale, softcap, scores,
                        out + seq * out_stride, 1);
             else
-                attend(q + seq * q_stride, qa, qb, group, d, k_cache, v_cache, offs, len, scale, scores,
+                attend(q + seq * q_stride, qa, qb, group, d, k_cache, v_cache, offs, len, scale, softcap, scores,
                        out + seq * out_stride, 0);
         }
         free(scores);
@@ -1308,6 +1313,7 @@ typedef struct {
     int64_t view;    /* the ip_attn_view its KV is addressed by: 0 the main pool, 1 the window pool */
     int64_t rope;    /* the ip_rope it rotates by: 0 the model's, 1 the sliding layers' own */
     int64_t bits[4]; /* where s[i] is NULL: the bits of linear i's blocks */
+    float softcap;   /* > 0: attention scores soft-capped (Gemma 2), cap * tanh(score / cap) */
 } ip_layer_weights;
 
 /* Where a step's KV goes and is read from, for the layers of one pool: each row's slot, its block
@@ -1348,7 +1354,7 @@ static int decode_layer(float *x, int64_t b, int64_t hidden, const ip_layer_weig
     if (rc == 0) {
         rc = ip_paged_decode_attention(wide, qkv_width, b, heads, kv_heads, d, L->k_cache, L->v_cache, block_size,
                                        view->block_tables, view->max_blocks, view->context_lens, scale, narrow,
-                                       heads * d, half, L->window);
+                                       heads * d, half, L->window, L->softcap);
     }
     if (rc == 0) rc = layer_linear(narrow, b, heads * d, heads * d, L->w[1], L->s[1], L->bits[1], L->bias[1], hidden, delta, hidden);
     if (rc == 0) {
