@@ -69,7 +69,8 @@ class Blocks:
         return (q * self.d.float().unsqueeze(-1) + self.m.float().unsqueeze(-1)).reshape(rows, cols)
 
     def scaled(self, factor: float) -> Blocks:
-        """The same blocks with every weight times `factor` (d and m scaled: the gate's test hook)."""
+        """The same blocks with every weight times `factor` (the gate's test hook): d scaled, and m
+        where it is a minimum (6 bits: m holds scales that d already multiplies)."""
         d = (self.d.float() * factor).half()
         return Blocks(self.values, d, self.m if self.bits == 6 else (self.m.float() * factor).half(), self.bits)
 
