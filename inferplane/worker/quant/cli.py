@@ -51,9 +51,8 @@ def run(args: argparse.Namespace) -> int:
         result = gate.compare_models(loaded.model, int8_model, token_ids, window=args.window,
                                      threshold_pct=args.threshold_pct)
     from_blocks = f", {report.from_q8_0} straight from Q8_0 blocks" if report.from_q8_0 else ""
-    for count, kind in ((report.from_q4, "4-bit"), (report.from_q5, "5-bit"), (report.from_q6, "Q6_K")):
-        if count:
-            from_blocks += f", {count} served from the file's {kind} blocks"
+    for kind, count in report.from_file_blocks.items():
+        from_blocks += f", {count} served from the file's {kind.upper()} blocks"
     print(f"model {loaded.name}: {report.source_layers} linear layers as {len(report.layers)} "
           f"(q/k/v and gate/up fused){from_blocks}")
     print(f"weights: quantized {report.int8_bytes / 2**20:.1f} MiB vs float32 "

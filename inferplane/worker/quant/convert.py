@@ -46,9 +46,8 @@ class ConversionReport:
     dispatch: Int8Dispatch = field(default_factory=Int8Dispatch)
     source_layers: int = 0  # nn.Linear layers converted (fused ones count each)
     from_q8_0: int = 0  # of those, built directly from GGUF Q8_0 blocks
-    from_q4: int = 0  # of those, served from the file's own 4-bit blocks (Q4_0/Q4_1/Q4_K: BlockLinear)
-    from_q5: int = 0  # of those, served from the file's own 5-bit blocks (Q5_0/Q5_1/Q5_K: BlockLinear)
-    from_q6: int = 0  # of those, served from the file's own Q6_K blocks (BlockLinear)
+    # of those, served from the file's own blocks (BlockLinear), by block kind (native.BLOCK_KINDS)
+    from_file_blocks: dict[str, int] = field(default_factory=dict)
     float_bytes: int = 0  # what the converted layers took as float32
     packed: int = 0  # layers moved to the C kernel's layout (worker/native)
 
@@ -127,16 +126,16 @@ def convert_model(model: nn.Module, *, quantize_head: bool = False, scale_multip
     GEMM over the dequantized weight is faster (dispatch.calibrate_packed).
     """
     groups = _groups(model, quantize_head, fuse)
-    file_q4: dict[str, Blocks] = {}
+    file_blocks: dict[str, Blocks] = {}
     kernels = native.kernels()
     if (q4_blocks and gguf_path is not None and gguf_path.endswith(".gguf") and kernels is not None
             and kernels.has_block_linear):
         from inferplane.worker.quant.gguf_blocks import load_blocks
 
         wanted = {_weight_name(model, name) for g in groups for name, _, _ in g.members}
-        file_q4 = load_blocks(gguf_path, model.config, wanted)
+        file_blocks = load_blocks(gguf_path, model.config, wanted)
     smoothed = False
-    if calibration_ids and smooth_alpha and _is_llama_shaped(model) and not file_q4:
+    if calibration_ids and smooth_alpha and _is_llama_shaped(model) and not file_blocks:
         smooth_llama(model, input_absmax(model, calibration_ids), smooth_alpha)
         smoothed = True
     from_blocks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -149,7 +148,7 @@ def convert_model(model: nn.Module, *, quantize_head: bool = False, scale_multip
         from_blocks = load_q8_0_linears(gguf_path, model.config, wanted, scale_multiplier)
     report = ConversionReport(dispatch=Int8Dispatch(default_min_rows()))
     for group in groups:
-        block_layer = _block_layer(model, group, file_q4, report, scale_multiplier)
+        block_layer = _block_layer(model, group, file_blocks, report, scale_multiplier)
         if block_layer is not None:
             report.layers.append(_install(group, block_layer))
             continue
@@ -196,12 +195,8 @@ def _block_layer(model: nn.Module, group: _Group, file_blocks: dict[str, Blocks]
     for _, _, linear in group.members:
         report.float_bytes += linear.weight.numel() * 4
         report.source_layers += 1
-        if blocks.bits == 6:
-            report.from_q6 += 1
-        elif blocks.bits == 5:
-            report.from_q5 += 1
-        else:
-            report.from_q4 += 1
+    kind = native.BLOCK_KINDS[blocks.bits]
+    report.from_file_blocks[kind] = report.from_file_blocks.get(kind, 0) + len(group.members)
     if scale_multiplier != 1.0:
         blocks = blocks.scaled(scale_multiplier)
     return BlockLinear(blocks, _group_bias(group), report.dispatch)
@@ -237,8 +232,9 @@ def snapshot(model: nn.Module, report: ConversionReport) -> dict:
                    for layer in report.layers],
         "norms": {name: module.weight.detach().clone() for name, module in model.named_modules()
                   if isinstance(module, RMSNorm)},
-        "source_layers": report.source_layers, "from_q8_0": report.from_q8_0, "from_q4": report.from_q4,
-        "from_q5": report.from_q5, "from_q6": report.from_q6, "float_bytes": report.float_bytes,
+        "source_layers": report.source_layers, "from_q8_0": report.from_q8_0,
+        "from_file_blocks": report.from_file_blocks,
+        "float_bytes": report.float_bytes,
     }
 
 
@@ -254,8 +250,7 @@ def restore(model: nn.Module, saved: dict, *, quantize_head: bool = False, fuse:
         if name not in norms or norms[name].weight.shape != weight.shape:
             raise ValueError(f"snapshot norm {name} does not fit the model")
     report = ConversionReport(dispatch=Int8Dispatch(default_min_rows()), source_layers=saved["source_layers"],
-                              from_q8_0=saved["from_q8_0"], from_q4=saved["from_q4"], from_q5=saved["from_q5"],
-                              from_q6=saved["from_q6"],
+                              from_q8_0=saved["from_q8_0"], from_file_blocks=dict(saved["from_file_blocks"]),
                               float_bytes=saved["float_bytes"])
     layers = []
     for group, entry in zip(groups, saved["layers"], strict=True):
@@ -363,9 +358,9 @@ def quantize_loaded_model(loaded, options) -> dict[str, float]:
         "model_bytes_int8": float(model_bytes(model)),
         "int8_layers": float(len(report.layers)),
         "int8_layers_from_q8_0": float(report.from_q8_0),
-        "q4_1_layers_from_file": float(report.from_q4),  # linears served from the file's 4-bit blocks
-        "q5_1_layers_from_file": float(report.from_q5),  # and from its 5-bit ones
-        "q6_k_layers_from_file": float(report.from_q6),  # and from its Q6_K ones
+        # linears served from the file's own blocks, by kind: q4_1_layers_from_file, ...
+        **{f"{kind}_layers_from_file": float(report.from_file_blocks.get(kind, 0))
+           for kind in native.BLOCK_KINDS.values()},
         "int8_layers_packed": float(report.packed),
         # from how many rows some packed layer multiplies in float32 instead (0: none does)
         "int8_float_gemm_from_rows": float(min((r for r in report.dispatch.float_from.values() if r < NEVER),
