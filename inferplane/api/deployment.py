@@ -150,8 +150,8 @@ class EngineConfig(Section):
         "cpu-int8 only. The output head in int8 (unset: the runtime's default, int8); false keeps it "
         "float32 (slower at small batches, closest to the file's head)."))
     requantize_q4: bool = Field(False, description=(
-        "cpu-int8 only. Requantize a GGUF file's 4-, 5- and 6-bit weights (Q4_0/Q4_1/Q4_K, Q5_0/Q5_1/Q5_K, Q6_K) "
-        "to int8 instead of serving the file's own blocks (the default)."))
+        "cpu-int8 only. Requantize a GGUF file's 4-, 5-, 6- and 8-bit weights (Q4_0/Q4_1/Q4_K, Q5_0/Q5_1/Q5_K, "
+        "Q6_K, Q8_0) to per-channel int8 instead of serving the file's own blocks (the default)."))
 
 
 class Serving(Section):

@@ -1,8 +1,9 @@
-"""GGUF 4- and 5-bit weights served from their own blocks (quant/block_linear.py, native
+"""GGUF 4-, 5-, 6- and 8-bit weights served from their own blocks (quant/block_linear.py, native
 ip_block_linear): the kernel on every ISA build this CPU runs against its PyTorch reference, the
-layout round trip, every 4- and 5-bit GGUF type read as gguf-py reads it (the per-32 ones to the bit,
-the K-quants within their float16 scale rounding), the fused decode layer over such layers, and the
-packaged files' blocks equal to the weights the loader dequantizes."""
+layout round trip, every such GGUF type read as gguf-py reads it (Q4_0/1, Q5_0/1, Q6_K and Q8_0 to
+the bit, the K-quants within their float16 scale rounding), fused groups of mixed widths, the fused
+decode layer over such layers, and the packaged files' blocks equal to the weights the loader
+dequantizes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from inferplane.worker.quant.block_linear import BlockLinear, quantize_blocks, r
 from inferplane.worker.quant.gguf_blocks import BLOCK_TYPES, Blocks, file_blocks
 from tests.worker.test_native import isa_kernels  # noqa: F401 (the fixture: every ISA build here)
 
-BITS = (4, 5, 6)
+BITS = (4, 5, 6, 8)
 
 
 def _blocks(out_features: int, in_features: int, bits: int, seed: int = 0) -> tuple[torch.Tensor, Blocks]:
@@ -34,6 +35,8 @@ def test_quantize_and_dequantize_follow_the_block_formula(bits):
     step = (w.amax(-1) - w.amin(-1)) / (2**bits - 1)
     if bits == 6:  # symmetric: the step of the block's largest half, and its int8 scale's rounding
         step = w.abs().amax(-1) / 31 * (1 + 1 / 127)
+    if bits == 8:  # Q8_0: symmetric, 127 steps each side
+        step = w.abs().amax(-1) / 127
     assert ((restored - weight).abs().reshape(16, 2, 32) <= step[..., None] / 2 + 1e-2).all()
 
 
@@ -67,7 +70,8 @@ def test_block_linear_equals_its_reference(isa_kernels, rows, out_features, in_f
 def test_block_linear_is_exact_at_the_largest_sums(isa_kernels, bits):  # noqa: F811
     """Every value the largest (2^bits - 1, or 0) and every input 127 (or -127): the plain AVX2 build
     sums vpmaddubsw pairs in int16 (a block's eight pairs for 4 bits, 30480 at most; four for 5 bits,
-    31496; one for 6, 16002) before widening; nothing wraps."""
+    31496; one for 6, 16002; for 8 bits the low and the high nibbles apart, eight pairs each) before
+    widening; nothing wraps."""
     top = 2**bits - 1
     if bits == 6:  # Q6_K's form: q = 63 with scale 1 / 31 is w = 1 (and q = 32 is 0)
         values = torch.full((16, 64), 63, dtype=torch.uint8)
@@ -87,7 +91,7 @@ def test_block_linear_is_exact_at_the_largest_sums(isa_kernels, bits):  # noqa: 
         assert torch.allclose(got, torch.full((3, 16), 62.0 * sign), rtol=1e-3)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_the_per_32_types_become_blocks_with_the_same_weights(type_name):
     """gguf-py quantizes, our reader turns the bytes into blocks: the weights are gguf-py's to the bit
     (Q4_0's and Q5_0's minimum -8 d or -16 d is exact in float16)."""
@@ -167,6 +171,29 @@ def test_fused_rows_of_4_and_5_bits_are_one_5_bit_layer_with_the_same_weights():
     assert Blocks.stacked([six, six]).bits == 6
 
 
+def test_symmetric_blocks_join_a_q8_0_group_in_its_form_and_others_keep_it_int8():
+    """Gemma 3's Q4_K_M file fuses Q5_0 q and k with a Q8_0 v: one 8-bit layer with the file's weights
+    (Q5_0's values moved up by 112). Q4_1's own minimums or Q6_K's form cannot join it."""
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(5)
+
+    def from_gguf(type_name: str, rows: int) -> Blocks:
+        raw = gguf.quants.quantize(rng.standard_normal((rows, 64)).astype(np.float32),
+                                   gguf.GGMLQuantizationType[type_name])
+        return file_blocks(raw, type_name, rows, 64)
+
+    q5_0, q4_0, q8_0 = from_gguf("Q5_0", 32), from_gguf("Q4_0", 16), from_gguf("Q8_0", 16)
+    group = Blocks.stacked([q5_0, q4_0, q8_0])
+    assert group.bits == 8
+    assert torch.equal(group.dequantized(), torch.cat([q5_0.dequantized(), q4_0.dequantized(), q8_0.dequantized()]))
+    packed = native.pack_blocks(group.values, group.d, group.m, 8)
+    assert packed.shape[-1] == native.block_group_bytes(8) == 544  # d alone: m is -128 d
+    assert Blocks.stacked([from_gguf("Q4_1", 16), q8_0]) is None
+    assert Blocks.stacked([_blocks(16, 64, 6)[1], q8_0]) is None
+    with pytest.raises(ValueError, match="m must be -128 d"):
+        native.pack_blocks(q5_0.values, q5_0.d, q5_0.m, 8)
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_the_scale_test_hook_scales_every_weight(bits):
     _, blocks = _blocks(16, 32, bits, seed=3)
@@ -187,13 +214,13 @@ def test_a_block_layer_switches_to_float_gemm_from_its_measured_rows(isa_kernels
 
 def _as_blocks(llm) -> int:
     """Every fused linear of the tiny model's decoder layers as a BlockLinear of its own weights:
-    5 bits for q/k/v, 6 for o, 4 for the MLP (the fused kernel reads each linear's own width)."""
+    5 bits for q/k/v, 6 for o, 4 and 8 for the MLP (the fused kernel reads each linear's own width)."""
     from inferplane.worker.quant.int8_linear import Int8Linear
 
     swapped = 0
     for layer in llm.engine.loaded.model.model.layers:
         for owner, attr, bits in ((layer.self_attn, "qkv_proj", 5), (layer.self_attn, "o_proj", 6),
-                                  (layer.mlp, "gate_up_proj", 4), (layer.mlp, "down_proj", 4)):
+                                  (layer.mlp, "gate_up_proj", 4), (layer.mlp, "down_proj", 8)):
             current = getattr(owner, attr)
             assert isinstance(current, Int8Linear)
             blocks = quantize_blocks(current.dequantized_weight(), bits)

@@ -134,9 +134,9 @@ def test_a_second_start_restores_the_conversion_from_disk(tmp_path, monkeypatch,
               if isinstance(a, (Int8Linear, BlockLinear))]
     assert len(layers) == s1["int8_layers"] and all(type(a) is type(b) for a, b in layers)
     # The packaged file is Q4_1: its layers are served from those blocks, restored as they were; the
-    # head (the tied Q8_0 embedding) is int8.
-    assert sum(isinstance(a, BlockLinear) for a, _ in layers) == len(layers) - 1 and s1["q4_1_layers_from_file"] == 210
-    assert isinstance(m1.lm_head, Int8Linear)
+    # head (the tied Q8_0 embedding) from its Q8_0 blocks.
+    assert all(isinstance(a, BlockLinear) for a, _ in layers) and s1["q4_1_layers_from_file"] == 210
+    assert m1.lm_head.kind == "q8_0" and s1["q8_0_layers_from_file"] == 1
     assert all(torch.equal(a.blocks, b.blocks) if isinstance(a, BlockLinear) else
                torch.equal(a.int8_weight(), b.int8_weight()) and torch.equal(a.scale, b.scale) for a, b in layers)
     assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters(), strict=True))
@@ -150,7 +150,8 @@ def test_a_second_start_restores_the_conversion_from_disk(tmp_path, monkeypatch,
     del other
     requantized = LLM(MODEL, runtime="cpu-int8", device="cpu", num_kv_blocks=16, requantize_q4=True)
     stats = requantized.stats()  # the int8 path: smoothed, requantized, cached under its own key
-    assert stats["startup_cache_hit"] == 0.0 and stats["q4_1_layers_from_file"] == 0.0
+    assert stats["startup_cache_hit"] == 0.0 and stats["q4_1_layers_from_file"] == stats["q8_0_layers_from_file"] == 0.0
+    assert stats["int8_layers_from_q8_0"] == 1.0  # the head, requantized per channel from its Q8_0 blocks
     assert stats["gate_ppl_rise_pct"] < stats["gate_threshold_pct"]
     assert not any(isinstance(m, BlockLinear) for m in requantized.engine.loaded.model.modules())
     del requantized

@@ -426,12 +426,17 @@ void ip_int8_dequantize(const uint8_t *w, int64_t n, int64_t k, const float *wsc
 
 /* A GGUF weight in blocks of 32 inputs per output row, each a float16 scale d, a float16 minimum m
  * and 32 unsigned `bits`-bit values q: w = d * q + m. Bits 4 is GGUF's Q4_1 (and Q4_0, Q4_K exactly
- * or nearly turned into it, quant/gguf_blocks.py), bits 5 its Q5_1 (and Q5_0, Q5_K). The input row
+ * or nearly turned into it, quant/gguf_blocks.py), bits 5 its Q5_1 (and Q5_0, Q5_K), bits 8 its Q8_0:
+q + 128 with m = -128 d, which the kernel derives from d instead of reading it (1.0625 bytes a
+weight, as the file; a fused group's Q4_0 and Q5_0 members move their values up the same way). The
+input row
  * is quantized the same way llama.cpp does for this product (Q8_1): per block of 32, int8 values
  * with a scale dx and their scaled sum sx. Then
  *   sum_j w_j x_j = d * dx * sum_j q_j xq_j + m * sx,
  * an unsigned-by-signed byte dot product (vpdpbusd, or vpmaddubsw + vpmaddwd on plain AVX2: at most
- * 2 * 31 * 127 per pair, so nothing saturates), one float FMA per block and one scalar FMA.
+ * 2 * 31 * 127 per pair, so nothing saturates; 8-bit values, up to 2 * 255 * 127 a pair, would, so
+ * plain AVX2 multiplies their low and high nibbles apart and weighs the high sums by 16), one float
+ * FMA per block and one scalar FMA.
  *
  * Bits 6 is GGUF's Q6_K as the file has it: 6-bit values q, per half-block of 16 an int8 scale sc
  * and per row of a super-block of 256 a float16 d, w = d * sc * (q - 32). With s16 the sum of the
@@ -443,10 +448,14 @@ void ip_int8_dequantize(const uint8_t *w, int64_t n, int64_t k, const float *wsc
 #define IP_FEATURE_BLOCK_LINEAR 4
 #define QB_BLOCK 32
 /* The repacked layout: one 16-channel group's block of 32 inputs, the low nibbles, for 5 bits the
- * plane of fifth bits and for 6 two planes of the top two, then d and m (6 bits: sc and d). */
-#define QB_GROUP_BYTES(bits) ((bits) == 6 ? 256 + 128 + 32 + 32 : (bits) == 5 ? 256 + 64 + 64 : 256 + 64)
+ * plane of fifth bits and for 6 two planes of the top two, then d and m (6 bits: sc and d); 8 bits:
+ * the bytes themselves, then d alone. */
+#define QB_VALUES_BYTES(bits) ((bits) == 8 ? 512 : (bits) == 6 ? 256 + 128 : (bits) == 5 ? 256 + 64 : 256)
+#define QB_GROUP_BYTES(bits) (QB_VALUES_BYTES(bits) + ((bits) == 8 ? 32 : 64))
+#define QB_Q8_MIN (-128.0f) /* 8 bits: m = -128 d */
 #define QB_HIGH_AT 256
-#define QB_SCALES_AT(bits) ((bits) == 6 ? 256 + 128 : (bits) == 5 ? 256 + 64 : 256)
+#define QB_SCALES_AT(bits) QB_VALUES_BYTES(bits)
+#define QB_KNOWN_BITS(bits) ((bits) == 4 || (bits) == 5 || (bits) == 6 || (bits) == 8)
 
 #if IP_INT8
 
@@ -490,10 +499,13 @@ static void quantize_row_blocks(const float *x, int64_t k, int8_t *q, float *dx,
  *   fifth bits (5 bits only): 64 bytes; bit s of byte i is bit 4 of value i of step s;
  *   top bits (6 bits only): 2 planes of 64 bytes; bits 2t, 2t + 1 of byte i of plane h are bits 4
  *            and 5 of value i of step 4h + t;
+ *   bytes (8 bits only, instead of all the above): 8 chunks of 64 bytes, byte i of chunk s value i of
+ *            step s;
  *   d, m:    16 float16 scales, then 16 float16 minimums; for 6 bits instead 16 int8 sc of the first
- *            half-block, 16 of the second, then the 16 rows' float16 d.
+ *            half-block, 16 of the second, then the 16 rows' float16 d; for 8 bits the 16 d alone.
  * So one vector op covers 8 (AVX2) or 16 (AVX-512) channels x 4 inputs, the scale is applied once
- * per block and channel vector, and 0.625 (4 bits) or 0.75 (5 bits) bytes a weight are read. */
+ * per block and channel vector, and 0.625 (4 bits), 0.75 (5 bits) or 1.0625 (8 bits) bytes a weight
+ * are read. */
 
 #if IP_AVX512
 typedef __m512i vq;
@@ -552,7 +564,8 @@ static inline vq vq_bits_at4(vq v, int from, int mask) {
 
 /* Plain AVX2 sums vpmaddubsw pairs in int16 and widens them every few steps: a pair is at most
  * 2 * 15 * 127 = 3810 for 4-bit values, so a whole block's eight fit (30480 < 32768); for 5-bit ones
- * 2 * 31 * 127 = 7874, so four (31496) are widened at a time. */
+ * 2 * 31 * 127 = 7874, so four (31496) are widened at a time. 8-bit values go in as two nibbles, each
+ * summed as 4-bit values are, the high sums weighed by 16 when widened. */
 #if IP_AVX512 || IP_AVX2_VNNI
 #define QB_INT16_SUMS 0
 #else
@@ -564,7 +577,7 @@ static inline vq vq_bits_at4(vq v, int from, int mask) {
  * row spreads its steps over several independent chains, summed once per block. */
 #define QB_CHAINS(mr) ((mr) == 1 ? 4 : (mr) == 2 ? 2 : 1)
 
-/* Q4_LANES channels (vector `c` of a 16-channel group) for MR quantized input rows; `bits` 4 or 5
+/* Q4_LANES channels (vector `c` of a 16-channel group) for MR quantized input rows; `bits` 4, 5 or 8
  * (a constant where inlined, so each case compiles to its own loop). */
 static inline __attribute__((always_inline)) void qb_tile(
         const int8_t *q, const float *dx, const float *sx, int64_t k, int mr, const uint8_t *group, int c,
@@ -580,16 +593,26 @@ static inline __attribute__((always_inline)) void qb_tile(
         const uint8_t *blk = group + b * group_bytes;
         vq iacc[4], total[4];
 #if QB_INT16_SUMS
+        vq ihigh[4]; /* 8 bits: the high nibbles' sums */
 #pragma GCC unroll 4
         for (int r = 0; r < mr; r++) total[r] = vq_zero();
+#pragma GCC unroll 4
+        for (int a = 0; a < mr * chains; a++) ihigh[a] = vq_zero();
 #endif
 #pragma GCC unroll 4
         for (int a = 0; a < mr * chains; a++) iacc[a] = vq_zero();
         const vq high = bits == 5 ? vq_load(blk + QB_HIGH_AT + c * (Q4_LANES * 4)) : vq_zero();
 #pragma GCC unroll 4
         for (int p = 0; p < 4; p++) {
-            const vq raw = vq_load(blk + p * 64 + c * (Q4_LANES * 4));
-            vq w0 = vq_low4(raw), w1 = vq_high4(raw);
+            vq w0, w1;
+            if (bits == 8) {
+                w0 = vq_load(blk + 2 * p * 64 + c * (Q4_LANES * 4));
+                w1 = vq_load(blk + (2 * p + 1) * 64 + c * (Q4_LANES * 4));
+            } else {
+                const vq raw = vq_load(blk + p * 64 + c * (Q4_LANES * 4));
+                w0 = vq_low4(raw);
+                w1 = vq_high4(raw);
+            }
             if (bits == 5) {
                 w0 = vq_or(w0, vq_bits_at4(high, 2 * p, 0x10));
                 w1 = vq_or(w1, vq_bits_at4(high, 2 * p + 1, 0x10));
@@ -598,12 +621,20 @@ static inline __attribute__((always_inline)) void qb_tile(
             for (int r = 0; r < mr; r++) {
                 const int8_t *xr = q + r * k + b * QB_BLOCK + p * 8;
                 const int a = r * chains + p % chains;
+                const vq x0 = vq_set1(load_i32(xr)), x1 = vq_set1(load_i32(xr + 4));
 #if QB_INT16_SUMS
-                iacc[a] = _mm256_add_epi16(iacc[a], _mm256_maddubs_epi16(w0, vq_set1(load_i32(xr))));
-                iacc[a] = _mm256_add_epi16(iacc[a], _mm256_maddubs_epi16(w1, vq_set1(load_i32(xr + 4))));
+                if (bits == 8) {
+                    iacc[a] = _mm256_add_epi16(iacc[a], _mm256_maddubs_epi16(vq_low4(w0), x0));
+                    iacc[a] = _mm256_add_epi16(iacc[a], _mm256_maddubs_epi16(vq_low4(w1), x1));
+                    ihigh[a] = _mm256_add_epi16(ihigh[a], _mm256_maddubs_epi16(vq_high4(w0), x0));
+                    ihigh[a] = _mm256_add_epi16(ihigh[a], _mm256_maddubs_epi16(vq_high4(w1), x1));
+                } else {
+                    iacc[a] = _mm256_add_epi16(iacc[a], _mm256_maddubs_epi16(w0, x0));
+                    iacc[a] = _mm256_add_epi16(iacc[a], _mm256_maddubs_epi16(w1, x1));
+                }
 #else
-                iacc[a] = vq_dot(iacc[a], w0, vq_set1(load_i32(xr)));
-                iacc[a] = vq_dot(iacc[a], w1, vq_set1(load_i32(xr + 4)));
+                iacc[a] = vq_dot(iacc[a], w0, x0);
+                iacc[a] = vq_dot(iacc[a], w1, x1);
 #endif
             }
 #if QB_INT16_SUMS
@@ -612,6 +643,8 @@ static inline __attribute__((always_inline)) void qb_tile(
                 for (int a = 0; a < mr * chains; a++) {
                     total[a / chains] = vq_add(total[a / chains], _mm256_madd_epi16(iacc[a], _mm256_set1_epi16(1)));
                     iacc[a] = vq_zero();
+                    if (bits == 8)
+                        total[a / chains] = vq_add(total[a / chains], _mm256_madd_epi16(ihigh[a], _mm256_set1_epi16(16)));
                 }
             }
 #endif
@@ -625,7 +658,7 @@ static inline __attribute__((always_inline)) void qb_tile(
         }
 #endif
         const vf dv = vf_load_half(blk + scales_at + c * Q4_LANES * 2);
-        const vf mv = vf_load_half(blk + scales_at + 32 + c * Q4_LANES * 2);
+        const vf mv = bits == 8 ? vf_mul(dv, vf_set1(QB_Q8_MIN)) : vf_load_half(blk + scales_at + 32 + c * Q4_LANES * 2);
 #pragma GCC unroll 4
         for (int r = 0; r < mr; r++) { /* the block's sum first: one add on the accumulator's chain */
             const vf block = vf_fmadd(vq_to_float(total[r]), vf_mul(dv, vf_set1(dx[r * nb + b])),
@@ -690,6 +723,7 @@ static inline __attribute__((always_inline)) void qb_rows(
         const int8_t *q, const float *dx, const float *sx, const int32_t *s16, int64_t k, int mr,
         const uint8_t *group, int c, int bits, const float *bias, float *out, int64_t ldo) {
     if (bits == 6) q6_tile(q, dx, s16, k, mr, group, c, bias, out, ldo);
+    else if (bits == 8) qb_tile(q, dx, sx, k, mr, group, c, 8, bias, out, ldo);
     else if (bits == 5) qb_tile(q, dx, sx, k, mr, group, c, 5, bias, out, ldo);
     else qb_tile(q, dx, sx, k, mr, group, c, 4, bias, out, ldo);
 }
@@ -697,13 +731,13 @@ static inline __attribute__((always_inline)) void qb_rows(
 #endif /* IP_INT8 */
 
 /* x [m, k] float32 (rows ldx apart) @ W.T -> out [m, n] (rows ldo apart), W [n, k] as blocks of
- * `bits` (4, 5 or 6) in the repacked layout above (pack_blocks in Python), bias [n] or NULL. Needs
+ * `bits` (4, 5, 6 or 8) in the repacked layout above (pack_blocks in Python), bias [n] or NULL. Needs
  * k % 32 == 0, n % 16 == 0. Returns 0, -1 where this build has no such kernel (or bits is none of
  * those), -2 when out of memory. */
 int ip_block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int bits,
                     const float *bias, int64_t n, float *out, int64_t ldo) {
 #if IP_INT8
-    if (k % QB_BLOCK || n % 16 || bits < 4 || bits > 6) return -1;
+    if (k % QB_BLOCK || n % 16 || !QB_KNOWN_BITS(bits)) return -1;
     const int64_t nb = k / QB_BLOCK;
     int8_t *q = (int8_t *)malloc((size_t)(m * k + 64));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(m * nb));
@@ -775,8 +809,8 @@ static float half_to_float(const uint8_t *p) {
     return v;
 }
 
-/* The repacked weight of `bits` (4, 5 or 6) as float32 out [n, k]: for a float GEMM where many rows
- * (prefill) make that faster. 6 bits: (d * sc) * (q - 32), in gguf-py's order. */
+/* The repacked weight of `bits` (4, 5, 6 or 8) as float32 out [n, k]: for a float GEMM where many
+ * rows (prefill) make that faster. 6 bits: (d * sc) * (q - 32), in gguf-py's order. */
 void ip_block_dequantize(const uint8_t *w, int bits, int64_t n, int64_t k, float *out) {
     const int64_t nb = k / QB_BLOCK;
     const int64_t group_bytes = QB_GROUP_BYTES(bits);
@@ -787,12 +821,12 @@ void ip_block_dequantize(const uint8_t *w, int bits, int64_t n, int64_t k, float
             const uint8_t *blk = w + (g * nb + b) * group_bytes;
             for (int ch = 0; ch < 16; ch++) {
                 const float d = half_to_float(blk + scales_at + (bits == 6 ? 32 : 0) + 2 * ch);
-                const float mn = bits == 6 ? 0.0f : half_to_float(blk + scales_at + 32 + 2 * ch);
+                const float mn = bits == 6 ? 0.0f : bits == 8 ? QB_Q8_MIN * d : half_to_float(blk + scales_at + 32 + 2 * ch);
                 float *o = out + (g * 16 + ch) * k + b * QB_BLOCK;
                 for (int step = 0; step < 8; step++)
                     for (int j = 0; j < 4; j++) {
-                        const uint8_t byte = blk[(step / 2) * 64 + ch * 4 + j];
-                        int v = (step % 2 ? byte >> 4 : byte) & 0x0F;
+                        const uint8_t byte = blk[(bits == 8 ? step : step / 2) * 64 + ch * 4 + j];
+                        int v = bits == 8 ? byte : (step % 2 ? byte >> 4 : byte) & 0x0F;
                         if (bits == 5) v |= ((blk[QB_HIGH_AT + ch * 4 + j] >> step) & 1) << 4;
                         if (bits == 6) {
                             v |= ((blk[QB_HIGH_AT + (step / 4) * 64 + ch * 4 + j] >> (2 * (step % 4))) & 3) << 4;
@@ -1286,7 +1320,7 @@ const char *ip_isa(void) {
 /* ---------------------------------------------------------------- one whole decoder layer */
 
 /* One of the layer's linears: packed int8 with per-channel scales s, or (s NULL) GGUF blocks of `bits`
- * (4, 5 or 6). */
+ * (4, 5, 6 or 8). */
 static int layer_linear(const float *x, int64_t b, int64_t k, int64_t ldx, const uint8_t *w, const float *s,
                         int64_t bits, const float *bias, int64_t n, float *out, int64_t ldo) {
     if (s) return ip_int8_linear(x, b, k, ldx, w, s, bias, n, out, ldo);
@@ -1295,7 +1329,7 @@ static int layer_linear(const float *x, int64_t b, int64_t k, int64_t ldx, const
 
 /* One decoder layer's weights and KV cache, as ip_decode_layers reads them: the four linears (qkv, o,
  * gate_up, down) each as packed int8 with per-channel scales s, or (s NULL) GGUF blocks of bits[i]
- * (4, 5 or 6, ip_block_linear); biases may be
+ * (4, 5, 6 or 8, ip_block_linear); biases may be
  * NULL. The Llama block has norm1 (attention input) and norm2 (MLP input). Gemma adds: q_norm and
  * k_norm over each head before the rotation, and a sandwich of norms, where norm2 norms the attention
  * output, norm3 is the MLP's input norm and norm4 norms the MLP's output (NULL where a family has

@@ -1,10 +1,10 @@
-"""A linear layer served from a GGUF file's 4-, 5- or 6-bit blocks as the file stores them: a 4-bit
-model stays 4-bit.
+"""A linear layer served from a GGUF file's 4-, 5-, 6- or 8-bit blocks as the file stores them: a
+4-bit model stays 4-bit.
 
 Per output row and block of 32 inputs: a float16 scale d, a float16 minimum m and 32 values q of
 4 or 5 bits, w = d * q + m (gguf_blocks.py turns Q4_0/Q4_1/Q4_K and Q5_0/Q5_1/Q5_K into that), or
-Q6_K's 6-bit values with a scale per half-block: 0.625, 0.75 or 0.875 bytes a weight against
-int8's 1. The C kernel (native `ip_block_linear`) quantizes
+Q6_K's 6-bit values with a scale per half-block, or Q8_0's (values + 128, m = -128 d, d alone
+stored): 0.625, 0.75, 0.875 or 1.0625 bytes a weight against per-channel int8's 1. The C kernel (native `ip_block_linear`) quantizes
 each input row per block of 32 to int8, as llama.cpp does for this product, and multiplies bytes;
 it is used below the row count where dequantizing the weight once and running float32 GEMM
 measured faster at start-up (prefill). The weights are the file's, so they need no smoothing (which
@@ -25,12 +25,14 @@ BLOCK = native.BLOCK
 
 
 def quantize_blocks(weight: torch.Tensor, bits: int = 4) -> Blocks:
-    """float [N, K] -> blocks of `bits`, as llama.cpp's quantize_row_q4_1 / q5_1 make them, or for 6
-    bits Q6_K's form with a plain absmax rule (for tests and synthetic models; served models bring
-    their file's blocks)."""
+    """float [N, K] -> blocks of `bits`, as llama.cpp's quantize_row_q4_1 / q5_1 / q8_0 make them,
+    or for 6 bits Q6_K's form with a plain absmax rule (for tests and synthetic models; served models
+    bring their file's blocks)."""
     n, k = weight.shape
     if bits == 6:
         return _quantize_q6(weight.float())
+    if bits == 8:
+        return _quantize_q8_0(weight.float())
     w = weight.float().reshape(n, k // BLOCK, BLOCK)
     lo, hi = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
     top = (1 << bits) - 1
@@ -38,6 +40,16 @@ def quantize_blocks(weight: torch.Tensor, bits: int = 4) -> Blocks:
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     q = ((w - lo) * inv).round().clamp(0, top).to(torch.uint8)
     return Blocks(q.reshape(n, k), d.squeeze(-1).half(), lo.squeeze(-1).half(), bits)
+
+
+def _quantize_q8_0(weight: torch.Tensor) -> Blocks:
+    """Q8_0: d = max|w| / 127 per block, q = round(w / d), stored as q + 128 with m = -128 d."""
+    n, k = weight.shape
+    w = weight.reshape(n, k // BLOCK, BLOCK)
+    d = (w.abs().amax(dim=-1, keepdim=True) / 127).half()
+    inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+    q = (w * inv).round().clamp(-127, 127).to(torch.int16) - native.Q8_MIN
+    return Blocks(q.to(torch.uint8).reshape(n, k), d.squeeze(-1), (d.squeeze(-1).float() * native.Q8_MIN).half(), 8)
 
 
 def _quantize_q6(weight: torch.Tensor) -> Blocks:
@@ -68,7 +80,7 @@ def reference_linear(x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None)
 
 
 class BlockLinear(WatchedModule):
-    """y = x W^T + b with W held as blocks of 4, 5 or 6 bits in the C kernel's layout (native.pack_blocks).
+    """y = x W^T + b with W held as blocks of 4, 5, 6 or 8 bits in the C kernel's layout (native.pack_blocks).
 
     Same interface as a packed Int8Linear where the start-up measurement, the quality gate and
     the fused decode layer need one: `is_packed`, `forward_packed`, `dequantized_weight`,

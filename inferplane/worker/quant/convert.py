@@ -111,8 +111,8 @@ def convert_model(model: nn.Module, *, quantize_head: bool = False, scale_multip
                   measure_dispatch: bool = True, pack: bool = True, q4_blocks: bool = False) -> ConversionReport:
     """Replaces the model's linear layers with Int8Linear in place.
 
-    With `q4_blocks`, layers the GGUF file stores as 4-, 5- or 6-bit blocks (Q4_0/Q4_1/Q4_K,
-    Q5_0/Q5_1/Q5_K, Q6_K: gguf_blocks.py) become BlockLinear over those very blocks (a 4-bit model stays
+    With `q4_blocks`, layers the GGUF file stores as 4-, 5-, 6- or 8-bit blocks (Q4_0/Q4_1/Q4_K,
+    Q5_0/Q5_1/Q5_K, Q6_K, Q8_0: gguf_blocks.py) become BlockLinear over those very blocks (a 4-bit model stays
     4-bit, and its weights are the file's); smoothing is then off, since it would change them. Needs
     the C kernels; without them this falls back to int8.
 

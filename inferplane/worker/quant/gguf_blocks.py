@@ -1,4 +1,4 @@
-"""GGUF 4-, 5- and 6-bit weights as blocks of 32, straight from the file (block_linear.BlockLinear
+"""GGUF 4-, 5-, 6- and 8-bit weights as blocks of 32, straight from the file (block_linear.BlockLinear
 serves them).
 
 Every 4- and 5-bit type here becomes values q, a float16 scale d and a float16 minimum m per block
@@ -11,7 +11,10 @@ of 32 inputs (w = d * q + m), the file's own values in every case:
   of at most 2^-11 on a block's scale, the values being the file's.
 Q6_K keeps its own form, exactly: 6-bit values q, an int8 scale sc per half-block of 16 and the
 super-block's float16 d (repeated per block of 32), w = d * sc * (q - 32).
-Other types (Q8_0, Q2_K, Q3_K, ...) are not read here: their layers are int8 (Q8_0 from its blocks).
+Q8_0 (w = d * q with int8 q) becomes 8-bit values q + 128 with m = -128 d: exact, as for Q4_0, and
+the same unsigned form, so a fused q/k/v group whose v is Q8_0 and q, k are Q5_0 (Gemma 3's Q4_K_M
+file) is one 8-bit layer of the file's weights.
+Other types (Q2_K, Q3_K, ...) are not read here: their layers are int8.
 """
 
 from __future__ import annotations
@@ -35,18 +38,18 @@ from inferplane.worker.model.gguf_file import (
     q4_k_scales,
     q6_k_values,
 )
-from inferplane.worker.native import BLOCK
+from inferplane.worker.native import BLOCK, Q8_MIN
 
 _QK_K = 256
 # type -> (bytes per unit, weights per unit, value bits)
 BLOCK_TYPES = {"Q4_0": (18, BLOCK, 4), "Q4_1": (20, BLOCK, 4), "Q4_K": (144, _QK_K, 4),
                "Q5_0": (22, BLOCK, 5), "Q5_1": (24, BLOCK, 5), "Q5_K": (176, _QK_K, 5),
-               "Q6_K": (210, _QK_K, 6)}
+               "Q6_K": (210, _QK_K, 6), "Q8_0": (34, BLOCK, 8)}
 
 
 @dataclass
 class Blocks:
-    """A [rows, cols] weight as blocks of 32 inputs: w = d * q + m, q < 2 ** bits (4 or 5); for
+    """A [rows, cols] weight as blocks of 32 inputs: w = d * q + m, q < 2 ** bits (4, 5 or 8); for
     6 bits (Q6_K's form) m holds the half-blocks' int8 scales and w = d * m * (q - 32)."""
 
     values: torch.Tensor  # uint8 [rows, cols]
@@ -79,12 +82,28 @@ class Blocks:
         blocks move with it."""
         return Blocks(*(_unpermute_rope(t, heads).contiguous() for t in (self.values, self.d, self.m)), self.bits)
 
+    def as_8_bit(self) -> Blocks | None:
+        """The same weights in Q8_0's form (m = -128 d): a symmetric block (Q4_0's m = -8 d, Q5_0's
+        -16 d) moves its values up; None where a block's minimum is its own (Q4_1, the K-quants)."""
+        if self.bits == 8 or self.bits == 6:
+            return self if self.bits == 8 else None
+        offset = 1 << (self.bits - 1)
+        if not torch.equal(self.m, (self.d.float() * -offset).half()):
+            return None
+        return Blocks(self.values + (-Q8_MIN - offset), self.d, (self.d.float() * Q8_MIN).half(), 8)
+
     @staticmethod
     def stacked(parts: list[Blocks]) -> Blocks | None:
         """Rows of several weights as one (a fused layer); narrower values are the same numbers at the
-        widest width. None where 6-bit parts meet others (their formulas differ)."""
+        widest width. None where 6-bit parts meet others (their formulas differ), or an 8-bit part
+        meets one that Q8_0's form cannot hold (as_8_bit)."""
         if len({p.bits == 6 for p in parts}) > 1:
             return None
+        if max(p.bits for p in parts) == 8:
+            widened = [p.as_8_bit() for p in parts]
+            if any(p is None for p in widened):
+                return None
+            parts = widened
         return Blocks(torch.cat([p.values for p in parts]), torch.cat([p.d for p in parts]),
                       torch.cat([p.m for p in parts]), max(p.bits for p in parts))
 
@@ -133,8 +152,18 @@ def _q6_k(raw: np.ndarray, rows: int, cols: int) -> Blocks:
     return Blocks(q6_k_values(flat).reshape(rows, cols), d.reshape(rows, -1), scales.reshape(rows, -1), 6)
 
 
+def _q8_0(raw: np.ndarray, rows: int, cols: int) -> Blocks:
+    """Q8_0's int8 values moved up by 128 into the unsigned form, m = -128 d (exact in float16)."""
+    b = _raw(raw, rows, 34)
+    d = _half(b, 0)
+    values = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return Blocks(values.reshape(rows, cols), d, (d.float() * Q8_MIN).half(), 8)
+
+
 def file_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Blocks:
     """A tensor's bytes (one of BLOCK_TYPES, [rows, cols]) as Blocks."""
+    if type_name == "Q8_0":
+        return _q8_0(raw, rows, cols)
     if type_name == "Q6_K":
         return _q6_k(raw, rows, cols)
     if type_name.endswith("_K"):
