@@ -3,7 +3,7 @@
 A batch-1 decode step reads every weight once, so tokens/s can be at most bandwidth / weight
 bytes per token. This measures the read bandwidth the way a decode step reads: `threads` threads
 each summing their share of a buffer several times larger than the last-level cache (so it comes
-from DRAM, not cache), fastest of a few rounds.
+from DRAM, not cache), fastest of a few reads.
 """
 
 from __future__ import annotations
@@ -28,29 +28,55 @@ def last_level_cache_bytes() -> int | None:
     return max(sizes) if sizes else None
 
 
-def read_bandwidth(threads: int = 2, rounds: int = 5) -> tuple[float, int]:
-    """(bytes/s, buffer bytes): the fastest of `rounds` full reads of a buffer at least 4x the LLC."""
-    import torch
+class ReadBandwidth:
+    """Timed full reads of a buffer at least 4x the LLC by `threads` threads, the fastest kept.
 
-    llc = last_level_cache_bytes() or 0
-    size = max(_MIN_BUFFER, 4 * llc)
-    buffer = torch.ones(size // 4, dtype=torch.float32)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        buffer.sum()  # pages touched before timing
-        best = float("inf")
-        for _ in range(rounds):
+    Why reads one at a time: on a shared machine the bandwidth a decode sees drifts (28 to 53 GB/s
+    over minutes on this project's machine), so bench cpu takes one read per round of its batch-1
+    decode timings, and the bound is measured over the same minutes as the decode it bounds."""
+
+    def __init__(self, threads: int = 2):
+        import torch
+
+        self.threads = threads
+        self.size = max(_MIN_BUFFER, 4 * (last_level_cache_bytes() or 0))
+        self._buffer = torch.ones(self.size // 4, dtype=torch.float32)
+        self.best_seconds = float("inf")
+        self.reads = 0
+        self._timed_read()  # pages touched before timing
+
+    def _timed_read(self) -> float:
+        import torch
+
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
             start = time.perf_counter()
-            buffer.sum()
-            best = min(best, time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(previous)
-    return size / best, size
+            self._buffer.sum()
+            return time.perf_counter() - start
+        finally:
+            torch.set_num_threads(previous)
+
+    def measure(self) -> None:
+        """One timed read; the fastest so far is the bandwidth."""
+        self.best_seconds = min(self.best_seconds, self._timed_read())
+        self.reads += 1
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.size / self.best_seconds
 
 
-def describe(bandwidth: float, size: int, threads: int) -> str:
+def read_bandwidth(threads: int = 2, rounds: int = 5) -> tuple[float, int]:
+    """(bytes/s, buffer bytes): the fastest of `rounds` full reads taken back to back."""
+    reader = ReadBandwidth(threads)
+    for _ in range(rounds):
+        reader.measure()
+    return reader.bytes_per_second, reader.size
+
+
+def describe(bandwidth: float, size: int, threads: int, reads: str = "") -> str:
     llc = last_level_cache_bytes()
     where = f", last-level cache {llc / 2**20:.0f} MiB" if llc else ""
     return (f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s ({threads} threads summing "
-            f"{size / 2**20:.0f} MiB{where}; {os.cpu_count()} CPUs)")
+            f"{size / 2**20:.0f} MiB{where}; {os.cpu_count()} CPUs{reads})")

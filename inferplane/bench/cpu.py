@@ -101,9 +101,11 @@ def _llama_cpp(peer, prompts):
     return generate
 
 
-def decode_rates(generators: dict[str, object], batch: int, new_tokens: int, repeats: int) -> dict[str, float]:
+def decode_rates(generators: dict[str, object], batch: int, new_tokens: int, repeats: int,
+                 each_round=None) -> dict[str, float]:
     """Decode tokens/s per contender: batch * (G - 1) tokens over the fastest t(G) - t(1), with the
-    contenders' timings interleaved round by round."""
+    contenders' timings interleaved round by round; `each_round()` (if given) takes its turn in every
+    round too (the bandwidth read that bounds batch 1)."""
     for generate in generators.values():
         generate(new_tokens)  # warm-up
     t_one = {name: float("inf") for name in generators}
@@ -112,6 +114,8 @@ def decode_rates(generators: dict[str, object], batch: int, new_tokens: int, rep
         for name, generate in generators.items():
             t_one[name] = min(t_one[name], _timed(lambda g=generate: g(1)))
             t_all[name] = min(t_all[name], _timed(lambda g=generate: g(new_tokens)))
+        if each_round is not None:
+            each_round()
     return {name: batch * (new_tokens - 1) / max(t_all[name] - t_one[name], 1e-9) for name in generators}
 
 
@@ -284,6 +288,11 @@ def main(argv: list[str]) -> int:
     names = [*variants, "float32 engine"] + ([] if hf is None else ["HF float32 generate"])
     names += [*peers, *measured]
     rates: dict[tuple[str, int], float] = {}
+    reader = None
+    if 1 in batches:
+        from inferplane.bench.bandwidth import ReadBandwidth
+
+        reader = ReadBandwidth(threads)
     for batch in batches:
         prompts = _prompts(tokens, batch, args.prompt_len)
         generators = {name: _ours(llm, prompts) for name, llm in variants.items()}
@@ -294,7 +303,8 @@ def main(argv: list[str]) -> int:
         # llama.cpp-native takes its turn in each round (one llama-batched-bench run); its figure is the tool's own
         generators.update({name: peer.decode_turn(batch, args.prompt_len, args.new_tokens)
                            for name, peer in measured.items()})
-        for name, rate in decode_rates(generators, batch, args.new_tokens, args.repeats).items():
+        each_round = reader.measure if batch == 1 else None
+        for name, rate in decode_rates(generators, batch, args.new_tokens, args.repeats, each_round).items():
             rates[(name, batch)] = rate
     prefill: dict[str, float] = {}
     if args.prefill_len:
@@ -356,10 +366,10 @@ def main(argv: list[str]) -> int:
                 print(f"  {name:20} prefill : / {peer} = {prefill[name] / prefill[peer]:5.2f}x")
 
     if 1 in batches:
-        from inferplane.bench.bandwidth import describe, read_bandwidth
+        from inferplane.bench.bandwidth import describe
 
-        bandwidth, size = read_bandwidth(threads)
-        print(f"\n{describe(bandwidth, size, threads)}")
+        bandwidth = reader.bytes_per_second
+        print(f"\n{describe(bandwidth, reader.size, threads, f'; fastest of {reader.reads} reads, one in each round of the batch-1 timings')}")
         for name, llm in variants.items():
             per_token = bytes_read_per_token(llm)
             bound = bandwidth / per_token
