@@ -435,8 +435,9 @@ input row
  *   sum_j w_j x_j = d * dx * sum_j q_j xq_j + m * sx,
  * an unsigned-by-signed byte dot product (vpdpbusd, or vpmaddubsw + vpmaddwd on plain AVX2: at most
  * 2 * 31 * 127 per pair, so nothing saturates; 8-bit values, up to 2 * 255 * 127 a pair, would, so
- * plain AVX2 multiplies their low and high nibbles apart and weighs the high sums by 16), one float
- * FMA per block and one scalar FMA.
+ * plain AVX2 takes them back to signed q and multiplies |q| by x with q's sign, as the int8 kernel
+ * does, which sums d * dx * sum_j q_j xq_j with no minimum term), one float FMA per block and one
+ * scalar FMA.
  *
  * Bits 6 is GGUF's Q6_K as the file has it: 6-bit values q, per half-block of 16 an int8 scale sc
  * and per row of a super-block of 256 a float16 d, w = d * sc * (q - 32). With s16 the sum of the
@@ -564,8 +565,8 @@ static inline vq vq_bits_at4(vq v, int from, int mask) {
 
 /* Plain AVX2 sums vpmaddubsw pairs in int16 and widens them every few steps: a pair is at most
  * 2 * 15 * 127 = 3810 for 4-bit values, so a whole block's eight fit (30480 < 32768); for 5-bit ones
- * 2 * 31 * 127 = 7874, so four (31496) are widened at a time. 8-bit values go in as two nibbles, each
- * summed as 4-bit values are, the high sums weighed by 16 when widened. */
+ * 2 * 31 * 127 = 7874, so four (31496) are widened at a time. 8-bit values are signed again there
+ * (q = u ^ 0x80) and each pair, |q| * sign(x, q) at most 2 * 128 * 127 = 32512, widened at once. */
 #if IP_AVX512 || IP_AVX2_VNNI
 #define QB_INT16_SUMS 0
 #else
@@ -593,11 +594,8 @@ static inline __attribute__((always_inline)) void qb_tile(
         const uint8_t *blk = group + b * group_bytes;
         vq iacc[4], total[4];
 #if QB_INT16_SUMS
-        vq ihigh[4]; /* 8 bits: the high nibbles' sums */
 #pragma GCC unroll 4
         for (int r = 0; r < mr; r++) total[r] = vq_zero();
-#pragma GCC unroll 4
-        for (int a = 0; a < mr * chains; a++) ihigh[a] = vq_zero();
 #endif
 #pragma GCC unroll 4
         for (int a = 0; a < mr * chains; a++) iacc[a] = vq_zero();
@@ -617,17 +615,26 @@ static inline __attribute__((always_inline)) void qb_tile(
                 w0 = vq_or(w0, vq_bits_at4(high, 2 * p, 0x10));
                 w1 = vq_or(w1, vq_bits_at4(high, 2 * p + 1, 0x10));
             }
+#if QB_INT16_SUMS
+            vq a0 = w0, a1 = w1;
+            if (bits == 8) { /* the signed q in w0, w1 and |q| in a0, a1 */
+                w0 = _mm256_xor_si256(w0, _mm256_set1_epi8((char)0x80));
+                w1 = _mm256_xor_si256(w1, _mm256_set1_epi8((char)0x80));
+                a0 = _mm256_abs_epi8(w0);
+                a1 = _mm256_abs_epi8(w1);
+            }
+#endif
 #pragma GCC unroll 4
             for (int r = 0; r < mr; r++) {
                 const int8_t *xr = q + r * k + b * QB_BLOCK + p * 8;
                 const int a = r * chains + p % chains;
                 const vq x0 = vq_set1(load_i32(xr)), x1 = vq_set1(load_i32(xr + 4));
 #if QB_INT16_SUMS
-                if (bits == 8) {
-                    iacc[a] = _mm256_add_epi16(iacc[a], _mm256_maddubs_epi16(vq_low4(w0), x0));
-                    iacc[a] = _mm256_add_epi16(iacc[a], _mm256_maddubs_epi16(vq_low4(w1), x1));
-                    ihigh[a] = _mm256_add_epi16(ihigh[a], _mm256_maddubs_epi16(vq_high4(w0), x0));
-                    ihigh[a] = _mm256_add_epi16(ihigh[a], _mm256_maddubs_epi16(vq_high4(w1), x1));
+                if (bits == 8) { /* |q| times x with q's sign, each pair widened (int32 sums) */
+                    iacc[a] = vq_add(iacc[a], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x0, w0)),
+                                                                _mm256_set1_epi16(1)));
+                    iacc[a] = vq_add(iacc[a], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x1, w1)),
+                                                                _mm256_set1_epi16(1)));
                 } else {
                     iacc[a] = _mm256_add_epi16(iacc[a], _mm256_maddubs_epi16(w0, x0));
                     iacc[a] = _mm256_add_epi16(iacc[a], _mm256_maddubs_epi16(w1, x1));
@@ -638,26 +645,30 @@ static inline __attribute__((always_inline)) void qb_tile(
 #endif
             }
 #if QB_INT16_SUMS
-            if (p == 3 || (bits == 5 && p == 1)) { /* each chain widened before its int16 sums can wrap */
+            if (bits != 8 && (p == 3 || (bits == 5 && p == 1))) { /* each chain widened before its int16 sums can wrap */
 #pragma GCC unroll 4
                 for (int a = 0; a < mr * chains; a++) {
                     total[a / chains] = vq_add(total[a / chains], _mm256_madd_epi16(iacc[a], _mm256_set1_epi16(1)));
                     iacc[a] = vq_zero();
-                    if (bits == 8)
-                        total[a / chains] = vq_add(total[a / chains], _mm256_madd_epi16(ihigh[a], _mm256_set1_epi16(16)));
                 }
             }
 #endif
         }
-#if !QB_INT16_SUMS
+        if (!QB_INT16_SUMS || bits == 8) { /* int32 chains: summed once per block */
 #pragma GCC unroll 4
-        for (int r = 0; r < mr; r++) {
-            total[r] = iacc[r * chains];
+            for (int r = 0; r < mr; r++) {
+                total[r] = iacc[r * chains];
 #pragma GCC unroll 4
-            for (int j = 1; j < chains; j++) total[r] = vq_add(total[r], iacc[r * chains + j]);
+                for (int j = 1; j < chains; j++) total[r] = vq_add(total[r], iacc[r * chains + j]);
+            }
         }
-#endif
         const vf dv = vf_load_half(blk + scales_at + c * Q4_LANES * 2);
+        if (bits == 8 && QB_INT16_SUMS) { /* plain AVX2 summed the signed q: no minimum term */
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++)
+                facc[r] = vf_fmadd(vq_to_float(total[r]), vf_mul(dv, vf_set1(dx[r * nb + b])), facc[r]);
+            continue;
+        }
         const vf mv = bits == 8 ? vf_mul(dv, vf_set1(QB_Q8_MIN)) : vf_load_half(blk + scales_at + 32 + c * Q4_LANES * 2);
 #pragma GCC unroll 4
         for (int r = 0; r < mr; r++) { /* the block's sum first: one add on the accumulator's chain */
