@@ -31,9 +31,9 @@ def last_level_cache_bytes() -> int | None:
 class ReadBandwidth:
     """Timed full reads of a buffer at least 4x the LLC by `threads` threads, the fastest kept.
 
-    Why reads one at a time: on a shared machine the bandwidth a decode sees drifts (28 to 53 GB/s
-    over minutes on this project's machine), so bench cpu takes one read per round of its batch-1
-    decode timings, and the bound is measured over the same minutes as the decode it bounds."""
+    Why reads one at a time: on a shared machine the bandwidth a decode sees drifts (28 to 65 GB/s
+    over minutes on this project's machine), so bench cpu takes a few reads in each round of its
+    batch-1 decode timings, and the bound is measured over the same minutes as the decode it bounds."""
 
     def __init__(self, threads: int = 2):
         import torch
@@ -57,10 +57,11 @@ class ReadBandwidth:
         finally:
             torch.set_num_threads(previous)
 
-    def measure(self) -> None:
-        """One timed read; the fastest so far is the bandwidth."""
-        self.best_seconds = min(self.best_seconds, self._timed_read())
-        self.reads += 1
+    def measure(self, reads: int = 1) -> None:
+        """`reads` timed reads; the fastest so far is the bandwidth."""
+        for _ in range(reads):
+            self.best_seconds = min(self.best_seconds, self._timed_read())
+            self.reads += 1
 
     @property
     def bytes_per_second(self) -> float:

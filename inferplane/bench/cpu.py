@@ -27,6 +27,7 @@ TARGET_VS_OURS_AT_16 = 2.0
 TARGET_PPL_RISE_PCT = 2.0
 TARGET_VS_LLAMA_CPP = {1: 1.0, 16: 1.5}  # against llama.cpp Q8_0, by batch size
 TARGET_FRACTION_OF_BOUND = 0.7  # batch-1 decode against bandwidth / weight bytes per token
+READS_PER_ROUND = 3  # bandwidth reads in each round of the batch-1 timings (a read of 512 MiB: ~10 ms)
 _FLAGS_SHOWN = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "amx_int8")
 
 
@@ -303,7 +304,7 @@ def main(argv: list[str]) -> int:
         # llama.cpp-native takes its turn in each round (one llama-batched-bench run); its figure is the tool's own
         generators.update({name: peer.decode_turn(batch, args.prompt_len, args.new_tokens)
                            for name, peer in measured.items()})
-        each_round = reader.measure if batch == 1 else None
+        each_round = (lambda: reader.measure(READS_PER_ROUND)) if batch == 1 else None
         for name, rate in decode_rates(generators, batch, args.new_tokens, args.repeats, each_round).items():
             rates[(name, batch)] = rate
     prefill: dict[str, float] = {}
@@ -369,7 +370,7 @@ def main(argv: list[str]) -> int:
         from inferplane.bench.bandwidth import describe
 
         bandwidth = reader.bytes_per_second
-        print(f"\n{describe(bandwidth, reader.size, threads, f'; fastest of {reader.reads} reads, one in each round of the batch-1 timings')}")
+        print(f"\n{describe(bandwidth, reader.size, threads, f'; fastest of {reader.reads} reads, {READS_PER_ROUND} in each round of the batch-1 timings')}")
         for name, llm in variants.items():
             per_token = bytes_read_per_token(llm)
             bound = bandwidth / per_token

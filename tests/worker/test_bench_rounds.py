@@ -26,7 +26,7 @@ def test_the_bandwidth_read_takes_a_turn_in_every_round_after_the_contenders():
 def test_read_bandwidth_keeps_the_fastest_read_of_a_buffer_larger_than_the_cache():
     reader = ReadBandwidth(threads=2)
     assert reader.size >= 512 * 2**20 and reader.reads == 0
-    for _ in range(3):
-        reader.measure()
+    reader.measure()
+    reader.measure(reads=2)
     assert reader.reads == 3 and 0 < reader.best_seconds < float("inf")
     assert reader.bytes_per_second == reader.size / reader.best_seconds
