@@ -1123,6 +1123,7 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
 #pragma omp atomic write
             failed = 1;
         }
+        int64_t offs_of = -1; /* the sequence whose token offsets offs holds */
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < b * splits; task++) {
             if (!scores || !offs) continue;
@@ -1131,10 +1132,16 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
             /* a sliding layer's query (the last position) sees the last `window` positions only */
             const int64_t first = window > 0 && context_lens[seq] > window ? context_lens[seq] - window : 0;
             const int64_t len = context_lens[seq] - first;
-            const int64_t *table = block_tables + seq * max_blocks;
-            for (int64_t t = 0; t < len; t++) {
-                const int64_t pos = first + t;
-                offs[t] = (table[pos / block_size] * block_size + pos % block_size) * row;
+            if (offs_of != seq) { /* once per sequence and thread, one division per block, not per token */
+                const int64_t *table = block_tables + seq * max_blocks;
+                for (int64_t t = 0, pos = first; t < len;) {
+                    const int64_t within = pos % block_size, base = table[pos / block_size] * block_size + within;
+                    const int64_t n = block_size - within < len - t ? block_size - within : len - t;
+                    for (int64_t i = 0; i < n; i++) offs[t + i] = (base + i) * row;
+                    t += n;
+                    pos += n;
+                }
+                offs_of = seq;
             }
             if (half)
                 attend(q + seq * q_stride, qa, qb, group, d, k_cache, v_cache, offs, len, scale, softcap, scores,
