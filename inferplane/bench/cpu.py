@@ -370,7 +370,8 @@ def main(argv: list[str]) -> int:
         from inferplane.bench.bandwidth import describe
 
         bandwidth = reader.bytes_per_second
-        print(f"\n{describe(bandwidth, reader.size, threads, f'; fastest of {reader.reads} reads, {READS_PER_ROUND} in each round of the batch-1 timings')}")
+        reads = f"; fastest of {reader.reads} reads, {READS_PER_ROUND} in each round of the batch-1 timings"
+        print(f"\n{describe(bandwidth, reader.size, threads, reads)}")
         for name, llm in variants.items():
             per_token = bytes_read_per_token(llm)
             bound = bandwidth / per_token

@@ -4,12 +4,12 @@
 Per output row and block of 32 inputs: a float16 scale d, a float16 minimum m and 32 values q of
 4 or 5 bits, w = d * q + m (gguf_blocks.py turns Q4_0/Q4_1/Q4_K and Q5_0/Q5_1/Q5_K into that), or
 Q6_K's 6-bit values with a scale per half-block, or Q8_0's (values + 128, m = -128 d, d alone
-stored): 0.625, 0.75, 0.875 or 1.0625 bytes a weight against per-channel int8's 1. The C kernel (native `ip_block_linear`) quantizes
-each input row per block of 32 to int8, as llama.cpp does for this product, and multiplies bytes;
-it is used below the row count where dequantizing the weight once and running float32 GEMM
-measured faster at start-up (prefill). The weights are the file's, so they need no smoothing (which
-would change them) and lose nothing to a second quantization; the only rounding is the input's,
-per block of 32.
+stored): 0.625, 0.75, 0.875 or 1.0625 bytes a weight against per-channel int8's 1. The C kernel
+(native `ip_block_linear`) quantizes each input row per block of 32 to int8, as llama.cpp does for
+this product, and multiplies bytes; it is used below the row count where dequantizing the weight
+once and running float32 GEMM measured faster at start-up (prefill). The weights are the file's,
+so they need no smoothing (which would change them) and lose nothing to a second quantization; the
+only rounding is the input's, per block of 32.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize-head", action=argparse.BooleanOptionalAction, default=True,
                         help="int8 output head, as the runtime's default (--no-quantize-head: float32)")
     parser.add_argument("--requantize-q4", action="store_true",
-                        help="a GGUF file's 4-, 5-, 6- and 8-bit linears requantized to int8 instead of served as they are")
+                        help="a GGUF file's 4-, 5-, 6- and 8-bit linears requantized to int8 instead of served as "
+                             "they are")
     parser.add_argument("--corrupt-scales", type=float, default=1.0, metavar="FACTOR",
                         help="multiply every int8 scale by FACTOR (a wrong quantization: the gate must fail)")
 
