@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Literal
 import redis.asyncio as redis
 from redis.exceptions import RedisError
 
-from inferplane.control_plane.errors import ControlPlaneError, RateLimited, RequestTooLarge
+from inferplane.control_plane.errors import RateLimited, RequestTooLarge, ServiceUnavailable
 from inferplane.control_plane.limits import KeyLimits, RateLimiter
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ return 1
 """
 
 
-class LimiterUnavailable(ControlPlaneError):
+class LimiterUnavailable(ServiceUnavailable):
     """503: the shared rate-limit store is unreachable and the gateway is configured to fail closed."""
 
     status = 503

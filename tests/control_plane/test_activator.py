@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from inferplane.control_plane.autoscale.activator import Activator, HoldPolicy
-from inferplane.control_plane.gateway.errors import GatewayError, as_error
+from inferplane.control_plane.errors import ServiceUnavailable
+from inferplane.control_plane.gateway.errors import as_error
 from inferplane.control_plane.routing import Deployment, Router, StaticEndpointSource, Tier
 
 
@@ -46,9 +47,9 @@ async def test_a_full_queue_and_a_timeout_are_503s_with_retry_after():
     activator.configure("m", HoldPolicy(queue_size=1, timeout=1))
     first = asyncio.create_task(activator.wait_for_replica("m", lambda: router.has_replicas("m")))
     await asyncio.sleep(0.05)
-    with pytest.raises(GatewayError) as full:
+    with pytest.raises(ServiceUnavailable) as full:
         await activator.wait_for_replica("m", lambda: router.has_replicas("m"))
-    with pytest.raises(GatewayError) as late:
+    with pytest.raises(ServiceUnavailable) as late:
         await first
     for refused in (full.value, late.value):
         status, _, code, headers = as_error(refused)

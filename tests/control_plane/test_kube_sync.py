@@ -19,8 +19,8 @@ from inferplane.control_plane.gateway.kube_sync import (
     resource_routes,
     route_table,
 )
-from inferplane.control_plane.gateway.worker_client import WorkerChannels
 from inferplane.control_plane.routing import Endpoint, Router, RouteRequest, StaticEndpointSource, Tier
+from inferplane.control_plane.routing.worker_channels import WorkerChannels
 
 
 def idep(name: str, namespace: str = "team-a", *, deleting: bool = False, **spec: Any) -> dict[str, Any]:

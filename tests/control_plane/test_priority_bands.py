@@ -23,8 +23,8 @@ from inferplane.control_plane.gateway.catalog import Catalog
 from inferplane.control_plane.gateway.kube_sync import KubernetesCatalogSync, resource_route, resource_routes
 from inferplane.control_plane.gateway.rest import create_asgi_app
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
-from inferplane.control_plane.gateway.worker_client import WorkerChannels
 from inferplane.control_plane.routing import Endpoint, Router, StaticEndpointSource
+from inferplane.control_plane.routing.worker_channels import WorkerChannels
 from tests.control_plane.fake_worker import RecordingWorker, complete, route_to, serve
 
 pytestmark = pytest.mark.usefixtures("no_proxy")

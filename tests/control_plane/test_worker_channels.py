@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from inferplane.control_plane.gateway.worker_client import WorkerChannels
+from inferplane.control_plane.routing.worker_channels import WorkerChannels
 
 
 async def test_a_departed_worker_keeps_its_channel_for_the_grace_period_then_loses_it():

@@ -16,8 +16,8 @@ from inferplane.control_plane.autoscale.decision import Policy
 from inferplane.control_plane.autoscale.kube import KubernetesScaler, LeaseElector
 from inferplane.control_plane.autoscale.signals import Targets
 from inferplane.control_plane.gateway.kube_sync import load_api_client
-from inferplane.control_plane.gateway.worker_client import WorkerChannels
 from inferplane.control_plane.routing import Deployment, Endpoint, Router, StaticEndpointSource
+from inferplane.control_plane.routing.worker_channels import WorkerChannels
 from tests.k8s.cluster import Cluster, wait_for
 from tests.k8s.conftest import idep, idep_path, namespace
 

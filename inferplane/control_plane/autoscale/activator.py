@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from inferplane.control_plane.gateway.errors import GatewayError
+from inferplane.control_plane.errors import ServiceUnavailable
 
 
 @dataclass(frozen=True)
@@ -40,23 +40,24 @@ class Activator:
         return self._held.get(model, 0)
 
     async def wait_for_replica(self, model: str, has_replica: Callable[[], bool]) -> None:
-        """Returns once `has_replica()`; raises a 503 GatewayError when the queue is full or time runs out."""
+        """Returns once `has_replica()`; raises ServiceUnavailable (503, model_starting) when the queue
+        is full or time runs out."""
         if has_replica():
             return
         policy = self._policies.get(model)
         if policy is None:
             return  # not scalable from zero: routing answers no_replica_available
         if self.held(model) >= policy.queue_size:
-            raise GatewayError(503, f"model {model!r} is starting a replica and its queue of {policy.queue_size} "
-                                    "held requests is full", "model_starting", retry_after=policy.timeout / 2)
+            raise ServiceUnavailable(f"model {model!r} is starting a replica and its queue of {policy.queue_size} "
+                                     "held requests is full", code="model_starting", retry_after=policy.timeout / 2)
         self._held[model] = self.held(model) + 1
         loop = asyncio.get_running_loop()
         deadline = loop.time() + policy.timeout
         try:
             while not has_replica():
                 if loop.time() >= deadline:
-                    raise GatewayError(503, f"model {model!r} had no replica ready within {policy.timeout:g} s",
-                                       "model_starting", retry_after=policy.timeout / 2)
+                    raise ServiceUnavailable(f"model {model!r} had no replica ready within {policy.timeout:g} s",
+                                             code="model_starting", retry_after=policy.timeout / 2)
                 await asyncio.sleep(self._poll)
         finally:
             self._held[model] -= 1

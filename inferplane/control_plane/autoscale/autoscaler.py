@@ -27,8 +27,8 @@ from inferplane.api import metric_names as m
 from inferplane.control_plane.autoscale.activator import Activator
 from inferplane.control_plane.autoscale.decision import Decision, Policy, Sample, State, decide
 from inferplane.control_plane.autoscale.signals import ReplicaSignals, Targets, saturation
-from inferplane.control_plane.gateway.worker_client import WorkerChannels
 from inferplane.control_plane.routing import Endpoint, Router
+from inferplane.control_plane.routing.worker_channels import WorkerChannels
 from inferplane.v1 import worker_pb2
 
 log = logging.getLogger(__name__)

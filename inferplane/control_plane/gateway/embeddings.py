@@ -29,9 +29,9 @@ from typing import TypeVar
 from starlette.responses import Response
 
 from inferplane.control_plane.auth import Principal
+from inferplane.control_plane.errors import InvalidInput
 from inferplane.control_plane.gateway.catalog import ServedModel
 from inferplane.control_plane.gateway.context import GatewayContext
-from inferplane.control_plane.gateway.errors import GatewayError
 from inferplane.control_plane.gateway.openai_types import EmbeddingRequest
 from inferplane.v1 import worker_pb2
 
@@ -48,9 +48,9 @@ async def _run(large: bool, work: Callable[[], T]) -> T:
 
 def check_dimensions(body: EmbeddingRequest, model: ServedModel) -> None:
     if body.dimensions is not None and body.dimensions != model.dimensions:
-        raise GatewayError(400, f"dimensions: model {model.name!r} gives {model.dimensions}-dimensional embeddings "
-                                "and cannot shorten them (it is not a Matryoshka model); leave dimensions out or "
-                                f"send {model.dimensions}", "invalid_value", "dimensions")
+        raise InvalidInput(f"dimensions: model {model.name!r} gives {model.dimensions}-dimensional embeddings "
+                           "and cannot shorten them (it is not a Matryoshka model); leave dimensions out or "
+                           f"send {model.dimensions}", code="invalid_value", param="dimensions")
 
 
 def tokenize(model: ServedModel, inputs: list[str] | list[list[int]]) -> list[list[int]]:
@@ -62,8 +62,8 @@ def tokenize(model: ServedModel, inputs: list[str] | list[list[int]]) -> list[li
     for i, ids in enumerate(token_lists):
         if len(ids) > model.max_model_len:
             where = f"input item {i}" if len(token_lists) > 1 else "the input"
-            raise GatewayError(400, f"This model's maximum context length is {model.max_model_len} tokens; "
-                                    f"{where} has {len(ids)} tokens.", "context_length_exceeded", "input")
+            raise InvalidInput(f"This model's maximum context length is {model.max_model_len} tokens; "
+                               f"{where} has {len(ids)} tokens.", code="context_length_exceeded", param="input")
     return token_lists
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +19,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from inferplane.control_plane.errors import ControlPlaneError, RateLimited
+from inferplane.control_plane.errors import ControlPlaneError
 from inferplane.control_plane.routing import NoReplicaAvailable, RoutingError, StreamBrokenAfterStart, UnknownModel
 
 log = logging.getLogger(__name__)
@@ -51,18 +50,6 @@ ERROR_RESPONSES: dict[int | str, dict] = {
 }
 
 
-class GatewayError(Exception):
-    """An error the gateway itself raises, with its HTTP status and OpenAI code."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None, *,
-                 retry_after: float | None = None):
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.param = param
-        self.retry_after = retry_after  # seconds, sent as Retry-After (whole, at least 1)
-
-
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}
@@ -75,18 +62,14 @@ def error_response(status: int, message: str, code: str | None = None, param: st
 
 def param_of(exc: BaseException) -> str | None:
     """The request parameter an error names (a worker's INVALID_ARGUMENT says it first), if any."""
-    return exc.param if isinstance(exc, (GatewayError, ControlPlaneError)) else None
+    return exc.param if isinstance(exc, ControlPlaneError) else None
 
 
 def as_error(exc: BaseException) -> tuple[int, str, str | None, dict[str, str] | None]:
     """Maps any exception the request path can raise to (status, message, code, headers)."""
-    if isinstance(exc, RateLimited):
-        return 429, str(exc), exc.code, {"Retry-After": exc.retry_after_header}
     if isinstance(exc, ControlPlaneError):
-        return exc.status, str(exc), exc.code, None
-    if isinstance(exc, GatewayError):
-        retry = None if exc.retry_after is None else {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
-        return exc.status, str(exc), exc.code, retry
+        retry = exc.retry_after_header
+        return exc.status, str(exc), exc.code, None if retry is None else {"Retry-After": retry}
     if isinstance(exc, UnknownModel):
         return 404, str(exc), "model_not_found", None
     if isinstance(exc, NoReplicaAvailable):
@@ -155,7 +138,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     # Expected failures get their own handlers: Starlette re-raises (and logs as a crash) whatever
     # reaches the catch-all Exception handler, which is kept for real bugs only.
-    for kind in (ControlPlaneError, GatewayError, RoutingError):
+    for kind in (ControlPlaneError, RoutingError):
         app.add_exception_handler(kind, _known)
     app.add_exception_handler(Exception, _known)
 

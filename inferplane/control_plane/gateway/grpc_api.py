@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from inferplane.control_plane.errors import ControlPlaneError
 from inferplane.control_plane.gateway.context import GatewayContext, bearer
 from inferplane.control_plane.gateway.embeddings import OFF_LOOP_FLOATS, Embeddings, floats
-from inferplane.control_plane.gateway.errors import GatewayError, as_error, validation_message
+from inferplane.control_plane.gateway.errors import as_error, validation_message
 from inferplane.control_plane.gateway.inference import ChatTools
 from inferplane.control_plane.gateway.openai_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from inferplane.control_plane.gateway.tool_formats import held_answer
@@ -196,7 +196,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def _abort(self, context, exc: Exception) -> None:
         """The gRPC status an error maps to (a ValueError of the request's own is a 400)."""
-        if isinstance(exc, ValueError) and not isinstance(exc, (ControlPlaneError, GatewayError)):
+        if isinstance(exc, ValueError) and not isinstance(exc, ControlPlaneError):
             status, message = 400, str(exc)
         else:
             status, message = as_error(exc)[:2]

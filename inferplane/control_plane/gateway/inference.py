@@ -37,12 +37,19 @@ from inferplane.control_plane.concurrency import (
     SequenceLimiter,
     SequenceLimits,
 )
-from inferplane.control_plane.errors import ConcurrencyLimited, QuotaExceeded, RateLimited, RequestTooLarge
+from inferplane.control_plane.errors import (
+    ConcurrencyLimited,
+    ControlPlaneError,
+    InvalidInput,
+    QuotaExceeded,
+    RateLimited,
+    RequestTooLarge,
+    ServiceUnavailable,
+    UpstreamTimeout,
+)
 from inferplane.control_plane.gateway.catalog import Catalog, ServedModel
-from inferplane.control_plane.gateway.errors import GatewayError
 from inferplane.control_plane.gateway.metrics import GatewayMetrics
 from inferplane.control_plane.gateway.tool_formats import tool_format
-from inferplane.control_plane.gateway.worker_client import WorkerChannels
 from inferplane.control_plane.limits import KeyLimiter, KeyLimits, QuotaTracker
 from inferplane.control_plane.routing import (
     Router,
@@ -51,6 +58,7 @@ from inferplane.control_plane.routing import (
     route_and_stream,
     tenant_cache_salt,
 )
+from inferplane.control_plane.routing.worker_channels import WorkerChannels
 from inferplane.control_plane.usage import UsageRecorder
 from inferplane.v1 import worker_pb2
 
@@ -139,7 +147,7 @@ class InferenceService:
             else:
                 message = (f"model {model.name!r} is a generative model (chat and completions); /v1/embeddings "
                            "needs an embedding model")
-            raise GatewayError(400, message, "wrong_model_kind", "model")
+            raise InvalidInput(message, code="wrong_model_kind", param="model")
         return model
 
     async def prepare(self, principal: Principal, model_name: str, *, prompt: str | None = None,
@@ -158,7 +166,7 @@ class InferenceService:
             try:  # the request model refuses reserved names already; this names the field for other callers
                 check_template_kwargs(chat_template_kwargs)
             except ValueError as exc:
-                raise GatewayError(400, str(exc), "invalid_value", "chat_template_kwargs") from exc
+                raise InvalidInput(str(exc), code="invalid_value", param="chat_template_kwargs") from exc
             try:
                 if fmt is not None:
                     prompt = model.tokenizer.apply_chat_template(tools.messages, add_generation_prompt=True,
@@ -168,7 +176,7 @@ class InferenceService:
                     prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                                  template_kwargs=chat_template_kwargs)
             except ValueError as exc:
-                raise GatewayError(400, str(exc), "invalid_messages", "messages") from exc
+                raise InvalidInput(str(exc), code="invalid_messages", param="messages") from exc
         if prompts is None:
             prompts = [list(prompt_ids) if prompt_ids is not None else prompt or ""]
         param = "messages" if messages is not None else "prompt"
@@ -240,15 +248,16 @@ class InferenceService:
     def _room(model: ServedModel, token_ids: list[int], max_tokens: int | None, param: str) -> int:
         """Tokens a prompt leaves to generate in the context (400 if none, or fewer than max_tokens)."""
         if not token_ids:
-            raise GatewayError(400, f"{param} must not be empty", "invalid_value", param)
+            raise InvalidInput(f"{param} must not be empty", code="invalid_value", param=param)
         room = model.max_model_len - len(token_ids)
         if room < 1:
-            raise GatewayError(400, f"This model's maximum context length is {model.max_model_len} tokens; "
-                               f"the {param} has {len(token_ids)} tokens.", "context_length_exceeded", param)
+            raise InvalidInput(f"This model's maximum context length is {model.max_model_len} tokens; "
+                               f"the {param} has {len(token_ids)} tokens.", code="context_length_exceeded",
+                               param=param)
         if max_tokens is not None and max_tokens > room:
-            raise GatewayError(400, f"This model's maximum context length is {model.max_model_len} tokens; "
+            raise InvalidInput(f"This model's maximum context length is {model.max_model_len} tokens; "
                                f"the {param} has {len(token_ids)} tokens and max_tokens is {max_tokens}.",
-                               "context_length_exceeded", "max_tokens")
+                               code="context_length_exceeded", param="max_tokens")
         return room
 
     def _count_admission(self, principal: Principal, result: str) -> None:
@@ -353,7 +362,7 @@ class InferenceService:
         finally:
             self.settle(prepared, 0, served=answer is not None)
         if answer is None or len(answer.embeddings) != len(prepared.prompts):
-            raise GatewayError(503, "the model replica answered without every input's embedding", "upstream_error")
+            raise ServiceUnavailable("the model replica answered without every input's embedding")
         return answer
 
     def _account(self, prepared: PreparedRequest, completion_tokens: int, served: bool) -> None:
@@ -425,13 +434,13 @@ async def merged(streams: list[AsyncIterator[worker_pb2.GenerateResponse]],
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _worker_error(exc: grpc.aio.AioRpcError) -> GatewayError:
+def _worker_error(exc: grpc.aio.AioRpcError) -> ControlPlaneError:
     code = exc.code()
     # FAILED_PRECONDITION: the replica serves the other kind of model (Generate to an embedding
     # worker, or Embed to a generative one), which the catalog should have caught: the request's 400.
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
         details = exc.details() or "invalid request"
-        return GatewayError(400, details, "invalid_value", details.split(":", 1)[0] if ":" in details else None)
+        return InvalidInput(details, code="invalid_value", param=details.split(":", 1)[0] if ":" in details else None)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return GatewayError(504, "the model did not answer in time", "timeout")
-    return GatewayError(503, f"the model replica failed: {exc.details()}", "upstream_error")
+        return UpstreamTimeout("the model did not answer in time")
+    return ServiceUnavailable(f"the model replica failed: {exc.details()}")

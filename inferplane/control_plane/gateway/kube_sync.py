@@ -35,8 +35,8 @@ from inferplane.api.resolve import resolve, served_cache_isolation, served_prior
 from inferplane.control_plane.autoscale.autoscaler import Autoscaler
 from inferplane.control_plane.autoscale.settings import AutoscaleSettings, autoscale_settings, watch
 from inferplane.control_plane.gateway.catalog import Catalog, ServedModel
-from inferplane.control_plane.gateway.worker_client import WorkerChannels
 from inferplane.control_plane.routing import Deployment, Endpoint, Router, Tier
+from inferplane.control_plane.routing.worker_channels import WorkerChannels
 from inferplane.v1 import worker_pb2
 
 log = logging.getLogger(__name__)

@@ -22,10 +22,10 @@ from inferplane.control_plane.gateway.grpc_api import InferenceServicer
 from inferplane.control_plane.gateway.inference import InferenceService
 from inferplane.control_plane.gateway.metrics import GatewayMetrics, PlatformCollector, PlatformSources, ReplicaCount
 from inferplane.control_plane.gateway.rest import create_asgi_app
-from inferplane.control_plane.gateway.worker_client import WorkerChannels
 from inferplane.control_plane.limits import InProcessKeyLimiter, KeyLimiter, QuotaTracker
 from inferplane.control_plane.outbound import OutboundPolicy
 from inferplane.control_plane.routing import HealthPoller, HealthTracker, Router
+from inferplane.control_plane.routing.worker_channels import WorkerChannels
 from inferplane.control_plane.tokens import AdminTokenVerifier, JWTSettings
 from inferplane.control_plane.usage import UsageRecorder
 from inferplane.v1 import inference_pb2_grpc

@@ -1,4 +1,5 @@
-"""gRPC channels to workers, one per address, reused across requests (HTTP/2 multiplexes).
+"""gRPC channels to workers, one per address, reused across requests (HTTP/2 multiplexes): the
+gateway streams requests over them and the autoscaler polls load through them.
 
 Pods come and go (rollouts, autoscaling); a channel to an address no route names any more is
 closed once it has been gone for a grace period, so that a long-running gateway does not keep a
