@@ -10,6 +10,7 @@ import asyncio
 
 from kubernetes import client as k8s
 
+from inferplane.api.resolve import PRESETS
 from inferplane.control_plane.autoscale.activator import Activator
 from inferplane.control_plane.autoscale.autoscaler import Autoscaler, ScaleTarget
 from inferplane.control_plane.autoscale.decision import Policy
@@ -31,7 +32,7 @@ def autoscaler(api_client, ns: str, elector: LeaseElector) -> tuple[Autoscaler, 
     scaler = Autoscaler(router, WorkerChannels(), activator, KubernetesScaler(api_client), is_leader=elector.is_leader)
     scaler.watch(ScaleTarget(name=f"{ns}/chat", served_model=SERVED, deployment=f"{ns}/chat",
                              policy=Policy(min_replicas=0, max_replicas=5, stable_window=6, panic_window=2),
-                             targets=Targets(queue_depth=1)))
+                             targets=Targets(queue_depth=1), slots=PRESETS["cpu-int8"].max_num_seqs))
     return scaler, activator
 
 

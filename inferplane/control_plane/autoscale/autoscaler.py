@@ -43,7 +43,7 @@ class ScaleTarget:
     deployment: str  # the router's Deployment name within the served model
     policy: Policy
     targets: Targets
-    slots: int = 16  # the workers' maxNumSeqs, for a replica whose Stats do not answer
+    slots: int  # the workers' maxNumSeqs (resolved), for a replica whose Stats do not answer
     samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=4096))
     state: State = field(default_factory=State)
     last: Decision | None = None

@@ -21,20 +21,24 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from inferplane.api.deployment import InferenceDeploymentSpec
+from inferplane.api.deployment import Autoscaling, InferenceDeploymentSpec
+
+_SPEC = Autoscaling()  # the spec's defaults are the policy's: one home for each
 
 
 @dataclass(frozen=True)
 class Policy:
-    min_replicas: int = 1
-    max_replicas: int = 10
-    stable_window: float = 60.0
-    panic_window: float = 6.0
-    panic_threshold: float = 2.0
-    tolerance: float = 0.1
-    max_scale_up_rate: float = 10.0
-    scale_down_delay: float = 300.0
-    idle_seconds: float = 300.0
+    """The damping of one deployment; what a caller leaves out is the spec's `autoscaling` default."""
+
+    min_replicas: int
+    max_replicas: int
+    stable_window: float = _SPEC.stable_window_seconds
+    panic_window: float = _SPEC.panic_window_seconds
+    panic_threshold: float = _SPEC.panic_threshold
+    tolerance: float = _SPEC.tolerance
+    max_scale_up_rate: float = _SPEC.max_scale_up_rate
+    scale_down_delay: float = _SPEC.scale_down_delay_seconds
+    idle_seconds: float = _SPEC.idle_seconds
 
     @classmethod
     def from_spec(cls, spec: InferenceDeploymentSpec) -> Policy:

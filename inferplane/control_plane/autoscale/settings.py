@@ -18,7 +18,7 @@ class AutoscaleSettings:
     policy: Policy
     targets: Targets
     hold: HoldPolicy | None  # set when the deployment may sit at zero replicas
-    slots: int = 16  # the workers' maxNumSeqs after presets
+    slots: int  # the workers' maxNumSeqs after presets
 
 
 def autoscale_settings(spec: InferenceDeploymentSpec) -> AutoscaleSettings | None:

@@ -23,6 +23,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from inferplane.api.deployment import Autoscaling
+
+_SPEC = Autoscaling()  # the spec's targets are the defaults here
+
 
 @dataclass(frozen=True)
 class ReplicaSignals:
@@ -38,8 +42,8 @@ class ReplicaSignals:
 
 @dataclass(frozen=True)
 class Targets:
-    queue_depth: float = 4.0
-    kv_cache_utilization: float = 0.8
+    queue_depth: float = _SPEC.target_queue_depth
+    kv_cache_utilization: float = _SPEC.target_kv_cache_utilization
     ttft_p95_seconds: float | None = None
 
 
