@@ -41,9 +41,10 @@ API_VERSION = f"{GROUP}/{VERSION}"
 # paged, radix and cpu-int8 generate; embedding serves embedding models (spec.kind: embedding).
 ConcreteRuntime = Literal["paged", "radix", "cpu-int8", "embedding"]
 Runtime = Literal[ConcreteRuntime, "auto"]
-Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+ComputeDtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["auto", ComputeDtype]  # auto: resolve() picks by device (a KV cache: the compute dtype)
 RUNTIMES: tuple[str, ...] = Runtime.__args__
-DTYPES: tuple[str, ...] = Dtype.__args__
+COMPUTE_DTYPES: tuple[str, ...] = ComputeDtype.__args__
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9._]*[a-z0-9])?$"
 URI_PATTERN = r"^(/[^\s]*|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?)$"

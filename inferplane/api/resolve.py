@@ -7,7 +7,9 @@ registry of them: the worker builds its KV manager and weights from an entry, an
 what a spec leaves open from one. `resolve` is the only place that turns `runtime: auto` into a
 runtime (and says why, for the status), picks device and dtype and merges presets with the spec's
 `engine` section; the operator (pod specs), the gateway's cluster sync, local mode and the worker's
-command line all take its answer, so they cannot disagree. It also holds the one rule for cache
+command line all take its answer, so they cannot disagree. The merge itself is `engine_settings`,
+which the worker applies to its own options too: `LLM(runtime=...)`, `inferplane worker --runtime`
+and a deployment of one runtime run with the same settings. It also holds the one rule for cache
 isolation, and the one for the default priority band, across the deployments behind a served name.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from inferplane.api.deployment import ConcreteRuntime, InferenceDeploymentSpec
 from inferplane.api.priority import band_rank
@@ -115,19 +117,32 @@ def _choose_runtime(spec: InferenceDeploymentSpec) -> tuple[str, str]:
     return "paged", "auto: GPU without prefix-sharing hints, so paged KV for high concurrency"
 
 
+def default_dtype(device: str) -> str:
+    """The compute dtype where none is asked for: bfloat16 on a GPU, float32 on a CPU."""
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def engine_settings(runtime: str, device: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """`given` engine settings with what they leave open (None; `auto` for the dtype) filled from
+    `runtime`'s preset on `device` ("cpu" or "cuda"): the one rule for the engine's defaults."""
+    preset = PRESETS[runtime]
+    engine = dict(given)
+    if engine.get("dtype") in (None, "auto"):
+        engine["dtype"] = default_dtype(device)
+    max_seqs = engine["max_num_seqs"] = given.get("max_num_seqs") or preset.max_num_seqs
+    # A preset's token budget never undercuts an explicit maxNumSeqs (one token per sequence per step).
+    engine["max_num_batched_tokens"] = given.get("max_num_batched_tokens") or max(preset.max_num_batched_tokens,
+                                                                                  max_seqs)
+    engine["kv_cache_memory"] = given.get("kv_cache_memory") or (
+        preset.kv_cache_memory_gpu if device == "cuda" else preset.kv_cache_memory_cpu)  # None: no KV cache
+    return engine
+
+
 def resolve(spec: InferenceDeploymentSpec) -> ResolvedDeployment:
     runtime, reason = _choose_runtime(spec)
     preset = PRESETS[runtime]
     device: Literal["cpu", "cuda"] = "cuda" if spec.uses_gpu and not preset.cpu_only else "cpu"
-    engine: dict[str, str | int | bool | None] = spec.engine.model_dump()
-    if engine["dtype"] == "auto":
-        engine["dtype"] = "bfloat16" if device == "cuda" else "float32"
-    max_seqs = engine["max_num_seqs"] = spec.engine.max_num_seqs or preset.max_num_seqs
-    # A preset's token budget never undercuts an explicit maxNumSeqs (one token per sequence per step).
-    engine["max_num_batched_tokens"] = (spec.engine.max_num_batched_tokens
-                                        or max(preset.max_num_batched_tokens, max_seqs))
-    engine["kv_cache_memory"] = spec.engine.kv_cache_memory or (
-        preset.kv_cache_memory_gpu if device == "cuda" else preset.kv_cache_memory_cpu)  # None: no KV cache
+    engine: dict[str, str | int | bool | None] = engine_settings(runtime, device, spec.engine.model_dump())
     # An int8 option; `auto` may have picked a GPU runtime, which has no int8 head.
     engine["quantize_head"] = spec.engine.quantize_head if preset.weights == "int8" else None
     engine["requantize_q4"] = spec.engine.requantize_q4 and preset.weights == "int8"

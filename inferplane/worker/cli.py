@@ -83,15 +83,17 @@ def _refuse_embedding_model(model: str) -> None:
 
 
 def _build_embedder(args: argparse.Namespace):
-    """The embedding runtime's encoder: the engine flags that keep a meaning there are device,
-    dtype, max_model_len (at most the model's positions), max_num_seqs (inputs per forward) and
-    max_num_batched_tokens (padded tokens per forward); the KV ones have nothing to size."""
+    """The embedding runtime's encoder and its settled options: the engine flags that keep a meaning
+    there are device, dtype, max_model_len (at most the model's positions), max_num_seqs (inputs per
+    forward) and max_num_batched_tokens (padded tokens per forward); the KV ones have nothing to size."""
     from inferplane.worker.embedding.encoder import load_encoder
 
     options = engine_options(args)
     options.validate()
     device = options.resolve_device()
-    return load_encoder(args.model, device, options.resolve_dtype(device), max_model_len=args.max_model_len)
+    options = options.settled(device)
+    encoder = load_encoder(args.model, device, options.resolve_dtype(device), max_model_len=args.max_model_len)
+    return encoder, options
 
 
 def _install_engine(state: WorkerState, args: argparse.Namespace, built) -> tuple[WorkerMetrics, str]:
@@ -110,18 +112,19 @@ def _install_engine(state: WorkerState, args: argparse.Namespace, built) -> tupl
     return metrics, f"kv_blocks={engine.kv.num_blocks} kv_dtype={str(engine.kv_dtype).removeprefix('torch.')}"
 
 
-def _install_embedder(state: WorkerState, args: argparse.Namespace, encoder) -> tuple[WorkerMetrics, str]:
+def _install_embedder(state: WorkerState, args: argparse.Namespace, built) -> tuple[WorkerMetrics, str]:
     """An embedding model's batcher into the worker's state: (its metrics, the ready line's details)."""
     from inferplane.worker.embedding.batcher import EmbeddingBatcher
     from inferplane.worker.metrics import WorkerMetrics
 
+    encoder, options = built
     state.info = dict(model=state.model, runtime=args.runtime, max_model_len=encoder.max_model_len,
                       block_size=args.block_size, architecture=encoder.architecture,
                       device=str(encoder.device), dtype=str(encoder.dtype).removeprefix("torch."),
                       embedding_dimensions=encoder.dimensions, **encoder.tokenizer.to_wire())
     metrics = WorkerMetrics(state.model, args.runtime, lambda: {**state.embedder.last_stats, **state.extra_stats})
-    state.embedder = EmbeddingBatcher(encoder, max_inputs=args.max_num_seqs, max_tokens=args.max_num_batched_tokens,
-                                      on_finished=metrics.observe_embedding)
+    state.embedder = EmbeddingBatcher(encoder, max_inputs=options.max_num_seqs,
+                                      max_tokens=options.max_num_batched_tokens, on_finished=metrics.observe_embedding)
     return metrics, f"dimensions={encoder.dimensions} max_model_len={encoder.max_model_len}"
 
 

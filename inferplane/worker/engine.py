@@ -26,9 +26,7 @@ from inferplane.worker.runtimes import build_kv_manager, build_scheduler, kernel
 from inferplane.worker.sampling import SamplingParams
 from inferplane.worker.sequence import Sequence
 
-_CPU_DEFAULT_KV_BYTES = 1 << 30
 QUEUE_STAT_PREFIX = "queue:"  # stats key queue:<running|waiting>:<band>:<tenant> -> sequences
-_GPU_DEFAULT_KV_FRACTION = 0.85
 
 
 @dataclass
@@ -67,6 +65,7 @@ class EngineCounters:
 class Engine:
     def __init__(self, loaded: LoadedModel, options: EngineOptions, device: torch.device, dtype: torch.dtype):
         options.validate()
+        options = options.settled(device)  # what the options leave open, the runtime's preset decides
         self.loaded = loaded
         self.options = options
         self.device = device
@@ -131,10 +130,7 @@ class Engine:
         if self.options.num_kv_blocks is not None:
             num_blocks = int(self.options.num_kv_blocks)
             return num_blocks, min(num_blocks + 1, window_need)
-        budget = self.options.kv_cache_memory
-        if budget is None:
-            budget = _GPU_DEFAULT_KV_FRACTION if self.device.type == "cuda" else _CPU_DEFAULT_KV_BYTES
-        amount = parse_memory(budget)
+        amount = parse_memory(self.options.kv_cache_memory)
         if isinstance(amount, float):
             if self.device.type != "cuda":
                 raise ValueError("kv_cache_memory: a fraction of free memory needs a GPU; give bytes (e.g. 1GiB)")

@@ -1,22 +1,28 @@
 """Engine options: the knobs an InferenceDeployment's `engine` section and `LLM(...)` expose.
 
-The one home of the engine's defaults: `inferplane worker`'s flags take theirs from here. Importing
-this module does not import torch (the CLI builds its --help from it); resolving a device does.
+`inferplane worker`'s flags are these fields with their defaults. A default is not decided here: an
+option the spec's `engine` section has takes the spec's default (api.deployment.EngineConfig), and
+the ones a runtime preset decides stay None until `settled()` fills them by the same rule resolve()
+applies to a deployment (api.resolve.engine_settings), so a runtime started by `LLM(...)`, by
+`inferplane worker` or by a deployment runs with the same settings. Importing this module does not
+import torch (the CLI builds its --help from it); resolving a device does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
+from inferplane.api.deployment import COMPUTE_DTYPES, EngineConfig
 from inferplane.api.quantities import kv_cache_fraction, parse_bytes
-from inferplane.api.resolve import PRESETS
+from inferplane.api.resolve import PRESETS, default_dtype, engine_settings
 
 if TYPE_CHECKING:
     import torch
 
-DTYPES = ("float32", "bfloat16", "float16")
+# The options a runtime's preset fills where they are left open (None).
+PRESET_DECIDED = ("dtype", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory")
 
 
 def parse_memory(value: int | float | str) -> int | float:
@@ -45,6 +51,11 @@ def option(default: Any, help: str, *, choices: Sequence[str] | None = None, hid
     return field(default=default, metadata={"help": help, "choices": choices, "hidden": hidden})
 
 
+def spec_default(name: str) -> Any:
+    """The default of the spec's engine field `name` (EngineConfig), which the option shares."""
+    return EngineConfig.model_fields[name].default
+
+
 @dataclass
 class EngineOptions:
     """Every engine knob, each a `--kebab-case` flag of `inferplane worker` with the same default.
@@ -56,28 +67,35 @@ class EngineOptions:
     runtime: str = option("paged", "the runtime preset: KV manager and weight format (embedding: an encoder "
                                    "model's batched forward, no KV cache)", choices=tuple(PRESETS))
     device: str = option("auto", "where the engine runs", choices=("auto", "cpu", "cuda"))
-    dtype: str | None = option(None, "compute dtype (default: bfloat16 on CUDA, float32 on CPU)", choices=DTYPES)
-    block_size: int = option(16, "tokens per KV block")
-    max_num_seqs: int = option(256, "sequences scheduled together (embedding: inputs per forward)")
-    max_num_batched_tokens: int = option(2048, "tokens per engine step (prefill chunks included), at most "
-                                               "(embedding: padded tokens per forward)")
+    dtype: str | None = option(None, "compute dtype (default: bfloat16 on CUDA, float32 on CPU)",
+                               choices=COMPUTE_DTYPES)
+    block_size: int = option(spec_default("block_size"), "tokens per KV block")
+    max_num_seqs: int | None = option(None, "sequences scheduled together (embedding: inputs per forward); "
+                                            "default: the runtime's preset")
+    max_num_batched_tokens: int | None = option(None, "tokens per engine step (prefill chunks included), at most "
+                                                      "(embedding: padded tokens per forward); default: the "
+                                                      "runtime's preset")
     step_target_ms: int = option(500, "size prefill chunks so a step takes about this long, measured "
                                       "(decodes wait no longer behind a long prompt); 0: always the maximum")
     kv_cache_memory: int | float | str | None = option(
-        None, "KV pool size: bytes like 2GiB, or a fraction of free GPU memory like 0.9")
-    kv_cache_dtype: str = option("auto", "what the KV cache stores: auto is the compute dtype; float16 under "
-                                         "float32 compute halves the KV memory and the bytes a decode step reads",
-                                 choices=("auto", *DTYPES))
+        None, "KV pool size: bytes like 2GiB, or a fraction of free GPU memory like 0.9; default: the runtime's "
+              "preset")
+    kv_cache_dtype: str = option(spec_default("kv_cache_dtype"), "what the KV cache stores: auto is the compute "
+                                 "dtype; float16 under float32 compute halves the KV memory and the bytes a decode "
+                                 "step reads", choices=("auto", *COMPUTE_DTYPES))
     num_kv_blocks: int | None = option(None, "exact KV pool size; overrides kv_cache_memory (tests)", hidden=True)
-    max_model_len: int | None = option(None, "longest sequence (default: the model's context)")
+    max_model_len: int | None = option(spec_default("max_model_len"), "longest sequence (default: the model's "
+                                                                        "context)")
     kv_manager: str | None = option(None, "cpu-int8 only: the KV manager (default: the preset's, radix)",
                                     choices=("paged", "radix"))
     skip_quality_gate: bool = option(False, "cpu-int8: serve even if the int8 quality gate fails")
-    quantize_head: bool | None = option(None, "cpu-int8: the output head in int8 (unset: yes, the runtime's "
-                                              "default; --no-quantize-head keeps it float32; embeddings stay float)")
-    requantize_q4: bool = option(False, "cpu-int8: requantize a GGUF file's 4-, 5- and 6-bit linears (Q4_0/Q4_1/"
-                                        "Q4_K, Q5_0/Q5_1/Q5_K, Q6_K) to int8 (with smoothing) instead of serving their "
-                                        "own blocks")
+    quantize_head: bool | None = option(
+        spec_default("quantize_head"), "cpu-int8: the output head in int8 (unset: yes, the runtime's default; "
+                                       "--no-quantize-head keeps it float32; embeddings stay float)")
+    requantize_q4: bool = option(
+        spec_default("requantize_q4"), "cpu-int8: requantize a GGUF file's 4-, 5-, 6- and 8-bit linears (Q4_0/Q4_1/"
+                                       "Q4_K, Q5_0/Q5_1/Q5_K, Q6_K, Q8_0) to int8 (with smoothing) instead of serving "
+                                       "their own blocks")
     # Test hook: scales multiplied by this make a deliberately wrong quantization the gate must catch.
     quant_scale_multiplier: float = option(1.0, "cpu-int8 test hook: != 1 stores wrong scales", hidden=True)
 
@@ -101,14 +119,20 @@ class EngineOptions:
             raise ValueError("device: cuda was asked for but no CUDA device is available")
         return device
 
+    def settled(self, device: torch.device) -> EngineOptions:
+        """These options with what they leave open filled from the runtime's preset for `device`
+        (api.resolve.engine_settings: the rule a deployment's engine section is resolved by)."""
+        given = {name: getattr(self, name) for name in PRESET_DECIDED}
+        return replace(self, **{name: engine_settings(self.runtime, device.type, given)[name]
+                                for name in PRESET_DECIDED})
+
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         import torch
 
-        if self.dtype is None:
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        return getattr(torch, self.dtype)
+        name = self.dtype or default_dtype(device.type)
+        if name not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(COMPUTE_DTYPES)}, got {name!r}")
+        return getattr(torch, name)
 
     def resolve_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The KV cache's dtype for an engine computing in `dtype`."""
@@ -116,13 +140,14 @@ class EngineOptions:
 
         if self.kv_cache_dtype == "auto":
             return dtype
-        if self.kv_cache_dtype not in DTYPES:
-            raise ValueError(f"kv_cache_dtype: must be auto or one of {', '.join(DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be auto or one of {', '.join(COMPUTE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         return getattr(torch, self.kv_cache_dtype)
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
         if self.step_target_ms < 0:
             raise ValueError("step_target_ms: must be 0 (off) or positive")

@@ -1,7 +1,7 @@
 """How many tokens one engine step may take, sized by measured step time.
 
-A fixed budget (max_num_batched_tokens, 2048 by default) suits a GPU, where 2048 prompt tokens take
-milliseconds. On a CPU the same chunk can take seconds (and took minutes where PyTorch's int8 ops
+A fixed budget (max_num_batched_tokens, thousands by the runtime's preset) suits a GPU, where 2048
+prompt tokens take milliseconds. On a CPU the same chunk can take seconds (and took minutes where PyTorch's int8 ops
 were slow): every running sequence waits that long for its next token, and the time to first
 token of everything queued behind grows with it. So the engine times each step that carried a
 prefill chunk and sizes the next budget to fit `target_s`: seconds per token is a running average
