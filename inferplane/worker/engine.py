@@ -311,6 +311,8 @@ class Engine:
         if seq.params.logprobs and logprob is not None:
             seq.output_logprobs.append(logprob)
             new_logprobs = [logprob]
+            if seq.params.top_logprobs:
+                seq.output_top_logprobs.append(alternatives or [])
         delta = ""
         detok = self._detok.get(seq.request_id)
         if detok is not None:

@@ -29,6 +29,8 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     logprobs: list[float] | None = None
+    # With params.top_logprobs: per token, its (token id, logprob) alternatives, best first.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     num_cached_tokens: int = 0
     outputs: list = field(default_factory=list, repr=False)
     # With params.prompt_logprobs: entry i scores prompt token i + 1 (sampling.TokenLogprob).
@@ -113,6 +115,7 @@ class LLM:
             finish_reason=seq.finish_reason,
             metrics=RequestMetrics(ttft=ttft, latency=latency),
             logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
+            top_logprobs=list(seq.output_top_logprobs) if seq.params.logprobs and seq.params.top_logprobs else None,
             num_cached_tokens=seq.num_cached_tokens,
             prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
         )

@@ -29,6 +29,8 @@ class Sequence:
     cache_salt: str = ""
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # With params.top_logprobs: per output token, the (token id, logprob) alternatives, best first.
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (radix)
     block_table: list[int] = field(default_factory=list)

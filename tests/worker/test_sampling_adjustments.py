@@ -113,3 +113,15 @@ def test_on_the_engine_a_bias_forces_a_token_and_a_penalty_breaks_repetition(llm
 def test_on_the_engine_a_bad_bias_token_is_refused_naming_the_field(llm: LLM) -> None:
     with pytest.raises(ValueError, match="^logit_bias:"):
         llm.generate([PROMPT], SamplingParams(max_tokens=2, logit_bias={10**7: 1.0}))
+
+
+def test_llm_returns_the_top_logprobs_it_was_asked_for(llm: LLM) -> None:
+    """LLM.generate hands back top_logprobs (it took the parameter and dropped the alternatives before)."""
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True,
+                                                top_logprobs=3))[0]
+    assert len(out.top_logprobs) == len(out.token_ids) == 4
+    for token, logprob, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True):
+        assert len(top) == 3 and top[0] == (token, pytest.approx(logprob))  # greedy: the best is the choice
+        assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+    plain = llm.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0, logprobs=True))[0]
+    assert plain.top_logprobs is None
