@@ -13,16 +13,11 @@ from inferplane.worker.sampling import SamplingParams
 from tests.worker.conftest import prompts_of_lengths
 
 RUNTIMES = ["paged", "cpu-int8"]  # PyTorch's attention over the gathered cache; the C kernels
-GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True)
 
 
 def _llm(path: str, runtime: str, **options) -> LLM:
     extra = {"skip_quality_gate": True} if runtime == "cpu-int8" else {}
     return LLM(path, runtime=runtime, device="cpu", **{"num_kv_blocks": 64, **extra, **options})
-
-
-def _run(llm: LLM, prompts, params=GREEDY) -> list[tuple[list[int], list[float]]]:
-    return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
@@ -75,34 +70,55 @@ def test_smollm2s_perplexity_with_a_float16_cache(capsys):
     assert abs(rise) < 0.01
 
 
-# cpu-int8 on the random tiny model: two LLM instances, or a fork's one-row recompute of the last
-# prompt token against a prefill row, round each row's activations to int8 after float sums taken in
-# another order, and the model's near-uniform logits turn such re-rolls into other tokens. Measured on
-# an AMD EPYC with AVX2 kernels (issue 32), native kernels on or off: the two greedy choices of one
-# forked prompt disagreed with each other (124 and 84), and the fresh run's second prompt gave 208
-# in one run and 130 in another, while with a float32 cache fork and fresh agreed exactly. Kept
-# running, not asserted, until issue 32 settles what cpu-int8 promises here.
-INT8_NEAR_TIES = pytest.mark.xfail(strict=False, reason=(
-    "cpu-int8 re-rolls near ties of the random tiny model across instances and row counts on some CPUs "
-    "(AMD EPYC, AVX2): issue 32"))
+# cpu-int8 rounds each row's activations to int8 before a linear, so a difference far below float
+# rounding (the fork's one-row recompute of the last prompt token reads the cache through the decode
+# kernel, the prefill attends in another summation order) can cross a rounding boundary and move
+# the random tiny model's logprobs by a few hundredths. Measured (issue 32, AMD EPYC, AVX-512):
+# forks of prompts of 37, 50, 20, 33, 48, 16 and 17 tokens agree with the fresh run to 5e-7 except
+# the 37-token one (0.036); noise of 1e-6 per element on the attention output moves that prompt's
+# first logprob by the same 0.036 (and the 50-token one's by 0.028) while the float runtime moves
+# 1e-6. Where the model's two best tokens are that close, the greedy choice is a coin the rounding
+# tosses: the comparison then checks the choices are such a near tie and stops there.
+INT8_ROUNDING_JUMP = 0.1
+TOP2 = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
 
 
-@pytest.mark.parametrize("runtime", ["paged", pytest.param("cpu-int8", marks=INT8_NEAR_TIES)])
+def _assert_same_until_a_near_tie(expected, got, tolerance: float, name: str) -> None:
+    """Greedy outputs (token ids, logprobs, top-2 alternatives) agree token by token within
+    `tolerance`; where the tokens first differ, each choice is the other run's runner-up, within
+    2 x tolerance of its best (a near tie), and nothing after it is compared."""
+    (tokens, logprobs, tops), (tokens_o, logprobs_o, tops_o) = expected, got
+    for i, (token, token_o) in enumerate(zip(tokens, tokens_o, strict=True)):
+        if token != token_o:
+            best, best_o = dict(tops[i]), dict(tops_o[i])
+            assert token_o in best and token in best_o, (name, i, tops[i], tops_o[i])
+            assert best[token] - best[token_o] <= 2 * tolerance, (name, i, tops[i])
+            assert best_o[token_o] - best_o[token] <= 2 * tolerance, (name, i, tops_o[i])
+            return
+        assert logprobs_o[i] == pytest.approx(logprobs[i], abs=tolerance), (name, i)
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
 def test_a_prompt_computes_the_same_from_the_prefix_cache_or_forked(tiny_llama, runtime):
     """A prompt's prefill attends to its own keys and values rounded as the cache holds them, so a
     radix cache hit and an n > 1 fork, which read them from the cache, give what computing it gave
-    (without that rounding: up to 1.9 apart in logprob, tokens differing)."""
+    (without that rounding: up to 1.9 apart in logprob, tokens differing). The float runtime agrees
+    to 1e-4; cpu-int8 up to its activations' rounding (see INT8_ROUNDING_JUMP)."""
+    tolerance = 1e-4 if runtime == "paged" else INT8_ROUNDING_JUMP
+
+    def run(llm: LLM, params=TOP2) -> list[tuple]:
+        return [(o.token_ids, o.logprobs, o.top_logprobs) for o in llm.generate(prompts, params)]
+
     prompts = prompts_of_lengths([37, 50], 320, seed=14)
     paged = {"kv_manager": "paged"} if runtime == "cpu-int8" else {}
-    whole = _run(_llm(tiny_llama, runtime, kv_cache_dtype="float16", **paged), prompts)
+    whole = run(_llm(tiny_llama, runtime, kv_cache_dtype="float16", **paged))
     radix = (_llm(tiny_llama, "radix", kv_cache_dtype="float16") if runtime == "paged"
              else _llm(tiny_llama, runtime, kv_cache_dtype="float16", kv_manager="radix"))
-    _run(radix, prompts)
-    cached = _run(radix, prompts)
+    run(radix)
+    cached = run(radix)
     assert radix.stats()["prefix_hit_tokens"] > 0
-    forked = [(o.token_ids, o.logprobs) for o in _llm(tiny_llama, runtime, kv_cache_dtype="float16", **paged).generate(
-        prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True, n=2))]
+    forked = run(_llm(tiny_llama, runtime, kv_cache_dtype="float16", **paged),
+                 SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2, n=2))
     for name, other in (("cached", cached), ("forked", forked[::2]), ("forked", forked[1::2])):
-        for (tokens, logprobs), (tokens_o, logprobs_o) in zip(whole, other, strict=True):
-            assert tokens_o == tokens, name
-            assert logprobs_o == pytest.approx(logprobs, abs=1e-4), name
+        for expected, got in zip(whole, other, strict=True):
+            _assert_same_until_a_near_tie(expected, got, tolerance, name)
