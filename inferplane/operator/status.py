@@ -3,7 +3,9 @@
 Pure, so that the create handler and the child-Deployment watcher write the same status for the
 same facts, and so that tests can check every phase without an API server.
 Conditions follow the Kubernetes convention: type, status, reason, message, lastTransitionTime;
-a condition's lastTransitionTime changes only when its status does.
+a condition's lastTransitionTime changes only when its status does. Every status is built as the
+typed model the CRD's status schema is generated from (api/deployment_status.py) and written as its
+camelCase dump, so what the operator writes is what the CRD declares, field by field.
 """
 
 from __future__ import annotations
@@ -12,25 +14,35 @@ import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from inferplane.api.deployment_status import Condition, InferenceDeploymentStatus, ModelStatus
 from inferplane.api.model_resolution import ModelResolutionError, ResolvedModel
 from inferplane.api.resolve import ResolvedDeployment
 from inferplane.operator.manifests import GRPC_PORT, LABEL_DEPLOYMENT
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC).replace(microsecond=0)  # whole seconds, as Kubernetes writes
+
+
+def _wire(part: InferenceDeploymentStatus | Condition) -> dict[str, Any]:
+    """A status part as the API server stores it: camelCase; a field not given (or None) is left out,
+    so a merge patch of it leaves what another writer put there (status.autoscaler, say) alone."""
+    return part.model_dump(by_alias=True, exclude_unset=True, exclude_none=True, mode="json")
+
+
+def _condition(ctype: str, status: bool, reason: str, message: str, *, previous: Sequence[Mapping[str, Any]] = (),
+               generation: int | None = None, now: str | None = None) -> Condition:
+    value = "True" if status else "False"
+    before = next((c for c in previous if c.get("type") == ctype), None)
+    changed = before is None or before.get("status") != value
+    return Condition(type=ctype, status=value, reason=reason, message=message, observed_generation=generation,
+                     last_transition_time=(now or _now()) if changed else before.get("lastTransitionTime") or _now())
 
 
 def condition(ctype: str, status: bool, reason: str, message: str, *, previous: Sequence[Mapping[str, Any]] = (),
               generation: int | None = None, now: str | None = None) -> dict[str, Any]:
-    value = "True" if status else "False"
-    before = next((c for c in previous if c.get("type") == ctype), None)
-    changed = before is None or before.get("status") != value
-    result = {"type": ctype, "status": value, "reason": reason, "message": message,
-              "lastTransitionTime": (now or _now()) if changed else before.get("lastTransitionTime") or _now()}
-    if generation is not None:
-        result["observedGeneration"] = generation
-    return result
+    """One condition as written (see _condition)."""
+    return _wire(_condition(ctype, status, reason, message, previous=previous, generation=generation, now=now))
 
 
 def _deployment_condition(deployment: Mapping[str, Any], ctype: str) -> Mapping[str, Any] | None:
@@ -81,36 +93,28 @@ def compute_status(
 
     kw = {"previous": previous_conditions, "generation": generation, "now": now}
     if ready > 0:
-        ready_cond = condition("Ready", True, "WorkersReady" if rolled_out else "PartiallyReady",
+        ready_cond = _condition("Ready", True, "WorkersReady" if rolled_out else "PartiallyReady",
                                f"{ready}/{desired_replicas} workers serve requests", **kw)
     else:
-        ready_cond = condition("Ready", False, "ScaledToZero" if desired_replicas == 0 else "NoWorkerReady",
+        ready_cond = _condition("Ready", False, "ScaledToZero" if desired_replicas == 0 else "NoWorkerReady",
                                "no worker is ready yet" if desired_replicas else "replicas is 0", **kw)
     conditions = [
         ready_cond,
-        condition("Progressing", phase in ("Pending", "Progressing"), p_reason, p_msg, **kw),
-        condition("Degraded", degraded, "RolloutStalled" if degraded else "AsExpected",
+        _condition("Progressing", phase in ("Pending", "Progressing"), p_reason, p_msg, **kw),
+        _condition("Degraded", degraded, "RolloutStalled" if degraded else "AsExpected",
                   p_msg if degraded else "no rollout failure reported", **kw),
     ]
-    status: dict[str, Any] = {
-        "phase": phase,
-        "conditions": conditions,
-        "replicas": int(dstatus.get("replicas") or 0),
-        "readyReplicas": ready,
-        "selectedRuntime": resolved.runtime,
-        "runtimeReason": resolved.reason,
-        "selector": f"{LABEL_DEPLOYMENT}={name}",
-        # The headless Service resolves to the ready pods' addresses; the gateway dials them.
-        "endpoints": [f"{name}.{namespace}.svc:{GRPC_PORT}"] if ready > 0 else [],
-    }
     if model is not None:
-        status["model"] = {"name": model.name, "version": model.version, "sha256": model.sha256, "uri": model.uri,
-                           "format": model.format}
-        conditions.append(condition("ModelResolved", True, "Resolved",
-                                    f"{model.ref} sha256:{model.sha256[:12]}", **kw))
-    if generation is not None:
-        status["observedGeneration"] = generation
-    return status
+        conditions.append(_condition("ModelResolved", True, "Resolved",
+                                     f"{model.ref} sha256:{model.sha256[:12]}", **kw))
+    return _wire(InferenceDeploymentStatus(
+        phase=phase, conditions=conditions, replicas=int(dstatus.get("replicas") or 0), ready_replicas=ready,
+        selected_runtime=resolved.runtime, runtime_reason=resolved.reason, selector=f"{LABEL_DEPLOYMENT}={name}",
+        # The headless Service resolves to the ready pods' addresses; the gateway dials them.
+        endpoints=[f"{name}.{namespace}.svc:{GRPC_PORT}"] if ready > 0 else [],
+        model=None if model is None else ModelStatus(name=model.name, version=model.version, sha256=model.sha256,
+                                                     uri=model.uri, format=model.format),
+        observed_generation=generation))
 
 
 def unresolved_model_status(error: ModelResolutionError, *, generation: int | None,
@@ -119,26 +123,18 @@ def unresolved_model_status(error: ModelResolutionError, *, generation: int | No
     crash-loop); workers already running keep serving the version they have."""
     kw = {"previous": previous_conditions, "generation": generation}
     message = f"{error.message}; running workers, if any, are left as they are"
-    status: dict[str, Any] = {
-        "phase": "Degraded",
-        "conditions": [condition("ModelResolved", False, error.reason, error.message, **kw),
-                       condition("Degraded", True, error.reason, message, **kw)],
-    }
-    if generation is not None:
-        status["observedGeneration"] = generation
-    return status
+    return _wire(InferenceDeploymentStatus(
+        phase="Degraded", observed_generation=generation,
+        conditions=[_condition("ModelResolved", False, error.reason, error.message, **kw),
+                    _condition("Degraded", True, error.reason, message, **kw)]))
 
 
 def invalid_status(message: str, *, generation: int | None, previous_conditions: Sequence[Mapping[str, Any]] = ()
                    ) -> dict[str, Any]:
     """For a spec the operator cannot act on (when no webhook stopped it at admission)."""
     kw = {"previous": previous_conditions, "generation": generation}
-    status: dict[str, Any] = {
-        "phase": "Failed",
-        "conditions": [condition("Ready", False, "InvalidSpec", message, **kw),
-                       condition("Progressing", False, "InvalidSpec", message, **kw),
-                       condition("Degraded", True, "InvalidSpec", message, **kw)],
-    }
-    if generation is not None:
-        status["observedGeneration"] = generation
-    return status
+    return _wire(InferenceDeploymentStatus(
+        phase="Failed", observed_generation=generation,
+        conditions=[_condition("Ready", False, "InvalidSpec", message, **kw),
+                    _condition("Progressing", False, "InvalidSpec", message, **kw),
+                    _condition("Degraded", True, "InvalidSpec", message, **kw)]))

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from inferplane.api.deployment import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from inferplane.api.deployment_status import AutoscalerStatus
 from inferplane.control_plane.autoscale.decision import Decision
 from inferplane.control_plane.routing import Endpoint
 
@@ -66,13 +67,13 @@ class KubernetesScaler:
                 log.warning("autoscaler: marking pod %s/%s for removal failed: %s", namespace, pod, exc)
         await asyncio.to_thread(self.custom.patch_namespaced_custom_object_scale, GROUP, VERSION, namespace, PLURAL,
                                 resource, {"spec": {"replicas": replicas}})
-        now = _now()
-        status = {"desiredReplicas": replicas, "currentReplicas": previous,
-                  "saturation": round(decision.stable_load, 3), "panic": decision.panic,
-                  "lastScaleTime": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
-                  "reason": decision.reason[:1024]}
+        now = _now().replace(microsecond=0)
+        status = AutoscalerStatus(desired_replicas=replicas, current_replicas=previous,
+                                  saturation=round(decision.stable_load, 3), panic=decision.panic,
+                                  last_scale_time=now, reason=decision.reason[:1024])
         body = await asyncio.to_thread(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace,
-                                       PLURAL, resource, {"status": {"autoscaler": status}})
+                                       PLURAL, resource, {"status": {"autoscaler": status.model_dump(
+                                           by_alias=True, exclude_none=True, mode="json")}})
         await asyncio.to_thread(self._event, namespace, resource, body["metadata"]["uid"], previous, replicas,
                                 decision, now)
 
