@@ -19,15 +19,13 @@ import yaml
 
 from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
 from inferplane.api.model_resolution import ModelResolutionError
-from inferplane.api.resolve import served_cache_isolation, served_priority
 from inferplane.control_plane import auth, registry, tenants
 from inferplane.control_plane.autoscale.autoscaler import Autoscaler, AutoscalerMetrics
-from inferplane.control_plane.autoscale.settings import autoscale_settings, watch
+from inferplane.control_plane.autoscale.settings import watch
 from inferplane.control_plane.errors import Conflict, NotFound
-from inferplane.control_plane.gateway.catalog import ServedModel
+from inferplane.control_plane.gateway.served_routes import ResourceRoute, catalog_entry, route_table, router_deployment
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
 from inferplane.control_plane.outbound import ENV_OUTBOUND_ALLOW, split_entries
-from inferplane.control_plane.routing import Deployment
 from inferplane.local import runstate
 from inferplane.local.supervisor import LocalDeployment, Replica, Supervisor, SupervisorScaler
 from inferplane.storage.fetch import FetchResult, fetch_model
@@ -112,6 +110,8 @@ class LocalPlatform:
         self._run_state: asyncio.Task | None = None
         self.tenant_key: str | None = None
         self.fetches: dict[str, FetchResult] = {}  # deployment name -> how its registry weights were fetched
+        # served model name -> its deployments' routes: the mapping the cluster sync uses (served_routes)
+        self.routes = route_table(ResourceRoute.of(m.name, m.spec) for m in manifests)
 
     def bootstrap(self) -> None:
         """First start only: the default tenant and its key (printed once, never stored)."""
@@ -181,29 +181,18 @@ class LocalPlatform:
         self.bootstrap()
         await self.gateway.start()
         loop = asyncio.get_running_loop()
-        groups: dict[str, list[Deployment]] = {}
         for manifest in self.manifests:
             path = await loop.run_in_executor(None, self._model_path, manifest)
-            deployment = self.supervisor.add(manifest.name, manifest.spec, path)
-            served = deployment.served_model_name
-            serving = manifest.spec.serving
-            block_size = deployment.resolved.block_size
-            groups.setdefault(served, []).append(Deployment(manifest.name, deployment.source, weight=serving.weight,
-                                                            tier=serving.tier, block_size=block_size))
-        for served, deployments in groups.items():
-            self.gateway.router.set_route(served, deployments)
-        for manifest in self.manifests:
-            self._autoscale(manifest)
+            self.supervisor.add(manifest.name, manifest.spec, path)
+        for served, members in self.routes.items():
+            self.gateway.router.set_route(served, [
+                router_deployment(r, self.supervisor.deployments[r.name].source) for r in members])
+            for route in members:
+                if route.autoscaling is not None:  # watched; its requests held at zero replicas
+                    watch(self.autoscaler, route.name, served, route.name, route.autoscaling)
         self._run_state = asyncio.get_running_loop().create_task(self._keep_run_state())
         if self.autoscaler.targets:
             self._autoscaling = asyncio.get_running_loop().create_task(self.autoscaler.run())
-
-    def _autoscale(self, manifest: Manifest) -> None:
-        """Watches a deployment whose spec enables autoscaling; holds its requests at zero replicas."""
-        settings = autoscale_settings(manifest.spec)
-        if settings is not None:
-            watch(self.autoscaler, manifest.name, manifest.spec.served_model_name(manifest.name), manifest.name,
-                  settings)
 
     def _replica_ready(self, deployment: LocalDeployment, replica: Replica) -> None:
         served = deployment.served_model_name
@@ -214,10 +203,7 @@ class LocalPlatform:
         """Adds the served model to the catalog with the tokenizer and context length the worker reports."""
         info = await self.gateway.channels.stub(replica.address).Info(worker_pb2.InfoRequest(), timeout=30)
         served = deployment.served_model_name
-        specs = [d.spec for d in self.supervisor.deployments.values() if d.served_model_name == served]
-        self.gateway.catalog.put(ServedModel.from_info(
-            served, info, cache_isolation=served_cache_isolation(s.cache_isolation for s in specs),
-            priority=served_priority(s.priority for s in specs)))
+        self.gateway.catalog.put(catalog_entry(served, self.routes[served], info))
 
     async def wait_ready(self, timeout: float) -> bool:
         loop = asyncio.get_running_loop()

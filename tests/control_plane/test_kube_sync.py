@@ -13,12 +13,8 @@ import pytest
 
 from inferplane.api.resolve import served_cache_isolation
 from inferplane.control_plane.gateway.catalog import Catalog
-from inferplane.control_plane.gateway.kube_sync import (
-    KubernetesCatalogSync,
-    resource_route,
-    resource_routes,
-    route_table,
-)
+from inferplane.control_plane.gateway.kube_sync import KubernetesCatalogSync
+from inferplane.control_plane.gateway.served_routes import resource_route, resource_routes, route_table
 from inferplane.control_plane.routing import Endpoint, Router, RouteRequest, StaticEndpointSource, Tier
 from inferplane.control_plane.routing.worker_channels import WorkerChannels
 

@@ -20,8 +20,9 @@ from inferplane.control_plane import auth, tenants
 from inferplane.control_plane.auth import KeyCache
 from inferplane.control_plane.errors import InvalidInput
 from inferplane.control_plane.gateway.catalog import Catalog
-from inferplane.control_plane.gateway.kube_sync import KubernetesCatalogSync, resource_route, resource_routes
+from inferplane.control_plane.gateway.kube_sync import KubernetesCatalogSync
 from inferplane.control_plane.gateway.rest import create_asgi_app
+from inferplane.control_plane.gateway.served_routes import resource_route, resource_routes
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
 from inferplane.control_plane.routing import Endpoint, Router, StaticEndpointSource
 from inferplane.control_plane.routing.worker_channels import WorkerChannels

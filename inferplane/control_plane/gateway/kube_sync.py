@@ -6,10 +6,9 @@ KV block size) and the operator gives it a headless Service whose EndpointSlices
 pods. This module turns those into ``router.set_route`` calls and, once a served model has a
 replica, a ``catalog.put`` with the tokenizer and context length that replica reports over ``Info``.
 
-Split in two so the mapping is testable without a cluster:
+The mapping itself (an API object → ``ResourceRoute`` → router deployments and catalog entry) is
+served_routes.py, which local mode uses too; here is what only a cluster needs:
 
-* pure: ``resource_route`` / ``resource_routes`` (an API object → ``ResourceRoute``) and
-  ``route_table`` (routes → served model name → its deployments);
 * ``KubernetesCatalogSync``: re-lists the resources on an interval (no watch: restart-free, like
   ``KubernetesEndpointSource``), starts and stops one endpoint-polling task per resource, applies
   the table, and publishes catalog entries. Its API calls are plain callables, so tests can hand
@@ -20,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -30,11 +27,18 @@ from typing import Any, Protocol
 
 import grpc
 
-from inferplane.api.deployment import GROUP, PLURAL, VERSION, InferenceDeploymentSpec, SpecError
-from inferplane.api.resolve import resolve, served_cache_isolation, served_priority
+from inferplane.api.deployment import GROUP, PLURAL, VERSION
 from inferplane.control_plane.autoscale.autoscaler import Autoscaler
-from inferplane.control_plane.autoscale.settings import AutoscaleSettings, autoscale_settings, watch
-from inferplane.control_plane.gateway.catalog import Catalog, ServedModel
+from inferplane.control_plane.autoscale.settings import watch
+from inferplane.control_plane.gateway.catalog import Catalog
+from inferplane.control_plane.gateway.served_routes import (
+    ResourceRoute,
+    catalog_entry,
+    resource_routes,
+    route_table,
+    router_deployment,
+    served_settings,
+)
 from inferplane.control_plane.routing import Deployment, Endpoint, Router, Tier
 from inferplane.control_plane.routing.worker_channels import WorkerChannels
 from inferplane.v1 import worker_pb2
@@ -46,84 +50,6 @@ SERVICE_PORT_NAME = "grpc"  # manifests.service names the worker port so
 
 class KubeConfigError(RuntimeError):
     """Neither an in-cluster service account nor a kubeconfig is available."""
-
-
-# ---- pure: resources -> route table ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ResourceRoute:
-    """What the gateway needs from one InferenceDeployment. Equal values mean "nothing to redo"."""
-
-    namespace: str
-    name: str  # the resource and, by the operator's convention, its headless Service
-    served_model_name: str
-    weight: float
-    tier: Tier
-    block_size: int
-    cache_isolation: str
-    model_fingerprint: str  # changes whenever what the workers load (and so Info) may change
-    autoscaling: AutoscaleSettings | None = None  # None: the spec's replicas are the user's
-    replicas: int = 1  # spec.replicas (the autoscaler writes it too): the metrics' desired replicas
-    priority: str | None = None  # spec.priority: the default band of the served model's requests
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.namespace, self.name)
-
-    @property
-    def deployment_name(self) -> str:
-        """namespace/name: unique across namespaces, which one served model may span."""
-        return f"{self.namespace}/{self.name}"
-
-
-def _fingerprint(spec: Mapping[str, Any]) -> str:
-    """The spec fields that change the catalog entry: weights and tokenizer (model), context length
-    (engine.maxModelLen) and cache isolation. Replicas, weights and tiers deliberately excluded."""
-    relevant = {"model": spec.get("model"), "maxModelLen": (spec.get("engine") or {}).get("maxModelLen"),
-                "cacheIsolation": spec.get("cacheIsolation")}
-    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def resource_route(obj: Mapping[str, Any]) -> ResourceRoute:
-    """One InferenceDeployment (an API dict) as a route; raises ``SpecError`` for an invalid spec."""
-    meta = obj.get("metadata") or {}
-    name = meta.get("name")
-    if not name:
-        raise SpecError("metadata.name", "required")
-    raw_spec = obj.get("spec") or {}
-    spec = InferenceDeploymentSpec.from_dict(raw_spec)
-    return ResourceRoute(
-        namespace=meta.get("namespace") or "default", name=name,
-        served_model_name=spec.served_model_name(name), weight=float(spec.serving.weight),
-        tier=Tier(spec.serving.tier), block_size=resolve(spec).block_size,
-        cache_isolation=spec.cache_isolation, model_fingerprint=_fingerprint(raw_spec),
-        autoscaling=autoscale_settings(spec), replicas=spec.replicas, priority=spec.priority)
-
-
-def resource_routes(objs: Iterable[Mapping[str, Any]]) -> list[ResourceRoute]:
-    """Routes of the resources that should take traffic. A resource being deleted (deletionTimestamp
-    set: its pods are draining) is left out, as is one whose spec does not parse; the latter is
-    logged, never fatal, so one bad object cannot take the other models off the gateway."""
-    routes = []
-    for obj in objs:
-        meta = obj.get("metadata") or {}
-        if meta.get("deletionTimestamp"):
-            continue
-        try:
-            routes.append(resource_route(obj))
-        except (SpecError, ValueError) as exc:
-            log.warning("ignoring InferenceDeployment %s/%s: %s", meta.get("namespace"), meta.get("name"), exc)
-    return routes
-
-
-def route_table(routes: Iterable[ResourceRoute]) -> dict[str, tuple[ResourceRoute, ...]]:
-    """Served model name → its resources, each group sorted by (namespace, name) so that equal
-    inputs give equal tables and the sync can skip unchanged models."""
-    table: dict[str, list[ResourceRoute]] = {}
-    for route in routes:
-        table.setdefault(route.served_model_name, []).append(route)
-    return {model: tuple(sorted(members, key=lambda r: r.key)) for model, members in sorted(table.items())}
 
 
 # ---- the sync ------------------------------------------------------------------------------------
@@ -261,8 +187,7 @@ class KubernetesCatalogSync:
         self._held_models = held_models
 
     def _deployment(self, route: ResourceRoute) -> Deployment:
-        return Deployment(route.deployment_name, self._tracked[route.key].source, weight=route.weight,
-                          tier=route.tier, block_size=route.block_size, desired_replicas=route.replicas)
+        return router_deployment(route, self._tracked[route.key].source)
 
     async def publish(self) -> None:
         """Put each served model that has a replica into the catalog, from that replica's ``Info``.
@@ -274,16 +199,14 @@ class KubernetesCatalogSync:
             addresses = self._addresses(members)
             if not addresses:
                 continue
-            isolation = served_cache_isolation(m.cache_isolation for m in members)
-            band = served_priority(m.priority for m in members)
-            trigger = (tuple(m.model_fingerprint for m in members), isolation, band, tuple(sorted(addresses)))
+            trigger = (tuple(m.model_fingerprint for m in members), *served_settings(members), tuple(sorted(addresses)))
             previous = self._published.get(model)
             if previous is not None and previous.trigger == trigger:
                 continue
             info = await self._fetch_info(addresses)
             if info is None or self._table.get(model) != members:
                 continue  # no replica answered (next round retries), or the model changed meanwhile
-            entry = ServedModel.from_info(model, info, cache_isolation=isolation, priority=band)
+            entry = catalog_entry(model, members, info)
             if previous is not None:
                 entry.created = previous.created  # /v1/models shows when the model appeared, not the last refresh
             self.catalog.put(entry)

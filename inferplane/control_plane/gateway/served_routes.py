@@ -1,0 +1,129 @@
+"""From InferenceDeployments to what the gateway serves: the one mapping for local mode and the cluster.
+
+Each deployment (a spec and its name) becomes a `ResourceRoute` (served model name, A/B weight, tier,
+KV block size, cache isolation, priority band, autoscaling); the routes of one served model become
+its router `Deployment`s (`router_deployment`, over the endpoint source that lists its replicas: the
+local supervisor's, or the cluster's EndpointSlices) and, once a replica answers `Info`, its catalog
+entry (`catalog_entry`, with the isolation and band that every deployment behind the name settles
+on). `inferplane up` (local/platform.py) and the cluster sync (kube_sync.py) both go through here,
+so a manifest means the same on one machine and on a cluster.
+
+Invariant: equal inputs give equal routes and tables (sorted), so a sync can skip what did not change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
+from inferplane.api.resolve import resolve, served_cache_isolation, served_priority
+from inferplane.control_plane.autoscale.settings import AutoscaleSettings, autoscale_settings
+from inferplane.control_plane.gateway.catalog import ServedModel
+from inferplane.control_plane.routing import Deployment, EndpointSource, Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ResourceRoute:
+    """What the gateway needs from one InferenceDeployment. Equal values mean "nothing to redo"."""
+
+    namespace: str | None  # None: local mode, where names are unique on their own
+    name: str  # the resource and, by the operator's convention, its headless Service
+    served_model_name: str
+    weight: float
+    tier: Tier
+    block_size: int
+    cache_isolation: str
+    model_fingerprint: str  # changes whenever what the workers load (and so Info) may change
+    autoscaling: AutoscaleSettings | None = None  # None: the spec's replicas are the user's
+    # spec.replicas (the autoscaler writes it, the sync re-reads it): the metrics' desired replicas. None
+    # in local mode, where the supervisor's source lists every replica it runs, scaled or not.
+    replicas: int | None = 1
+    priority: str | None = None  # spec.priority: the default band of the served model's requests
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace or "", self.name)
+
+    @property
+    def deployment_name(self) -> str:
+        """namespace/name: unique across namespaces, which one served model may span (local: the name)."""
+        return self.name if self.namespace is None else f"{self.namespace}/{self.name}"
+
+    @classmethod
+    def of(cls, name: str, spec: InferenceDeploymentSpec, *, namespace: str | None = None,
+           fingerprint: str = "") -> ResourceRoute:
+        """The route of the deployment `name` with `spec`."""
+        return cls(namespace=namespace, name=name, served_model_name=spec.served_model_name(name),
+                   weight=float(spec.serving.weight), tier=Tier(spec.serving.tier),
+                   block_size=resolve(spec).block_size, cache_isolation=spec.cache_isolation,
+                   model_fingerprint=fingerprint, autoscaling=autoscale_settings(spec),
+                   replicas=None if namespace is None else spec.replicas, priority=spec.priority)
+
+
+def _fingerprint(spec: Mapping[str, Any]) -> str:
+    """The spec fields that change the catalog entry: weights and tokenizer (model), context length
+    (engine.maxModelLen) and cache isolation. Replicas, weights and tiers deliberately excluded."""
+    relevant = {"model": spec.get("model"), "maxModelLen": (spec.get("engine") or {}).get("maxModelLen"),
+                "cacheIsolation": spec.get("cacheIsolation")}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def resource_route(obj: Mapping[str, Any]) -> ResourceRoute:
+    """One InferenceDeployment (an API dict) as a route; raises ``SpecError`` for an invalid spec."""
+    meta = obj.get("metadata") or {}
+    name = meta.get("name")
+    if not name:
+        raise SpecError("metadata.name", "required")
+    raw_spec = obj.get("spec") or {}
+    return ResourceRoute.of(name, InferenceDeploymentSpec.from_dict(raw_spec),
+                            namespace=meta.get("namespace") or "default", fingerprint=_fingerprint(raw_spec))
+
+
+def resource_routes(objs: Iterable[Mapping[str, Any]]) -> list[ResourceRoute]:
+    """Routes of the resources that should take traffic. A resource being deleted (deletionTimestamp
+    set: its pods are draining) is left out, as is one whose spec does not parse; the latter is
+    logged, never fatal, so one bad object cannot take the other models off the gateway."""
+    routes = []
+    for obj in objs:
+        meta = obj.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        try:
+            routes.append(resource_route(obj))
+        except (SpecError, ValueError) as exc:
+            log.warning("ignoring InferenceDeployment %s/%s: %s", meta.get("namespace"), meta.get("name"), exc)
+    return routes
+
+
+def route_table(routes: Iterable[ResourceRoute]) -> dict[str, tuple[ResourceRoute, ...]]:
+    """Served model name → its resources, each group sorted by (namespace, name) so that equal
+    inputs give equal tables and the sync can skip unchanged models."""
+    table: dict[str, list[ResourceRoute]] = {}
+    for route in routes:
+        table.setdefault(route.served_model_name, []).append(route)
+    return {model: tuple(sorted(members, key=lambda r: r.key)) for model, members in sorted(table.items())}
+
+
+def router_deployment(route: ResourceRoute, source: EndpointSource) -> Deployment:
+    """The router's view of one deployment: its replicas (from `source`), weight, tier and block size."""
+    return Deployment(route.deployment_name, source, weight=route.weight, tier=route.tier,
+                      block_size=route.block_size, desired_replicas=route.replicas)
+
+
+def served_settings(members: Sequence[ResourceRoute]) -> tuple[str, str]:
+    """(cache isolation, default priority band) of a served model, from every deployment behind it."""
+    return (served_cache_isolation(m.cache_isolation for m in members),
+            served_priority(m.priority for m in members))
+
+
+def catalog_entry(model: str, members: Sequence[ResourceRoute], info: Any) -> ServedModel:
+    """The served model's catalog entry from a replica's `Info` and the deployments behind the name."""
+    isolation, band = served_settings(members)
+    return ServedModel.from_info(model, info, cache_isolation=isolation, priority=band)
