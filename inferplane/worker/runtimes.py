@@ -101,7 +101,7 @@ def prepare_weights(options: EngineOptions, loaded) -> dict[str, float]:
 def kernel_isas(model: nn.Module) -> dict[str, str]:
     """Kernel name -> the ISA it runs on for this model ("torch": PyTorch's op does that job):
     what the C kernels cover, less what this model or the start-up measurements left to PyTorch."""
-    isas = native.kernel_isas()
+    isas = native.kernel_isas(native.kernels())
     gelu = getattr(getattr(model, "config", None), "hidden_act", "silu") == "gelu_tanh"
     isas.pop("silu_mul" if gelu else "gelu_mul", None)  # the gated MLP's activation this model has
     param = next(model.parameters(), None)

@@ -51,7 +51,7 @@ def test_the_isa_can_be_forced_and_an_unavailable_one_is_refused(monkeypatch, ca
     try:
         monkeypatch.setenv("INFERPLANE_NATIVE_ISA", "avx2")
         assert native.kernels().isa == "avx2"
-        assert set(native.kernel_isas().values()) == {"avx2"}
+        assert set(native.kernel_isas(native.kernels()).values()) == {"avx2"}
         native.kernels.cache_clear()
         monkeypatch.setenv("INFERPLANE_NATIVE_ISA", "sse2")
         with caplog.at_level(logging.WARNING, logger="inferplane.worker.native"):
@@ -208,7 +208,7 @@ def test_without_a_compiler_the_kernels_are_off_and_say_so(monkeypatch, tmp_path
 def test_a_failed_build_is_reported_with_the_compiler_message(monkeypatch, tmp_path, caplog):
     broken = tmp_path / "kernels.c"
     broken.write_text("this is not C\n")
-    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setattr(native.build, "SOURCE", broken)
     monkeypatch.setenv("INFERPLANE_NATIVE_DIR", str(tmp_path / "cache"))
     native.kernels.cache_clear()
     try:
