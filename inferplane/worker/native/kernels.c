@@ -1,4 +1,4 @@
-/* CPU kernels for the worker's decode step, called through ctypes (native/__init__.py).
+/* CPU kernels for the worker's decode step, called through ctypes (native/bindings.py).
  *
  * Two jobs that PyTorch's eager CPU ops do poorly at decode sizes:
  *  - ip_int8_linear: y = x @ W.T for int8 W, with each row of x quantized to int8 inside the call.
@@ -9,7 +9,7 @@
  *  - ip_paged_decode_attention: one query token per sequence against its KV blocks read where they
  *    lie in the paged cache, so no gather copies the context first.
  *
- * One source, built once per instruction set (native/__init__.py picks the best the CPU has, or the
+ * One source, built once per instruction set (native/build.py picks the best the CPU has, or the
  * one INFERPLANE_NATIVE_ISA names):
  *  - avx512-vnni (-march=x86-64-v4 -mavx512vnni): 16 floats a vector, vpdpbusd for int8.
  *  - avx2-vnni (-march=x86-64-v3 -mavxvnni): 8 floats a vector, the 256-bit vpdpbusd.
