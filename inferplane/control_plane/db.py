@@ -13,7 +13,6 @@ the session closes (the gateway caches them).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +20,9 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-ENV_DB_URL = "INFERPLANE_DB_URL"
+from inferplane.control_plane.db_url import default_db_url
+
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
-
-
-def default_home() -> Path:
-    return Path(os.environ.get("INFERPLANE_HOME") or Path.home() / ".inferplane")
-
-
-def default_db_url(home: str | Path | None = None) -> str:
-    """`$INFERPLANE_DB_URL` if set (and no explicit home), else SQLite at `<home>/inferplane.db`."""
-    if home is None and os.environ.get(ENV_DB_URL):
-        return os.environ[ENV_DB_URL]
-    folder = Path(home).expanduser() if home is not None else default_home()
-    return f"sqlite:///{folder / 'inferplane.db'}"
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

@@ -379,7 +379,7 @@ def test_backoff_doubles_up_to_the_cap():
 def test_the_gateway_reads_the_secret_from_a_file_or_the_environment(tmp_path, monkeypatch):
     import argparse
 
-    from inferplane.control_plane.cli import configure, gateway_settings
+    from inferplane.control_plane.cli.gateway import configure, gateway_settings
 
     for name in ("INFERPLANE_ALERT_WEBHOOK_SECRET", "INFERPLANE_ALERT_WEBHOOK_SECRET_FILE"):
         monkeypatch.delenv(name, raising=False)

@@ -137,8 +137,8 @@ def test_cli_modules_import_cheaply() -> None:
     import sys
 
     code = (
-        "import sys, inferplane.control_plane.cli_models, inferplane.control_plane.cli_keys, "
-        "inferplane.control_plane.cli_tenants; "
+        "import sys, inferplane.control_plane.cli.models, inferplane.control_plane.cli.keys, "
+        "inferplane.control_plane.cli.tenants; "
         "print(sorted(m for m in ('sqlalchemy', 'alembic', 'gguf', 'jwt', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from inferplane.control_plane import db
+from inferplane.control_plane import db, db_url
 from inferplane.control_plane.orm import Base
 
 TABLES = {"tenants", "api_keys", "models", "usage", "audit_log", "alerts", "tenant_webhooks", "alert_deliveries"}
@@ -66,19 +66,19 @@ def test_postgres_schemas_are_isolated(pg_url: str) -> None:
 
 
 def test_default_url_is_sqlite_under_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(db.ENV_DB_URL, raising=False)
+    monkeypatch.delenv(db_url.ENV_DB_URL, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("INFERPLANE_HOME", raising=False)
-    assert db.default_db_url() == f"sqlite:///{tmp_path / '.inferplane' / 'inferplane.db'}"
-    assert db.default_db_url(tmp_path / "x") == f"sqlite:///{tmp_path / 'x' / 'inferplane.db'}"
-    monkeypatch.setenv(db.ENV_DB_URL, "sqlite:////elsewhere.db")
-    assert db.default_db_url() == "sqlite:////elsewhere.db"
+    assert db_url.default_db_url() == f"sqlite:///{tmp_path / '.inferplane' / 'inferplane.db'}"
+    assert db_url.default_db_url(tmp_path / "x") == f"sqlite:///{tmp_path / 'x' / 'inferplane.db'}"
+    monkeypatch.setenv(db_url.ENV_DB_URL, "sqlite:////elsewhere.db")
+    assert db_url.default_db_url() == "sqlite:////elsewhere.db"
     # an explicit home beats the environment: `--home` is the more specific instruction
-    assert db.default_db_url(tmp_path / "y") == f"sqlite:///{tmp_path / 'y' / 'inferplane.db'}"
+    assert db_url.default_db_url(tmp_path / "y") == f"sqlite:///{tmp_path / 'y' / 'inferplane.db'}"
 
 
 def test_init_db_creates_the_state_folder(tmp_path: Path) -> None:
-    url = db.default_db_url(tmp_path / "deep" / "state")
+    url = db_url.default_db_url(tmp_path / "deep" / "state")
     engine = db.init_db(url)
     try:
         assert (tmp_path / "deep" / "state" / "inferplane.db").is_file()

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from inferplane.cli import main
-from inferplane.control_plane import cli
+from inferplane.control_plane.cli import gateway as cli
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = ("INFERPLANE_DATABASE_URL", "INFERPLANE_DB_URL", "INFERPLANE_NAMESPACE", "INFERPLANE_BOOTSTRAP_KEY",

@@ -374,7 +374,7 @@ def test_the_allow_list_takes_cidrs_addresses_and_names():
 
 
 def test_the_gateway_reads_the_allow_list_from_its_flag_or_the_environment(monkeypatch):
-    from inferplane.control_plane.cli import UsageError, configure, gateway_settings
+    from inferplane.control_plane.cli.gateway import UsageError, configure, gateway_settings
 
     def settings(*argv: str):
         parser = argparse.ArgumentParser()

@@ -9,7 +9,7 @@ import argparse
 from typing import Any
 
 from inferplane.api.priority import BANDS
-from inferplane.control_plane.cli_common import add_db_arguments, cli_actor, print_json, run_cli_command
+from inferplane.control_plane.cli.common import add_db_arguments, cli_actor, print_json, run_cli_command
 
 NONE = "none"  # what `update` takes to remove a band or a limit
 

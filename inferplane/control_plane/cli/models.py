@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from inferplane.control_plane.cli_common import add_db_arguments, cli_actor, print_json, run_cli_command
+from inferplane.control_plane.cli.common import add_db_arguments, cli_actor, print_json, run_cli_command
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any
 
-ENV_DB_URL = "INFERPLANE_DB_URL"
+from inferplane.control_plane.db_url import ENV_DB_URL
 
 
 def add_db_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +25,8 @@ def add_db_arguments(parser: argparse.ArgumentParser) -> None:
 
 def sessions_from_args(args: argparse.Namespace) -> Any:
     """Migrates the database the CLI points at and returns its session factory."""
-    from inferplane.control_plane.db import default_db_url, init_db, session_factory
+    from inferplane.control_plane.db import init_db, session_factory
+    from inferplane.control_plane.db_url import default_db_url
 
     url = args.db_url or default_db_url(args.home)
     return session_factory(init_db(url))

@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from inferplane.api.priority import BANDS
-from inferplane.control_plane.cli_common import add_db_arguments, cli_actor, print_json, run_cli_command
+from inferplane.control_plane.cli.common import add_db_arguments, cli_actor, print_json, run_cli_command
 
 _DURATION_RE = re.compile(r"^(\d+)([smhdw]?)$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}

@@ -11,20 +11,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("inferplane.worker.cli", "run one model replica as a gRPC worker"),
-    "bench": ("inferplane.bench_cli", "run a benchmark against its peers"),
+    "bench": ("inferplane.cli.bench", "run a benchmark against its peers"),
     "operator": ("inferplane.operator.cli", "run the Kubernetes operator (kopf)"),
-    "up": ("inferplane.local.cli", "run the whole platform on this machine"),
-    "status": ("inferplane.local.status_cli", "what `inferplane up` runs: ports, health, models, logs"),
-    "gateway": ("inferplane.control_plane.cli", "run the control plane gateway"),
-    "models": ("inferplane.control_plane.cli_models", "model registry: register|list|show|delete"),
-    "tenants": ("inferplane.control_plane.cli_tenants", "tenants: create|list, alert webhooks"),
-    "keys": ("inferplane.control_plane.cli_keys", "API keys: create|list|revoke"),
-    "crd": ("inferplane.crd_cli", "print the InferenceDeployment CRD generated from the spec models"),
-    "monitoring": ("inferplane.monitoring_cli", "Prometheus rules and Grafana dashboards: render|rules"),
+    "up": ("inferplane.local.cli.up", "run the whole platform on this machine"),
+    "status": ("inferplane.local.cli.status", "what `inferplane up` runs: ports, health, models, logs"),
+    "gateway": ("inferplane.control_plane.cli.gateway", "run the control plane gateway"),
+    "models": ("inferplane.control_plane.cli.models", "model registry: register|list|show|delete"),
+    "tenants": ("inferplane.control_plane.cli.tenants", "tenants: create|list, alert webhooks"),
+    "keys": ("inferplane.control_plane.cli.keys", "API keys: create|list|revoke"),
+    "crd": ("inferplane.cli.crd", "print the InferenceDeployment CRD generated from the spec models"),
+    "monitoring": ("inferplane.cli.monitoring", "Prometheus rules and Grafana dashboards: render|rules"),
     "quant-check": ("inferplane.worker.quant.cli", "int8 quality gate: perplexity, agreement, KL"),
     "fetch-model": ("inferplane.storage.cli", "fetch and verify model weights into the node cache"),
 }
@@ -57,6 +56,3 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     return int(modules[args.command].run(args) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

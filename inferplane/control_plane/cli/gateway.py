@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ENV_DATABASE_URL = "INFERPLANE_DATABASE_URL"  # what the Helm chart sets
-ENV_DB_URL = "INFERPLANE_DB_URL"  # what the other CLI commands read
+from inferplane.control_plane.db_url import ENV_DATABASE_URL, ENV_DB_URL
+
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if args.monitoring_command == "scrape-config":
         import yaml
 
-        from inferplane.control_plane.db import default_home
+        from inferplane.control_plane.db_url import default_home
         from inferplane.local import runstate
 
         state = runstate.read(args.home or default_home())

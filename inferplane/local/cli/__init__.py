@@ -1,0 +1,1 @@
+"""`inferplane up` (up.py) and `inferplane status` (status.py): the local platform's subcommands."""
