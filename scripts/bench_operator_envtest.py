@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from inferplane.operator import bench  # noqa: E402
+from inferplane.bench import operator as bench  # noqa: E402
 from tests.k8s.cluster import install_crds, missing_binaries, running_cluster  # noqa: E402
 
 

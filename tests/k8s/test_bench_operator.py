@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from inferplane.operator import bench
+from inferplane.bench import operator as bench
 from tests.k8s.cluster import Cluster
 
 
