@@ -1,7 +1,7 @@
 """The house's layers, from the code's own imports (module level and inside functions alike).
 
 `api/` is the bottom floor; `worker/`, `operator/` and `control_plane/` stand on it and never import
-each other: what two of them share moves down into `api/`. `local/`, `bench/` and `cli.py` compose
+each other: what two of them share moves down into `api/`. `local/`, `bench/` and `cli/` compose
 them and may import anything.
 `monitoring/` (rules, dashboards) and `storage/` (weights by URI) stand on `api/` alone.
 """

@@ -90,11 +90,11 @@ def documents(count: int, seed: int = 0) -> list[str]:
 
 def smollm2_tokenizer():
     """(TextTokenizer, the model's vocab size) for SmolLM2-135M, read from its GGUF as the worker does."""
-    from inferplane.control_plane.registry import ALIASES
+    from inferplane.api.model_resolution import builtin_model_path
     from inferplane.worker.model.gguf_file import config_from_gguf, open_gguf
     from inferplane.worker.model.tokenizer import load_gguf_tokenizer
 
-    reader = open_gguf(str(ALIASES["smollm2-135m"]()))
+    reader = open_gguf(str(builtin_model_path("smollm2-135m")))
     return load_gguf_tokenizer(reader), config_from_gguf(reader).vocab_size
 
 

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai import AsyncOpenAI
 
+from inferplane.api.model_resolution import builtin_model_path
 from inferplane.bench.gateway_harness import free_port, start_worker, wait_serving
-from inferplane.control_plane import registry
 from inferplane.control_plane.gateway.catalog import ServedModel
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
 from inferplane.control_plane.routing import Deployment, StaticEndpointSource
@@ -185,7 +185,7 @@ async def test_bad_constraints_are_a_400_naming_the_parameter(client, extra, par
 
 
 async def test_smollm2_follows_a_schema(tmp_path) -> None:
-    gguf = registry.ALIASES["smollm2-135m"]()
+    gguf = builtin_model_path("smollm2-135m")
     port = free_port()
     worker = start_worker(str(gguf), port, "--max-model-len", "512", "--kv-cache-memory", "64Mi",
                           log_path=str(tmp_path / "worker.log"))

@@ -252,11 +252,11 @@ def test_the_fused_decoder_layer_over_block_layers_gives_the_op_by_op_results(ti
 
 @pytest.mark.slow
 def test_smollm2s_file_blocks_are_the_weights_the_loader_dequantizes():
-    from inferplane.control_plane import registry
+    from inferplane.api.model_resolution import builtin_model_path
     from inferplane.worker.model.loader import load_model
     from inferplane.worker.quant.gguf_blocks import load_blocks
 
-    path = str(registry.ALIASES["smollm2-135m"]())
+    path = str(builtin_model_path("smollm2-135m"))
     loaded = load_model(path, torch.device("cpu"), torch.float32)
     weights = {n: p.detach() for n, p in loaded.model.named_parameters() if n.endswith("proj.weight")}
     blocks = load_blocks(path, loaded.config, set(weights))

@@ -111,7 +111,7 @@ def _gemma3_270m_file() -> Path:
 
 @pytest.mark.slow
 def test_every_tensor_of_a_q4_k_m_file_dequantizes_as_gguf_py_does():
-    reader = open_gguf(str(_gemma3_270m_file()))  # the tensor table and data are gguf.GGUFReader's own
+    reader = open_gguf(str(_gemma3_270m_file()))  # read as gguf.GGUFReader reads it (test_gguf.py)
     seen: set[str] = set()
     for t in reader.tensors:  # one at a time: the embedding alone is 670 MB as float32
         type_name = t.tensor_type.name

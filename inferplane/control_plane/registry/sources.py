@@ -1,0 +1,154 @@
+"""Where a model's weights come from and what they hold: built-in aliases, server paths (confined
+to the model roots), http(s)/s3 URIs fetched through the outbound policy, and pvc:// claims taken at
+the registrant's word.
+
+Registering from a server path reads the gateway's file system, so over the API it is a platform
+admin's power, confined to configured roots (`confine_source`); tenants register aliases.
+
+Registering from an `http(s)://` URI makes the gateway connect where the caller says, so it goes
+through the outbound policy (`control_plane.outbound`: public addresses, plus the operator's
+allow-list), and a failed fetch answers one plain message, "cannot fetch the model from <url>",
+whatever went wrong: a refused connection, a timeout and an internal service's 401 would otherwise
+tell apart closed, filtered and open ports. The reason goes to the gateway's log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlparse
+
+from inferplane.api.model_resolution import BUILTIN_MODELS, BuiltinModelMissing, builtin_model_path
+from inferplane.control_plane.errors import Forbidden, InvalidInput
+from inferplane.control_plane.registry.weights import CorruptWeights, ModelMetadata, detect_format, inspect_model
+
+if TYPE_CHECKING:
+    from inferplane.control_plane.outbound import OutboundPolicy
+
+log = logging.getLogger(__name__)
+
+ALIASES = frozenset(BUILTIN_MODELS)  # short names for the weights every worker image has
+
+
+def alias_path(alias: str) -> Path:
+    """The weights an alias names (api.model_resolution: the rule the workers resolve it by)."""
+    try:
+        return builtin_model_path(alias)
+    except BuiltinModelMissing as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+def resolve_source(source: str | Path) -> tuple[Path, str | None]:
+    """A path or an alias → (existing absolute path, alias used or None)."""
+    text = str(source)
+    if text in ALIASES:
+        return alias_path(text).resolve(), text
+    if text.startswith("file://"):
+        text = unquote(urlparse(text).path)
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise InvalidInput(f"no such model file or folder: {path} (aliases: {', '.join(sorted(ALIASES))})")
+    return path.resolve(), None
+
+
+def confine_source(source: str, roots: Sequence[str | Path], *, platform_admin: bool) -> str:
+    """What a caller of the admin API may register: aliases for anyone; server paths for a platform
+    admin, and only inside `roots` (symlinks resolved first, so none leads out). A refused path gets
+    the same answer whether or not it exists: the API is no oracle for the gateway's file system."""
+    if source in ALIASES:
+        return source
+    if uri_scheme(source) != "file":  # fetched from object storage or a claim: no local file is read
+        if not platform_admin:
+            raise Forbidden("registering weights from a URI is a platform admin's operation")
+        return source
+    if not platform_admin:
+        raise Forbidden("registering weights from a server path is a platform admin's operation; a tenant "
+                        f"admin may register these aliases: {', '.join(sorted(ALIASES))}")
+    text = unquote(urlparse(source).path) if source.startswith("file://") else source
+    if not os.path.isabs(text):
+        raise InvalidInput(f"source must be an alias or an absolute path, got {source!r}")
+    path = Path(os.path.realpath(text))
+    allowed = [Path(os.path.realpath(root)) for root in roots]
+    if not any(path.is_relative_to(root) for root in allowed):
+        where = ", ".join(map(str, allowed)) if allowed else "none are configured (--model-root)"
+        raise Forbidden(f"source {source!r} is outside the model roots this gateway registers from: {where}")
+    return str(path)
+
+
+REMOTE_SCHEMES = ("http", "https", "s3")
+
+
+def uri_scheme(source: str | Path) -> str:
+    """"http", "https", "s3", "pvc", or "file" (paths, file:// URIs and aliases)."""
+    scheme = urlparse(str(source)).scheme
+    return scheme if scheme in (*REMOTE_SCHEMES, "pvc") else "file"
+
+
+@dataclass(frozen=True)
+class _Inspected:
+    uri: str
+    format: str
+    meta: ModelMetadata | None
+    status: str
+    detail: str | None
+
+
+def inspect_local(path: Path, expected_sha256: str | None) -> _Inspected:
+    fmt = detect_format(path)
+    status, detail = "verified", None
+    try:
+        meta: ModelMetadata | None = inspect_model(path)
+    except CorruptWeights as e:
+        meta, status, detail = None, "failed", str(e)
+    if meta is not None and expected_sha256 is not None and meta.sha256 != expected_sha256:
+        status, detail = "failed", f"sha256 mismatch: expected {expected_sha256}, file has {meta.sha256}"
+    return _Inspected(path.as_uri(), fmt, meta, status, detail)
+
+
+def inspect_remote(uri: str, expected_sha256: str | None, cache_root: Path | None,
+                    outbound: OutboundPolicy | None) -> _Inspected:
+    """Fetches into the digest-keyed cache (verifying against `expected_sha256` when given), then
+    reads the header as for a local file; the row keeps the remote URI, which workers fetch.
+
+    http(s): every connection (redirects too) is checked against `outbound` (None: public addresses
+    only), and so is the host before a cache hit could skip the network: an internal URL is never
+    recorded for the workers to fetch. Failures answer one message (see the module docstring)."""
+    from inferplane.control_plane.outbound import AddressNotAllowed, GuardedTransport, OutboundPolicy, check_url
+    from inferplane.storage.cache import default_cache_root
+    from inferplane.storage.fetch import DigestMismatch, FetchError, fetch_model
+
+    http = uri_scheme(uri) in ("http", "https")
+    policy = outbound or OutboundPolicy()
+    try:
+        if http:
+            check_url(uri, policy)
+        fetched = fetch_model(uri, cache_root or default_cache_root(), sha256=expected_sha256,
+                              http_transport=GuardedTransport(policy) if http else None)
+    except DigestMismatch as e:
+        return _Inspected(uri, "gguf" if not uri.endswith("/") else "hf", None, "failed", str(e))
+    except (FetchError, AddressNotAllowed) as e:
+        log.warning("registering %s: %s", uri, e)
+        if isinstance(e, AddressNotAllowed) or isinstance(e.__cause__, AddressNotAllowed):
+            raise InvalidInput(f"cannot fetch the model from {uri}: its host is an internal address this gateway "
+                               "does not connect to (allow it with --outbound-allow)") from None
+        if http:
+            raise InvalidInput(f"cannot fetch the model from {uri}") from None
+        raise InvalidInput(f"cannot fetch {uri}: {e}") from None  # s3: the operator's endpoint, no port to probe
+    except ValueError as e:  # a malformed URI or digest: found before any connection
+        raise InvalidInput(f"cannot fetch {uri}: {e}") from None
+    inspected = inspect_local(fetched.path, expected_sha256)
+    return _Inspected(uri, inspected.format, inspected.meta, inspected.status, inspected.detail)
+
+
+def pvc_entry(uri: str, expected_sha256: str | None, fmt: str | None) -> _Inspected:
+    """A PVC is not mounted here: its digest and format are the registrant's word, checked by every
+    pod's fetch-model init container before the worker loads anything."""
+    if expected_sha256 is None or fmt not in ("gguf", "hf"):
+        raise InvalidInput("a pvc:// model needs --sha256 and --format gguf|hf: the control plane cannot read "
+                           "the claim; each pod verifies the digest before loading")
+    meta = ModelMetadata(fmt, expected_sha256, 0, None, None)
+    return _Inspected(uri, fmt, meta, "registered", "on a PVC: verified by each pod before it loads")
