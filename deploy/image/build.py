@@ -115,10 +115,10 @@ CHECK = r"""
 import importlib.util, json
 import torch
 import inferplane.control_plane, inferplane.operator, inferplane.worker
-from inferplane.control_plane.registry import ALIASES
+from inferplane.api.model_resolution import builtin_model_path
 from inferplane.worker import native
 assert float(torch.ones(2) @ torch.ones(2)) == 2.0
-model = ALIASES["smollm2-135m"]()
+model = builtin_model_path("smollm2-135m")
 kernels = native.kernels() if native.supported_isas() else None
 assert kernels is not None or not native.supported_isas(), "the native kernels did not build"
 print(json.dumps({"torch": torch.__version__, "triton": importlib.util.find_spec("triton") is not None,

@@ -23,9 +23,9 @@ import pytest
 import yaml
 from openai import OpenAI
 
+from inferplane.api.model_resolution import builtin_model_path
 from inferplane.bench.gateway_harness import start_worker, wait_serving
 from inferplane.bench.tiny_model import make_tiny_model
-from inferplane.control_plane.registry import ALIASES
 from inferplane.storage.fetch import fetch_model
 from tests.e2e.test_up_newcomer import Up
 from tests.worker.test_worker_process import free_port
@@ -66,7 +66,7 @@ def stop(up: Up) -> None:
 def test_models_registered_by_path_deploy_by_name(tmp_path: Path) -> None:
     home = tmp_path / "home"
     tiny = make_tiny_model(tmp_path / "tiny")
-    gguf = ALIASES["smollm2-135m"]()
+    gguf = builtin_model_path("smollm2-135m")
     for name, path in (("tiny", tiny), ("smol", gguf)):
         registered = inferplane("models", "register", name, "--uri", str(path), "--version", "1", "--home", str(home))
         assert registered.returncode == 0, registered.stdout + registered.stderr
@@ -147,7 +147,7 @@ def test_a_model_in_s3_is_fetched_verified_and_served_and_a_corrupted_one_refuse
 def test_cold_and_warm_start_of_the_smollm2_gguf_from_s3(s3, tmp_path: Path) -> None:
     """Prints the closing note's figures; asserts only that each step worked."""
     client, _ = s3
-    gguf = ALIASES["smollm2-135m"]()
+    gguf = builtin_model_path("smollm2-135m")
     client.upload_file(str(gguf), BUCKET, f"smol/{gguf.name}")
     uri = f"s3://{BUCKET}/smol/{gguf.name}"
     digest = fetch_model(str(gguf), tmp_path / "unused").sha256  # what the registry records (in place)
