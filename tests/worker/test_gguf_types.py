@@ -122,3 +122,25 @@ def test_every_tensor_of_a_q4_k_m_file_dequantizes_as_gguf_py_does():
         assert _exactly_equal(ours, reference), f"{t.name} ({type_name})"
         del reference, ours
     assert seen == {"F32", "Q8_0", "Q5_0", "Q4_K", "Q6_K"}, seen
+
+
+def test_a_file_without_vocab_size_takes_it_from_its_token_list(tmp_path):
+    """Gemma 3's file names no gemma3.vocab_size: the config counts tokenizer.ggml.tokens."""
+    import gguf
+
+    from inferplane.worker.model.gguf_file import config_from_gguf
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("llama.embedding_length", 64), ("llama.feed_forward_length", 128), ("llama.block_count", 2),
+                       ("llama.attention.head_count", 4), ("llama.attention.head_count_kv", 2),
+                       ("llama.context_length", 256)):
+        writer.add_uint32(key, value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(77)])
+    writer.add_tensor("token_embd.weight", np.zeros((77, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert config_from_gguf(open_gguf(str(path))).vocab_size == 77

@@ -257,7 +257,7 @@ def config_from_gguf(reader) -> ModelConfig:
     layers = int(gguf_value(reader, p + "block_count"))
     vocab = gguf_value(reader, p + "vocab_size")
     if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     names = {t.name for t in reader.tensors}
     scaling = None
     scaling_type = gguf_value(reader, p + "rope.scaling.type")
