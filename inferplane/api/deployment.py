@@ -153,6 +153,11 @@ class EngineConfig(Section):
     requantize_q4: bool = Field(False, description=(
         "cpu-int8 only. Requantize a GGUF file's 4-, 5-, 6- and 8-bit weights (Q4_0/Q4_1/Q4_K, Q5_0/Q5_1/Q5_K, "
         "Q6_K, Q8_0) to per-channel int8 instead of serving the file's own blocks (the default)."))
+    max_loras: int = Field(0, ge=0, le=256, description=(
+        "LoRA adapters a replica holds at once (slots, loaded and evicted least recently used at request "
+        "time); rows of different adapters and of the base share each batch. 0: no adapters."))
+    max_lora_rank: int = Field(16, ge=1, le=512, description=(
+        "The largest adapter rank a slot holds; an adapter of a higher rank is refused."))
 
 
 class Serving(Section):

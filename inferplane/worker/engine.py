@@ -92,11 +92,25 @@ class Engine:
         # The same EOS set that ends a request is what min_tokens holds back.
         self.runner = ModelRunner(loaded.model, self.cache, device, eos_ids=frozenset(self.eos_ids),
                                   window=self.window if self.window_layers else None)
+        self.adapters = self._adapter_slots()
+        self.scheduler.adapters = self.runner.adapters = self.adapters
         self.requests: dict[str, Sequence] = {}  # by each sequence's own id
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its choices (n > 1), unfinished
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.counters = EngineCounters()
+
+    def _adapter_slots(self):
+        """The LoRA adapter slots (options.max_loras of them) with every served projection wrapped,
+        or None where the engine serves no adapters."""
+        if not self.options.max_loras:
+            return None
+        from inferplane.worker import lora
+
+        slots = lora.AdapterSlots(self.loaded.config, self.options.max_loras, self.options.max_lora_rank,
+                                  self.device, self.dtype, getattr(self.loaded.model, "smoothing", None))
+        lora.install(self.loaded.model, slots)
+        return slots
 
     def _window_layers(self) -> tuple[frozenset[int], int | None]:
         """The sliding-window layers whose window is shorter than the context, and that window: their
@@ -175,11 +189,19 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str = "", *, tenant: str = "",
-                    priority: str = "") -> Sequence:
+                    priority: str = "", adapter=None) -> Sequence:
         """Queues a request (its `params.n` choices). `tenant` and `priority` (a band name) place
-        its sequences in flow control (fair_share.py); a bad band is a ValueError naming it."""
+        its sequences in flow control (fair_share.py); a bad band is a ValueError naming it.
+        `adapter`: the lora.LoraAdapter its sequences run under (loaded and checked by the caller,
+        off this thread); it takes a slot when the sequence is admitted."""
         params = params or SamplingParams()
         band = band_rank(priority)
+        if adapter is not None:
+            if self.adapters is None:
+                raise ValueError("model: this replica serves no LoRA adapters (max_loras is 0)")
+            if adapter.rank > self.adapters.max_rank:
+                raise ValueError(f"model: adapter {adapter.name!r} has rank {adapter.rank}, above this replica's "
+                                 f"max_lora_rank {self.adapters.max_rank}")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
@@ -206,7 +228,10 @@ class Engine:
         choices = [self._new_sequence(request_id, index, token_ids, params, max_tokens, cache_salt)
                    for index in range(params.n)]
         for seq in choices:
-            seq.tenant, seq.band = tenant, band
+            seq.tenant, seq.band, seq.adapter = tenant, band, adapter
+        if adapter is not None:
+            requests = self.adapters.counters.requests
+            requests[adapter.name] = requests.get(adapter.name, 0) + 1
         leader = choices[0]
         leader.forks = choices[1:]
         self._groups[request_id] = choices
@@ -432,6 +457,8 @@ class Engine:
         # Per tenant and band: what flow control is doing (worker/metrics.py labels these).
         for (state, tenant, band), count in self.scheduler.tenant_queues().items():
             stats[f"{QUEUE_STAT_PREFIX}{state}:{BANDS[band]}:{tenant}"] = float(count)
+        if self.adapters is not None:
+            stats.update(self.adapters.stats())
         if self.device.type == "cpu":  # which jobs run on the C kernels (and which ISA), which on PyTorch ops
             stats["native_kernels"] = float(sum(isa != "torch" for isa in self.kernel_isas.values()))
             stats.update({f"native_kernel:{name}:{isa}": 1.0 for name, isa in self.kernel_isas.items()})

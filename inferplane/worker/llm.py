@@ -57,11 +57,14 @@ class LLM:
         self.weight_report = prepare_weights(options, loaded)
         self.engine = Engine(loaded, options, torch_device, torch_dtype)
         self.tokenizer = loaded.tokenizer
+        self._adapters = None  # lora.AdapterCatalog, made on the first request for an adapter
 
     def generate(self, prompts: Prompt | SequenceABC[Prompt],
                  params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-                 cache_salt: str = "") -> list[RequestOutput]:
-        """One output per prompt, or n per prompt (in order) where its params ask for n > 1."""
+                 cache_salt: str = "", lora_request=None) -> list[RequestOutput]:
+        """One output per prompt, or n per prompt (in order) where its params ask for n > 1.
+        `lora_request`: a lora.LoraRequest for every prompt, or one per prompt (None: the base),
+        as vLLM takes it; the engine needs max_loras > 0."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -71,11 +74,12 @@ class LLM:
             params_list = list(params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"params: {len(params_list)} given for {len(prompts)} prompts")
+        adapters = self._adapters_for(lora_request, len(prompts))
         # Validate everything before submitting anything: a bad prompt must not leave others queued.
         seqs: list[Sequence] = []
         try:
-            for prompt, p in zip(prompts, params_list, strict=True):
-                seqs.append(self.engine.add_request(prompt, p, cache_salt=cache_salt))
+            for prompt, p, adapter in zip(prompts, params_list, adapters, strict=True):
+                seqs.append(self.engine.add_request(prompt, p, cache_salt=cache_salt, adapter=adapter))
         except Exception:
             for seq in seqs:
                 self.engine.abort(seq.request_id)
@@ -84,6 +88,22 @@ class LLM:
         while self.engine.has_unfinished():
             self.engine.step()
         return [self._result(s) for group in choices for s in group]
+
+    def _adapters_for(self, lora_request, count: int) -> list:
+        """The loaded adapter of each prompt (None: the base), read through the catalog."""
+        requests = lora_request if isinstance(lora_request, list | tuple) else [lora_request] * count
+        if len(requests) != count:
+            raise ValueError(f"lora_request: {len(requests)} given for {count} prompts")
+        if all(r is None for r in requests):
+            return [None] * count
+        if self.engine.adapters is None:
+            raise ValueError("lora_request: this engine serves no LoRA adapters; start it with max_loras > 0")
+        if self._adapters is None:
+            from inferplane.worker.lora.catalog import AdapterCatalog
+
+            self._adapters = AdapterCatalog(self.engine.loaded.config, self.engine.options.max_lora_rank,
+                                            self.engine.dtype, self.engine.device)
+        return [None if r is None else self._adapters.get(r) for r in requests]
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              params: SamplingParams | SequenceABC[SamplingParams] | None = None,

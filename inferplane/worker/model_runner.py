@@ -24,6 +24,7 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.window = window  # the sliding layers' window where their KV has its own pool (kv/window.py)
         self.device = device
+        self.adapters = None  # lora.AdapterSlots where the engine serves adapters: rows are tagged per step
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
@@ -113,7 +114,13 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSequence]) -> Sampled:
         """The sampled token (and logprobs) for each sequence that completed its tokens, in batch order."""
         input_ids, positions, attn, sample_rows = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.cache, attn)
+        if self.adapters is not None:
+            self.adapters.begin([item.seq.adapter_slot for item in batch for _ in range(item.num_new_tokens)])
+        try:
+            hidden = self.model(input_ids, positions, self.cache, attn)
+        finally:
+            if self.adapters is not None:
+                self.adapters.end()
         self._score_prompts(batch, hidden)
         if not sample_rows:
             return Sampled([])

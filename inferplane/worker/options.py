@@ -96,6 +96,9 @@ class EngineOptions:
         spec_default("requantize_q4"), "cpu-int8: requantize a GGUF file's 4-, 5-, 6- and 8-bit linears (Q4_0/Q4_1/"
                                        "Q4_K, Q5_0/Q5_1/Q5_K, Q6_K, Q8_0) to int8 (with smoothing) instead of serving "
                                        "their own blocks")
+    max_loras: int = option(spec_default("max_loras"), "LoRA adapter slots (adapters served in one batch with the "
+                                                        "base, loaded least recently used at request time); 0: none")
+    max_lora_rank: int = option(spec_default("max_lora_rank"), "the largest LoRA rank an adapter slot holds")
     # Test hook: scales multiplied by this make a deliberately wrong quantization the gate must catch.
     quant_scale_multiplier: float = option(1.0, "cpu-int8 test hook: != 1 stores wrong scales", hidden=True)
 
@@ -151,3 +154,7 @@ class EngineOptions:
                 raise ValueError(f"{name}: must be positive")
         if self.step_target_ms < 0:
             raise ValueError("step_target_ms: must be 0 (off) or positive")
+        if self.max_loras < 0:
+            raise ValueError("max_loras: must be 0 (no adapters) or positive")
+        if self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank: must be positive")

@@ -53,6 +53,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.fair = FairShare(max_num_seqs)
+        self.adapters = None  # lora.AdapterSlots where the engine serves adapters: admission takes a slot
         self._recent: dict[tuple[str, int], float] = {}  # (tenant, band) -> when last seen with work
 
     def add(self, seq: Sequence) -> None:
@@ -60,8 +61,35 @@ class Scheduler:
         self.fair.activate(seq.tenant)
         self.waiting.append(seq)
 
+    def _take_adapter_slot(self, seq: Sequence) -> bool:
+        """Pins the slot of the sequence's adapter (loading it there if needed); False while every
+        slot is pinned by other adapters' sequences: the sequence then waits, others go ahead."""
+        if seq.adapter is None or seq.adapter_slot >= 0:
+            return True
+        slot = self.adapters.acquire(seq.adapter)
+        if slot is None:
+            return False
+        self.adapters.pin(slot)
+        seq.adapter_slot = slot
+        return True
+
+    def _release_adapter_slot(self, seq: Sequence) -> None:
+        if seq.adapter_slot >= 0:
+            self.adapters.unpin(seq.adapter_slot)
+            seq.adapter_slot = -1
+
+    def _next_admissible(self) -> Sequence | None:
+        """The first waiting sequence that can run now: its adapter (if any) has a slot."""
+        for seq in self.waiting:
+            if self._take_adapter_slot(seq):
+                return seq
+        return None
+
     def admit_forked(self, seq: Sequence) -> None:
-        """A choice that already holds its prompt's KV (forked, n > 1) joins the running batch."""
+        """A choice that already holds its prompt's KV (forked, n > 1) joins the running batch
+        (its adapter is its leader's, whose slot is pinned)."""
+        if not self._take_adapter_slot(seq):
+            raise AssertionError(f"{seq.request_id}: its leader's adapter has no slot")
         self.fair.activate(seq.tenant)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -81,6 +109,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
+        self._release_adapter_slot(seq)
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -119,15 +148,21 @@ class Scheduler:
             if not fair_preempted:  # else the waiting queue already starts with those the slots were freed for
                 self._order_waiting()
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
+                seq = self._next_admissible()
+                if seq is None:
+                    break
                 self.kv.match_prefix(seq)
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 if not self.kv.allocate(seq, n):
                     self.kv.free(seq)
+                    self._release_adapter_slot(seq)
                     seq.num_computed_tokens = 0
                     seq.num_cached_tokens = 0
                     break
-                self.waiting.popleft()
+                if seq is self.waiting[0]:
+                    self.waiting.popleft()
+                else:
+                    self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 scheduled.append(ScheduledSequence(seq, n))
@@ -184,6 +219,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        self._release_adapter_slot(seq)
         seq.status = SequenceStatus.FINISHED
         if not any(s.tenant == seq.tenant for s in self.running) and \
                 not any(s.tenant == seq.tenant for s in self.waiting):

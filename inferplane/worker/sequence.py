@@ -61,6 +61,14 @@ class Sequence:
     # priority band's rank (api/priority.py: 0 is the most urgent).
     tenant: str = ""
     band: int = DEFAULT_RANK
+    # The LoRA adapter the sequence runs under (lora.LoraAdapter; None: the base) and, while it is
+    # admitted, the adapter slot it pins (lora.AdapterSlots; -1: none).
+    adapter: Any = None
+    adapter_slot: int = -1
+
+    @property
+    def adapter_key(self) -> str:
+        return self.adapter.key if self.adapter is not None else ""
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -54,9 +54,12 @@ class RadixKV:
 
         The salt is decided once, by the gateway (per tenant, or one for everybody where every
         deployment behind the served name allows sharing): tenants sharing blocks could learn each
-        other's prompts from hit timing, so the worker never widens what the salt allows.
+        other's prompts from hit timing, so the worker never widens what the salt allows. Under a
+        LoRA adapter the same tokens give other KV, so the adapter (name and version) is part of it.
         """
-        return seq.cache_salt
+        if seq.adapter is None:
+            return seq.cache_salt
+        return f"{seq.cache_salt}\x00lora:{seq.adapter_key}"
 
     def blocks_used(self) -> int:
         return self.pool.num_used - self.tree.evictable_blocks

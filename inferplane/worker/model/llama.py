@@ -60,6 +60,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_local = local_rotary(config, max_positions)
         self.head_torch_from_rows = NEVER  # set by measure_head_kernel: PyTorch's head from here on
         self.fused_decode = FusedDecode(config, self.model)  # decode steps in one C call, where they can
+        self.adapters = None  # lora.AdapterSlots once lora.install wrapped the projections
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                 batch: AttentionBatch) -> torch.Tensor:
@@ -71,7 +72,9 @@ class LlamaForCausalLM(nn.Module):
         if self.rotary_local is not None:
             tables[SLIDING] = self.rotary_local(positions, x.dtype)
         fused = None
-        if x.device.type == "cpu" and self.config.fused_decode_block:
+        # The fused decode runs the base weights only: a step with adapter rows runs layer by layer.
+        adapter_rows = self.adapters is not None and self.adapters.batch is not None
+        if x.device.type == "cpu" and self.config.fused_decode_block and not adapter_rows:
             fused = self.fused_decode.forward(x, tables, cache, batch)
         if fused is not None:
             return self.model.norm(fused)

@@ -232,6 +232,7 @@ def snapshot(model: nn.Module, report: ConversionReport) -> dict:
                    for layer in report.layers],
         "norms": {name: module.weight.detach().clone() for name, module in model.named_modules()
                   if isinstance(module, RMSNorm)},
+        "smoothing": dict(getattr(model, "smoothing", None) or {}),
         "source_layers": report.source_layers, "from_q8_0": report.from_q8_0,
         "from_file_blocks": report.from_file_blocks,
         "float_bytes": report.float_bytes,
@@ -270,6 +271,8 @@ def restore(model: nn.Module, saved: dict, *, quantize_head: bool = False, fuse:
     with torch.no_grad():
         for name, weight in saved["norms"].items():
             norms[name].weight.copy_(weight)
+    if saved.get("smoothing"):
+        model.smoothing = dict(saved["smoothing"])
     _finish(report, pack, measure_dispatch)
     return report
 

@@ -66,28 +66,45 @@ def smooth_llama(model: nn.Module, stats: dict[str, torch.Tensor], alpha: float 
     """Applies the folded rescaling to every decoder layer in place; returns how many were smoothed.
     The float model computes the same function afterwards (up to float rounding)."""
     done = 0
+    factors: dict[tuple[int, str], torch.Tensor] = {}
+    model.smoothing = factors  # what adapters over these weights must be rescaled by (smoothed_factors)
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
         key = f"{prefix}.self_attn.q_proj"
         if key in stats:
             projs = [attn.q_proj, attn.k_proj, attn.v_proj]
-            s = _factors(stats[key], [p.weight for p in projs], alpha)
+            s = factors[(i, "attention_input")] = _factors(stats[key], [p.weight for p in projs], alpha)
             layer.input_layernorm.weight.div_(s)
             for p in projs:
                 p.weight.mul_(s[None, :])
         key = f"{prefix}.mlp.gate_proj"
         if key in stats:
-            s = _factors(stats[key], [mlp.gate_proj.weight, mlp.up_proj.weight], alpha)
+            s = factors[(i, "mlp_input")] = _factors(stats[key], [mlp.gate_proj.weight, mlp.up_proj.weight], alpha)
             layer.mlp_input_norm.weight.div_(s)  # Llama's post-attention norm, Gemma's pre-feedforward
             mlp.gate_proj.weight.mul_(s[None, :])
             mlp.up_proj.weight.mul_(s[None, :])
         key = f"{prefix}.mlp.down_proj"
         if key in stats:
-            s = _factors(stats[key], [mlp.down_proj.weight], alpha)
+            s = factors[(i, "down_input")] = _factors(stats[key], [mlp.down_proj.weight], alpha)
             mlp.up_proj.weight.div_(s[:, None])
             if mlp.up_proj.bias is not None:
                 mlp.up_proj.bias.div_(s)
             mlp.down_proj.weight.mul_(s[None, :])
         done += 1
     return done
+
+
+def smoothed_factors(smoothing: dict[tuple[int, str], torch.Tensor] | None, layer: int,
+                     module: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(input factor, output divisor) of one projection after smooth_llama: its input arrives divided
+    by the first and its output leaves divided by the second (up_proj, whose output down_proj reads).
+    A LoRA adapter over the smoothed weights multiplies its A by the one and divides its B by the other."""
+    if not smoothing:
+        return None, None
+    inputs = {"q_proj": "attention_input", "k_proj": "attention_input", "v_proj": "attention_input",
+              "gate_proj": "mlp_input", "up_proj": "mlp_input", "down_proj": "down_input"}
+    name = inputs.get(module)
+    factor = smoothing.get((layer, name)) if name else None
+    divisor = smoothing.get((layer, "down_input")) if module == "up_proj" else None
+    return factor, divisor
