@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ainferplane/v1/worker.proto\x12\rinferplane.v1\"\x9d\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12@\n\nlogit_bias\x18\x0e \x03(\x0b\x32,.inferplane.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x17\n\x0f\x63onstraint_kind\x18\x10 \x01(\t\x12\x17\n\x0f\x63onstraint_spec\x18\x11 \x01(\t\x12\t\n\x01n\x18\x12 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.inferplane.v1.ChatMessage\"\xf7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.inferplane.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x13.inferplane.v1.ChatH\x00\x12-\n\x06params\x18\x05 \x01(\x0b\x32\x1d.inferplane.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\tB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xa6\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x30\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x1a.inferplane.v1.TopLogprobs\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.inferplane.v1.Usage\x12\r\n\x05index\x18\x08 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\t \x03(\x02\x12\x37\n\x13prompt_top_logprobs\x18\n \x03(\x0b\x32\x1a.inferplane.v1.TopLogprobs\"\x0e\n\x0cStatsRequest\"\x98\x01\n\rStatsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07runtime\x18\x02 \x01(\t\x12\x38\n\x06values\x18\x03 \x03(\x0b\x32(.inferplane.v1.StatsResponse.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\r\n\x0bInfoRequest\"\x92\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07runtime\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x08 \x01(\t\x12\x15\n\rchat_template\x18\t \x01(\t\x12\x11\n\tbos_token\x18\n \x01(\t\x12\x11\n\teos_token\x18\x0b \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x0c \x01(\x08\x12\x1c\n\x14\x65mbedding_dimensions\x18\r \x01(\r\"[\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x06inputs\x18\x02 \x03(\x0b\x32\x17.inferplane.v1.TokenIds\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"\\\n\rEmbedResponse\x12\x12\n\nembeddings\x18\x01 \x03(\x0c\x12\x12\n\ndimensions\x18\x02 \x01(\r\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.inferplane.v1.Usage2\xa0\x02\n\x06Worker\x12M\n\x08Generate\x12\x1e.inferplane.v1.GenerateRequest\x1a\x1f.inferplane.v1.GenerateResponse0\x01\x12\x42\n\x05Stats\x12\x1b.inferplane.v1.StatsRequest\x1a\x1c.inferplane.v1.StatsResponse\x12?\n\x04Info\x12\x1a.inferplane.v1.InfoRequest\x1a\x1b.inferplane.v1.InfoResponse\x12\x42\n\x05\x45mbed\x12\x1b.inferplane.v1.EmbedRequest\x1a\x1c.inferplane.v1.EmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ainferplane/v1/worker.proto\x12\rinferplane.v1\"\x9d\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12@\n\nlogit_bias\x18\x0e \x03(\x0b\x32,.inferplane.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x17\n\x0f\x63onstraint_kind\x18\x10 \x01(\t\x12\x17\n\x0f\x63onstraint_spec\x18\x11 \x01(\t\x12\t\n\x01n\x18\x12 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.inferplane.v1.ChatMessage\"\xa0\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.inferplane.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x13.inferplane.v1.ChatH\x00\x12-\n\x06params\x18\x05 \x01(\x0b\x32\x1d.inferplane.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\t\x12\'\n\x07\x61\x64\x61pter\x18\t \x01(\x0b\x32\x16.inferplane.v1.AdapterB\x08\n\x06prompt\"4\n\x07\x41\x64\x61pter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xa6\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x30\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x1a.inferplane.v1.TopLogprobs\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.inferplane.v1.Usage\x12\r\n\x05index\x18\x08 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\t \x03(\x02\x12\x37\n\x13prompt_top_logprobs\x18\n \x03(\x0b\x32\x1a.inferplane.v1.TopLogprobs\"\x0e\n\x0cStatsRequest\"\x98\x01\n\rStatsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07runtime\x18\x02 \x01(\t\x12\x38\n\x06values\x18\x03 \x03(\x0b\x32(.inferplane.v1.StatsResponse.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\r\n\x0bInfoRequest\"\x92\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07runtime\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x08 \x01(\t\x12\x15\n\rchat_template\x18\t \x01(\t\x12\x11\n\tbos_token\x18\n \x01(\t\x12\x11\n\teos_token\x18\x0b \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x0c \x01(\x08\x12\x1c\n\x14\x65mbedding_dimensions\x18\r \x01(\r\"[\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x06inputs\x18\x02 \x03(\x0b\x32\x17.inferplane.v1.TokenIds\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"\\\n\rEmbedResponse\x12\x12\n\nembeddings\x18\x01 \x03(\x0c\x12\x12\n\ndimensions\x18\x02 \x01(\r\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.inferplane.v1.Usage2\xa0\x02\n\x06Worker\x12M\n\x08Generate\x12\x1e.inferplane.v1.GenerateRequest\x1a\x1f.inferplane.v1.GenerateResponse0\x01\x12\x42\n\x05Stats\x12\x1b.inferplane.v1.StatsRequest\x1a\x1c.inferplane.v1.StatsResponse\x12?\n\x04Info\x12\x1a.inferplane.v1.InfoRequest\x1a\x1b.inferplane.v1.InfoResponse\x12\x42\n\x05\x45mbed\x12\x1b.inferplane.v1.EmbedRequest\x1a\x1c.inferplane.v1.EmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,27 +46,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHAT']._serialized_start=660
   _globals['_CHAT']._serialized_end=712
   _globals['_GENERATEREQUEST']._serialized_start=715
-  _globals['_GENERATEREQUEST']._serialized_end=962
-  _globals['_USAGE']._serialized_start=964
-  _globals['_USAGE']._serialized_end=1044
-  _globals['_TOPLOGPROBS']._serialized_start=1046
-  _globals['_TOPLOGPROBS']._serialized_end=1096
-  _globals['_GENERATERESPONSE']._serialized_start=1099
-  _globals['_GENERATERESPONSE']._serialized_end=1393
-  _globals['_STATSREQUEST']._serialized_start=1395
-  _globals['_STATSREQUEST']._serialized_end=1409
-  _globals['_STATSRESPONSE']._serialized_start=1412
-  _globals['_STATSRESPONSE']._serialized_end=1564
-  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_start=1519
-  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_end=1564
-  _globals['_INFOREQUEST']._serialized_start=1566
-  _globals['_INFOREQUEST']._serialized_end=1579
-  _globals['_INFORESPONSE']._serialized_start=1582
-  _globals['_INFORESPONSE']._serialized_end=1856
-  _globals['_EMBEDREQUEST']._serialized_start=1858
-  _globals['_EMBEDREQUEST']._serialized_end=1949
-  _globals['_EMBEDRESPONSE']._serialized_start=1951
-  _globals['_EMBEDRESPONSE']._serialized_end=2043
-  _globals['_WORKER']._serialized_start=2046
-  _globals['_WORKER']._serialized_end=2334
+  _globals['_GENERATEREQUEST']._serialized_end=1003
+  _globals['_ADAPTER']._serialized_start=1005
+  _globals['_ADAPTER']._serialized_end=1057
+  _globals['_USAGE']._serialized_start=1059
+  _globals['_USAGE']._serialized_end=1139
+  _globals['_TOPLOGPROBS']._serialized_start=1141
+  _globals['_TOPLOGPROBS']._serialized_end=1191
+  _globals['_GENERATERESPONSE']._serialized_start=1194
+  _globals['_GENERATERESPONSE']._serialized_end=1488
+  _globals['_STATSREQUEST']._serialized_start=1490
+  _globals['_STATSREQUEST']._serialized_end=1504
+  _globals['_STATSRESPONSE']._serialized_start=1507
+  _globals['_STATSRESPONSE']._serialized_end=1659
+  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_start=1614
+  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_end=1659
+  _globals['_INFOREQUEST']._serialized_start=1661
+  _globals['_INFOREQUEST']._serialized_end=1674
+  _globals['_INFORESPONSE']._serialized_start=1677
+  _globals['_INFORESPONSE']._serialized_end=1951
+  _globals['_EMBEDREQUEST']._serialized_start=1953
+  _globals['_EMBEDREQUEST']._serialized_end=2044
+  _globals['_EMBEDRESPONSE']._serialized_start=2046
+  _globals['_EMBEDRESPONSE']._serialized_end=2138
+  _globals['_WORKER']._serialized_start=2141
+  _globals['_WORKER']._serialized_end=2429
 # @@protoc_insertion_point(module_scope)

@@ -19,6 +19,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from inferplane.worker.engine import Engine, StepOutput
 from inferplane.worker.sampling import SamplingParams
@@ -37,6 +38,7 @@ class _Submit:
     unfinished: int = 1  # choices still running (n > 1 streams them all on one queue)
     tenant: str = ""  # flow control (fair_share.py): whose share, and which band
     priority: str = ""
+    adapter: Any = None  # lora.LoraAdapter, read off this thread and the engine's
 
 
 class RequestStream:
@@ -92,10 +94,11 @@ class AsyncEngine:
             return len(self._streams) + len(self._submits) + len(self._compiling)
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-               cache_salt: str = "", *, tenant: str = "", priority: str = "") -> RequestStream:
+               cache_salt: str = "", *, tenant: str = "", priority: str = "", adapter=None) -> RequestStream:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        sub = _Submit(request_id, prompt, params, cache_salt, queue, loop, params.n, tenant=tenant, priority=priority)
+        sub = _Submit(request_id, prompt, params, cache_salt, queue, loop, params.n, tenant=tenant, priority=priority,
+                      adapter=adapter)
         stream = RequestStream(request_id, queue, self.abort, params.n)
         if params.constraint is not None:
             try:
@@ -197,7 +200,7 @@ class AsyncEngine:
             for sub in submits:
                 try:
                     self.engine.add_request(sub.prompt, sub.params, sub.request_id, sub.cache_salt,
-                                            tenant=sub.tenant, priority=sub.priority)
+                                            tenant=sub.tenant, priority=sub.priority, adapter=sub.adapter)
                     self._streams[sub.request_id] = sub
                 except ValueError as exc:
                     self._deliver(sub, exc)

@@ -19,6 +19,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -99,6 +100,7 @@ class WorkerState:
     draining: bool = False
     info: dict = field(default_factory=dict)
     extra_stats: dict[str, float] = field(default_factory=dict)
+    adapter_source: Any = None  # lora.AdapterSource, made on the first request for an adapter
 
     @property
     def runner(self) -> AsyncEngine | EmbeddingBatcher | None:
@@ -141,15 +143,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         raise ValueError("prompt: one of text, token_ids or chat is required")
 
+    def _adapter_source(self):
+        """Where this replica's adapters come from (lora.AdapterSource); a ValueError where it serves none."""
+        if self.state.adapter_source is None:
+            engine = self.state.engine.engine
+            if engine.adapters is None:
+                raise ValueError("model: this replica serves no LoRA adapters (max_loras is 0)")
+            from inferplane.worker.lora.catalog import AdapterCatalog
+            from inferplane.worker.lora.sources import AdapterSource
+
+            catalog = AdapterCatalog(engine.loaded.config, engine.options.max_lora_rank, engine.dtype, engine.device)
+            self.state.adapter_source = AdapterSource(catalog)
+        return self.state.adapter_source
+
+    async def _adapter(self, request: worker_pb2.GenerateRequest):
+        """The request's adapter, fetched and read on a worker thread (None: the base)."""
+        if not request.HasField("adapter"):
+            return None
+        ref = request.adapter
+        return await asyncio.to_thread(self._adapter_source().adapter, ref.name, ref.uri, ref.sha256)
+
     async def Generate(self, request, context):
         engine = await self._engine(context)
         try:
             prompt = self._prompt(request)
             params = params_from_proto(request.params)
+            adapter = await self._adapter(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         stream = engine.submit(request.request_id or uuid.uuid4().hex, prompt, params, request.cache_salt,
-                               tenant=request.tenant, priority=request.priority)
+                               tenant=request.tenant, priority=request.priority, adapter=adapter)
         try:
             async for out in stream:
                 yield _response(out)

@@ -176,3 +176,49 @@ def test_adapters_that_do_not_fit_are_refused_naming_what(lora_setup, tmp_path):
         plain.generate(prompts[:1], params, lora_request=LoraRequest("a", adapters[0]))
     # nothing was left queued by the refusals
     assert not llm.engine.has_unfinished() and llm.stats()["lora_slots_pinned"] == 0
+
+
+def test_worker_serves_adapters_by_uri_over_grpc(lora_setup):
+    """The worker process: a request names its adapter by URI and digest; rows of two adapters
+    and the base stream concurrently, each with its merged model's tokens; a digest that does not
+    match is an INVALID_ARGUMENT naming the adapter, and a replica without slots says so."""
+    import grpc
+
+    from inferplane.storage.digest import digest
+    from inferplane.v1 import worker_pb2, worker_pb2_grpc
+    from tests.worker.test_worker_process import SERVING, health, start_worker, wait_for
+
+    base, adapters, prompts, expected = lora_setup
+    proc, port = start_worker(base, "--device", "cpu", "--dtype", "float32", "--max-loras", "2",
+                              "--max-lora-rank", "16")
+    try:
+        from grpc_health.v1 import health_pb2_grpc
+
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        wait_for(lambda: health(health_pb2_grpc.HealthStub(channel)) == SERVING, 180, "SERVING")
+        stub = worker_pb2_grpc.WorkerStub(channel)
+
+        def generate(prompt, folder=None, sha256=None):
+            ref = None
+            if folder is not None:
+                ref = worker_pb2.Adapter(name=os.path.basename(folder), uri=f"file://{folder}",
+                                         sha256=sha256 or digest(folder))
+            req = worker_pb2.GenerateRequest(token_ids=worker_pb2.TokenIds(ids=prompt), adapter=ref,
+                                             params=worker_pb2.SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
+                                                                              ignore_eos=True))
+            return stub.Generate(req, timeout=120)
+
+        streams = [(i, f, generate(prompts[i], f)) for i, f in
+                   enumerate([adapters[0], adapters[1], None, adapters[0], adapters[1], None])]
+        for i, folder, stream in streams:
+            tokens = [t for chunk in stream for t in chunk.token_ids]
+            assert tokens == expected[folder][i], (i, folder)
+        with pytest.raises(grpc.RpcError) as err:
+            list(generate(prompts[0], adapters[2], sha256="0" * 64))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "adapter 'adapter2'" in err.value.details()
+        stats = stub.Stats(worker_pb2.StatsRequest()).values
+        assert stats["lora_loads_total"] == 2 and stats["lora_slots"] == 2
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
