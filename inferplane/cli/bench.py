@@ -13,6 +13,7 @@ BENCHMARKS = {
     "fairness": ("inferplane.bench.fairness", "two tenants on one replica: interactive TTFT alone and under floods"),
     "autoscale": ("inferplane.bench.autoscale", "local stack: steady, 10x burst, idle, one request"),
     "embeddings": ("inferplane.bench.embeddings", "embedding runtime vs sentence-transformers: embeddings/s"),
+    "lora": ("inferplane.bench.lora", "N LoRA adapters in one batch vs the base alone vs merged models in turn"),
     "operator": ("inferplane.bench.operator", "200 InferenceDeployments against the API server of $KUBECONFIG"),
 }
 

@@ -222,3 +222,15 @@ def test_worker_serves_adapters_by_uri_over_grpc(lora_setup):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_bench_lora_measures_and_prints_ratios(lora_setup, capsys):
+    """`inferplane bench lora` on the tiny base: all three contenders run and the ratios print."""
+    from inferplane.bench.lora import main
+
+    base = lora_setup[0]
+    assert main(["--model", base, "--adapters", "3", "--rank", "4", "--requests", "6", "--prompt-tokens", "8",
+                 "--new-tokens", "4", "--rounds", "1", "--targets", "q_proj,down_proj"]) == 0
+    out = capsys.readouterr().out
+    for line in ("mixed / base", "mixed / merged", "first request to an unloaded adapter", "loads 4, evictions 1"):
+        assert line in out, out
