@@ -50,7 +50,8 @@ def builtin_model_path(name: str) -> Path:
         raise BuiltinModelMissing(f"model {name!r}: {path} is missing; reinstall {model.requirement}")
     return path
 
-ResolutionFailure = Literal["ModelNotFound", "ModelNotVerified", "ModelKindMismatch", "RegistryUnavailable"]
+ResolutionFailure = Literal["ModelNotFound", "ModelNotVerified", "ModelKindMismatch", "ModelIsAdapter",
+                            "RegistryUnavailable"]
 
 
 @dataclass(frozen=True)

@@ -90,8 +90,9 @@ def documents(count: int, seed: int = 0) -> list[str]:
 
 def smollm2_tokenizer():
     """(TextTokenizer, the model's vocab size) for SmolLM2-135M, read from its GGUF as the worker does."""
+    from inferplane.api.model_config import config_from_gguf
     from inferplane.api.model_resolution import builtin_model_path
-    from inferplane.worker.model.gguf_file import config_from_gguf, open_gguf
+    from inferplane.worker.model.gguf_file import open_gguf
     from inferplane.worker.model.tokenizer import load_gguf_tokenizer
 
     reader = open_gguf(str(builtin_model_path("smollm2-135m")))

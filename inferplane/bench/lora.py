@@ -45,8 +45,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def write_random_adapter(folder: Path, config, rank: int, targets: list[str], seed: int) -> Path:
-    """A PEFT-format adapter over `config`'s layers with random A and B (scale lora_alpha / r = 2)."""
+def write_random_adapter(folder: Path, config, rank: int, targets: list[str], seed: int,
+                         b_scale: float = 0.01) -> Path:
+    """A PEFT-format adapter over `config`'s layers with random A and B (B's entries of size
+    `b_scale`; scale lora_alpha / r = 2)."""
     import torch
     from safetensors.torch import save_file
 
@@ -60,7 +62,7 @@ def write_random_adapter(folder: Path, config, rank: int, targets: list[str], se
             block = "self_attn" if module in ATTENTION_MODULES else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=gen) / in_features ** 0.5
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * 0.01
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * b_scale
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / WEIGHTS_FILE))
     (folder / CONFIG_FILE).write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,

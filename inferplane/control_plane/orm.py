@@ -133,6 +133,11 @@ class Model(Base):
     architecture: Mapped[str | None] = mapped_column(String(128))
     kind: Mapped[str | None] = mapped_column(String(16))
     context_length: Mapped[int | None] = mapped_column(Integer)
+    # A LoRA adapter (kind "adapter", format "peft"): the base model version ("name:version") it was
+    # checked against at registration, that version's digest (what replicas must serve), its rank.
+    base_model: Mapped[str | None] = mapped_column(String(193))
+    base_sha256: Mapped[str | None] = mapped_column(String(64))
+    lora_rank: Mapped[int | None] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16), nullable=False, default="registered")
     status_detail: Mapped[str | None] = mapped_column(Text)
     owner_tenant_id: Mapped[str | None] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))

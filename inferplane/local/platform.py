@@ -110,6 +110,7 @@ class LocalPlatform:
         self._run_state: asyncio.Task | None = None
         self.tenant_key: str | None = None
         self.fetches: dict[str, FetchResult] = {}  # deployment name -> how its registry weights were fetched
+        self.digests: dict[str, str | None] = {}  # deployment name -> its weights' digest (what adapters bind to)
         # served model name -> its deployments' routes: the mapping the cluster sync uses (served_routes)
         self.routes = route_table(ResourceRoute.of(m.name, m.spec) for m in manifests)
 
@@ -139,18 +140,21 @@ class LocalPlatform:
                     if model.name not in registry.ALIASES or model.version is not None:
                         raise
                     info = registry.register_model(session, model.name, actor="inferplane-up", name=model.name)
+                    self.digests[manifest.name] = info.sha256
                     return str(info.path)
             resolved.require_kind(manifest.spec.kind)
             fetched = fetch_model(resolved.uri, self.home / "model-cache", sha256=resolved.sha256)
             self.fetches[manifest.name] = fetched
+            self.digests[manifest.name] = resolved.sha256
             return str(fetched.path)
         uri = model.uri or ""
         with self.gateway.sessions.begin() as session:
             try:
-                registry.register_model(session, uri, actor="inferplane-up", name=manifest.name,
-                                        outbound=self.gateway.context.outbound)
+                info = registry.register_model(session, uri, actor="inferplane-up", name=manifest.name,
+                                               outbound=self.gateway.context.outbound)
+                self.digests[manifest.name] = info.sha256
             except Conflict:
-                pass
+                self.digests[manifest.name] = registry.get_model(session, auth.ALL_TENANTS, manifest.name).sha256
         return uri.removeprefix("file://")
 
     def run_state(self) -> dict:
@@ -203,7 +207,8 @@ class LocalPlatform:
         """Adds the served model to the catalog with the tokenizer and context length the worker reports."""
         info = await self.gateway.channels.stub(replica.address).Info(worker_pb2.InfoRequest(), timeout=30)
         served = deployment.served_model_name
-        self.gateway.catalog.put(catalog_entry(served, self.routes[served], info))
+        members = self.routes[served]
+        self.gateway.catalog.put(catalog_entry(served, members, info, [self.digests.get(r.name) for r in members]))
 
     async def wait_ready(self, timeout: float) -> bool:
         loop = asyncio.get_running_loop()

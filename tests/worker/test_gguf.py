@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from inferplane.worker.model.config import ModelLoadError
+from inferplane.api.model_config import ModelLoadError
 from inferplane.worker.model.gguf_file import _unpermute_rope, dequantize
 
 
@@ -131,7 +131,7 @@ def test_the_gguf_reader_reads_what_gguf_reads(tmp_path):
 
 def test_a_file_the_gguf_reader_cannot_read_is_a_model_load_error(tmp_path):
     """Not GGUF, truncated in the metadata or in a tensor: one line naming the file, not a crash."""
-    from inferplane.worker.model.config import ModelLoadError
+    from inferplane.api.model_config import ModelLoadError
     from inferplane.worker.model.gguf_file import open_gguf
 
     good = tmp_path / "good.gguf"

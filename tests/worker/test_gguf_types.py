@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from inferplane.worker.model.config import ModelLoadError
+from inferplane.api.model_config import ModelLoadError
 from inferplane.worker.model.gguf_file import SUPPORTED_TENSOR_TYPES, dequantize, open_gguf
 
 # Byte offsets of each block's float16 fields (scales and minimums): random bytes there could be
@@ -128,7 +128,7 @@ def test_a_file_without_vocab_size_takes_it_from_its_token_list(tmp_path):
     """Gemma 3's file names no gemma3.vocab_size: the config counts tokenizer.ggml.tokens."""
     import gguf
 
-    from inferplane.worker.model.gguf_file import config_from_gguf
+    from inferplane.api.model_config import config_from_gguf
 
     path = tmp_path / "tiny.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")

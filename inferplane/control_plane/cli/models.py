@@ -1,4 +1,5 @@
-"""`inferplane models register|list|show|versions|delete|verify`: the model registry from a shell.
+"""`inferplane models register|register-adapter|list|show|versions|delete|verify`: the model
+registry from a shell (LoRA adapters are registry entries of kind adapter, bound to a base model).
 
 The CLI acts as a platform admin on the database it points at; `--tenant` registers a tenant's
 model (private unless `--public`) or, for list/show, shows what that tenant would see. An
@@ -31,6 +32,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     register.add_argument("--public", action="store_true", help="a tenant's model visible to everyone")
     register.add_argument("--json", action="store_true")
     add_db_arguments(register)
+    adapter = sub.add_parser("register-adapter", help="register a LoRA adapter (a PEFT folder) for a base model",
+                             description="inferplane models register-adapter SOURCE --base MODEL[:VERSION]: checked "
+                                         "against the base's shapes; served under its name by the base's replicas")
+    adapter.add_argument("source", help="a folder with adapter_config.json and adapter_model.safetensors, or an "
+                                        "http(s):// or s3:// URI of one (ending in /)")
+    adapter.add_argument("--base", required=True, help="the base model: name (latest verified) or name:version")
+    adapter.add_argument("--name", default=None, help="the model id clients use (default: the folder name)")
+    adapter.add_argument("--version", default=None, help="default: the next integer")
+    adapter.add_argument("--sha256", default=None, help="expected digest of the folder")
+    adapter.add_argument("--tenant", default=None, help="owner tenant: private to its keys (default: public)")
+    adapter.add_argument("--json", action="store_true")
+    add_db_arguments(adapter)
     for name, help_text in (
         ("list", "list models"),
         ("show", "show one model version"),
@@ -64,7 +77,8 @@ def _print_table(models: list[Any]) -> None:
 
 
 _SHOWN = ("name", "version", "status", "status_detail", "uri", "format", "sha256", "size_bytes",
-          "architecture", "kind", "context_length", "owner_tenant_id", "visibility", "created_at")  # fmt: skip
+          "architecture", "kind", "context_length", "base_model", "base_sha256", "lora_rank", "owner_tenant_id",
+          "visibility", "created_at")  # fmt: skip
 
 
 def _print_one(m: Any) -> None:
@@ -97,6 +111,18 @@ def _register(args: argparse.Namespace, sessions: Any) -> int:
     else:
         _print_one(model)
     return 0 if model.status == "verified" or (model.status == "registered" and model.uri.startswith("pvc://")) else 1
+
+
+def _register_adapter(args: argparse.Namespace, sessions: Any) -> int:
+    from inferplane.control_plane.outbound import OutboundPolicy
+    from inferplane.control_plane.registry import register_adapter
+
+    with sessions.begin() as s:
+        adapter = register_adapter(s, args.source, actor=cli_actor(), base=args.base, name=args.name,
+                                   version=args.version, owner_tenant_id=args.tenant, expected_sha256=args.sha256,
+                                   outbound=OutboundPolicy.from_env())
+    print_json(adapter) if args.json else _print_one(adapter)
+    return 0
 
 
 def _list(args: argparse.Namespace, sessions: Any) -> int:
@@ -146,6 +172,6 @@ def _verify(args: argparse.Namespace, sessions: Any) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    commands = {"register": _register, "list": _list, "show": _show, "versions": _versions,
-                "delete": _delete, "verify": _verify}  # fmt: skip
+    commands = {"register": _register, "register-adapter": _register_adapter, "list": _list, "show": _show,
+                "versions": _versions, "delete": _delete, "verify": _verify}  # fmt: skip
     return run_cli_command(commands[args.models_command], args)

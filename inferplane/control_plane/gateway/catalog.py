@@ -17,6 +17,19 @@ from inferplane.api.tokenizer import TextTokenizer
 from inferplane.control_plane.errors import ModelNotFound
 
 
+@dataclass(frozen=True)
+class AdapterRecord:
+    """A verified LoRA adapter of the registry, as the gateway serves it: under its name, to its
+    owner's keys (None: every tenant's), through a served model whose weights are its base."""
+
+    name: str
+    owner_tenant: str | None
+    uri: str
+    sha256: str
+    base_sha256: str
+    created: int
+
+
 @dataclass
 class ServedModel:
     name: str
@@ -29,9 +42,19 @@ class ServedModel:
     owned_by: str = "inferplane"
     kind: ModelKind = "generate"  # "embedding": /v1/embeddings only; "generate": chat and completions only
     dimensions: int | None = None  # an embedding model's vector size
+    # The registry digests of the weights its deployments serve: what LoRA adapters bind to.
+    weights_sha256: frozenset[str] = frozenset()
+    # A LoRA adapter served through its base: the base's served name (the route) and the adapter.
+    parent: str | None = None
+    adapter: AdapterRecord | None = None
 
     def visible_to(self, tenant_id: str | None) -> bool:
         return tenant_id is None or self.owner_tenant is None or self.owner_tenant == tenant_id
+
+    @property
+    def route_name(self) -> str:
+        """The served model whose replicas answer: the base for an adapter, else this one."""
+        return self.parent or self.name
 
     @classmethod
     def from_info(cls, name: str, info, **settings) -> ServedModel:
@@ -43,10 +66,17 @@ class ServedModel:
 
 
 class Catalog:
-    """Thread-safe map of served model name → ServedModel; the supervisor or operator sync fills it."""
+    """Thread-safe map of served model name → ServedModel; the supervisor or operator sync fills it.
+
+    LoRA adapters (`set_adapters`, from the registry) are served under their own names through the
+    served model whose weights are their base; each is visible to its owner's keys only (a public
+    one to all). A served model's name takes precedence over an adapter of the same name, and an
+    adapter whose base is not served (yet) is not listed: it answers 404 like an unknown name.
+    """
 
     def __init__(self) -> None:
         self._models: dict[str, ServedModel] = {}
+        self._adapters: dict[tuple[str | None, str], AdapterRecord] = {}  # (owner, name) -> record
         self._lock = threading.Lock()
 
     def put(self, model: ServedModel) -> None:
@@ -57,14 +87,41 @@ class Catalog:
         with self._lock:
             self._models.pop(name, None)
 
+    def set_adapters(self, records: list[AdapterRecord]) -> None:
+        """Replaces the adapters the catalog knows (the registry's verified ones; for a name with
+        several versions, the last in `records` wins)."""
+        with self._lock:
+            self._adapters = {(r.owner_tenant, r.name): r for r in records}
+
+    def _served_adapter(self, record: AdapterRecord) -> ServedModel | None:
+        """The adapter as a served model, through the first served model (by name) of its base."""
+        bases = sorted((m for m in self._models.values() if record.base_sha256 in m.weights_sha256
+                        and m.kind == "generate"), key=lambda m: m.name)
+        if not bases or record.name in self._models:
+            return None
+        base = bases[0]
+        return ServedModel(name=record.name, tokenizer=base.tokenizer, max_model_len=base.max_model_len,
+                           owner_tenant=record.owner_tenant, cache_isolation=base.cache_isolation,
+                           priority=base.priority, created=record.created, owned_by=base.owned_by,
+                           parent=base.name, adapter=record)
+
     def visible(self, tenant_id: str | None) -> list[ServedModel]:
         with self._lock:
-            return sorted((m for m in self._models.values() if m.visible_to(tenant_id)), key=lambda m: m.name)
+            models = [m for m in self._models.values() if m.visible_to(tenant_id)]
+            adapters = [self._served_adapter(r) for r in self._adapters.values()
+                        if tenant_id is None or r.owner_tenant in (None, tenant_id)]
+        return sorted(models + [a for a in adapters if a is not None], key=lambda m: m.name)
 
     def get(self, name: str, tenant_id: str | None) -> ServedModel:
-        """Another tenant's private model answers exactly like a missing one: 404."""
+        """Another tenant's private model or adapter answers exactly like a missing one: 404."""
         with self._lock:
             model = self._models.get(name)
+            if model is None:
+                record = self._adapters.get((tenant_id, name)) if tenant_id is not None else None
+                record = record or self._adapters.get((None, name))
+                if record is None and tenant_id is None:  # the platform admin sees every tenant's
+                    record = next((r for (_, n), r in self._adapters.items() if n == name), None)
+                model = self._served_adapter(record) if record is not None else None
         if model is None or not model.visible_to(tenant_id):
             raise ModelNotFound(f"The model '{name}' does not exist or you do not have access to it.")
         return model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,9 @@ class GatewayContext:
     # Where requests that callers steer (webhooks, http(s) model sources) may connect besides public
     # addresses: the operator's allow-list (empty: public addresses only).
     outbound: OutboundPolicy = field(default_factory=OutboundPolicy)
+    # Called after an admin registers a LoRA adapter, so it is served without waiting for the next
+    # refresh from the registry (None: the next refresh serves it).
+    refresh_adapters: Callable[[], None] | None = None
 
     def tenant_principal(self, credential: str | None) -> Principal:
         if not credential:

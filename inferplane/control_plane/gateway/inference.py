@@ -308,16 +308,21 @@ class InferenceService:
             request_id = prepared.request_id if len(prepared.prompts) == 1 else f"{prepared.request_id}-{part}"
             request = worker_pb2.GenerateRequest(request_id=request_id, params=params, cache_salt=salt,
                                                  token_ids=worker_pb2.TokenIds(ids=token_ids), tenant=tenant or "",
-                                                 priority=prepared.priority)
+                                                 priority=prepared.priority, adapter=adapter)
 
             def call(endpoint):
                 return self.channels.stub(endpoint.address).Generate(request, timeout=self.request_timeout)
 
-            return route_and_stream(self.router, RouteRequest(model.name, token_ids=token_ids, cache_salt=salt), call)
+            return route_and_stream(self.router, RouteRequest(route, token_ids=token_ids, cache_salt=salt), call)
 
+        # An adapter is served by its base's replicas, which load it by URI and digest.
+        route = model.route_name
+        adapter = None
+        if model.adapter is not None:
+            adapter = worker_pb2.Adapter(name=model.name, uri=model.adapter.uri, sha256=model.adapter.sha256)
         try:
             # A model scaled to zero: wait (bounded) for the replica the autoscaler starts.
-            await self.activator.wait_for_replica(model.name, lambda: self.router.has_replicas(model.name))
+            await self.activator.wait_for_replica(route, lambda: self.router.has_replicas(route))
             if len(prepared.prompts) == 1:
                 messages = replica_stream(prepared.token_ids, 0)
             else:  # each prompt routed on its own (its own prefix), answers merged as they come

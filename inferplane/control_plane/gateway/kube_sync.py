@@ -199,7 +199,8 @@ class KubernetesCatalogSync:
             addresses = self._addresses(members)
             if not addresses:
                 continue
-            trigger = (tuple(m.model_fingerprint for m in members), *served_settings(members), tuple(sorted(addresses)))
+            trigger = (tuple(m.model_fingerprint for m in members), tuple(m.model_sha256 for m in members),
+                       *served_settings(members), tuple(sorted(addresses)))
             previous = self._published.get(model)
             if previous is not None and previous.trigger == trigger:
                 continue

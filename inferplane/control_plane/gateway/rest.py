@@ -87,6 +87,14 @@ class ModelIn(AdminBody):
     format: Literal["gguf", "hf"] | None = None  # needed for pvc:// sources, which the gateway cannot read
 
 
+class AdapterIn(AdminBody):
+    source: str = Field(min_length=1, max_length=MODEL_SOURCE_MAX_LENGTH)
+    base: str = Field(min_length=1, max_length=MODEL_NAME_MAX_LENGTH + 1 + MODEL_VERSION_MAX_LENGTH)
+    name: str | None = Field(default=None, max_length=MODEL_NAME_MAX_LENGTH)
+    version: str | None = Field(default=None, max_length=MODEL_VERSION_MAX_LENGTH)
+    sha256: str | None = Field(default=None, max_length=SHA256_HEX_LENGTH)
+
+
 class _ModelRefConvertor(PathConvertor):
     """`{ref:model_ref}`: a model reference, which may hold '/' as `path` does, but never a reserved name
     (`resolve`): that path is `GET /admin/v1/models/resolve`'s, so DELETE does not match it there, nor
@@ -152,7 +160,10 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     # -- tenant API ---------------------------------------------------------------------------
 
     def _model_card(m) -> dict:
-        return {"id": m.name, "object": "model", "created": m.created, "owned_by": m.owner_tenant or m.owned_by}
+        card = {"id": m.name, "object": "model", "created": m.created, "owned_by": m.owner_tenant or m.owned_by}
+        if m.parent is not None:  # a LoRA adapter: the served model it runs on (vLLM's field)
+            card["parent"] = m.parent
+        return card
 
     @app.get("/v1/models")
     async def list_models(principal: Principal = Depends(tenant)):
@@ -289,6 +300,24 @@ def create_app(ctx: GatewayContext) -> FastAPI:
                                            version=body.version, owner_tenant_id=principal.tenant_id,
                                            visibility=body.visibility, expected_sha256=body.sha256,
                                            model_format=body.format, outbound=ctx.outbound)
+        return info.__dict__
+
+    @app.get("/admin/v1/adapters")
+    def admin_list_adapters(principal: Principal = Depends(admin)):
+        with ctx.sessions.begin() as session:
+            return {"data": [a.__dict__ for a in registry.list_adapters(session, scope_of(principal))]}
+
+    @app.post("/admin/v1/adapters", status_code=201)
+    def admin_register_adapter(body: AdapterIn, principal: Principal = Depends(admin)):
+        """A LoRA adapter (PEFT folder) for a base model the caller can see; a tenant admin's is private."""
+        source = registry.confine_source(body.source, ctx.model_roots, platform_admin=principal.tenant_id is None)
+        with ctx.sessions.begin() as session:
+            info = registry.register_adapter(session, source, actor=principal.actor, base=body.base,
+                                             name=body.name, version=body.version,
+                                             owner_tenant_id=principal.tenant_id, expected_sha256=body.sha256,
+                                             outbound=ctx.outbound)
+        if ctx.refresh_adapters is not None:
+            ctx.refresh_adapters()
         return info.__dict__
 
     @app.get("/admin/v1/models/resolve")

@@ -46,6 +46,9 @@ class ResourceRoute:
     # in local mode, where the supervisor's source lists every replica it runs, scaled or not.
     replicas: int | None = 1
     priority: str | None = None  # spec.priority: the default band of the served model's requests
+    # The registry digest of the weights it serves (status.model.sha256; local mode: the fetched
+    # weights'), None where none is known: what LoRA adapters bind to.
+    model_sha256: str | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -58,13 +61,14 @@ class ResourceRoute:
 
     @classmethod
     def of(cls, name: str, spec: InferenceDeploymentSpec, *, namespace: str | None = None,
-           fingerprint: str = "") -> ResourceRoute:
+           fingerprint: str = "", model_sha256: str | None = None) -> ResourceRoute:
         """The route of the deployment `name` with `spec`."""
         return cls(namespace=namespace, name=name, served_model_name=spec.served_model_name(name),
                    weight=float(spec.serving.weight), tier=Tier(spec.serving.tier),
                    block_size=resolve(spec).block_size, cache_isolation=spec.cache_isolation,
                    model_fingerprint=fingerprint, autoscaling=autoscale_settings(spec),
-                   replicas=None if namespace is None else spec.replicas, priority=spec.priority)
+                   replicas=None if namespace is None else spec.replicas, priority=spec.priority,
+                   model_sha256=model_sha256)
 
 
 def _fingerprint(spec: Mapping[str, Any]) -> str:
@@ -82,8 +86,10 @@ def resource_route(obj: Mapping[str, Any]) -> ResourceRoute:
     if not name:
         raise SpecError("metadata.name", "required")
     raw_spec = obj.get("spec") or {}
+    model_status = ((obj.get("status") or {}).get("model") or {})
     return ResourceRoute.of(name, InferenceDeploymentSpec.from_dict(raw_spec),
-                            namespace=meta.get("namespace") or "default", fingerprint=_fingerprint(raw_spec))
+                            namespace=meta.get("namespace") or "default", fingerprint=_fingerprint(raw_spec),
+                            model_sha256=model_status.get("sha256") or None)
 
 
 def resource_routes(objs: Iterable[Mapping[str, Any]]) -> list[ResourceRoute]:
@@ -123,7 +129,11 @@ def served_settings(members: Sequence[ResourceRoute]) -> tuple[str, str]:
             served_priority(m.priority for m in members))
 
 
-def catalog_entry(model: str, members: Sequence[ResourceRoute], info: Any) -> ServedModel:
-    """The served model's catalog entry from a replica's `Info` and the deployments behind the name."""
+def catalog_entry(model: str, members: Sequence[ResourceRoute], info: Any,
+                  digests: Iterable[str | None] | None = None) -> ServedModel:
+    """The served model's catalog entry from a replica's `Info` and the deployments behind the name;
+    `digests`: the weights' registry digests where the routes do not carry them (local mode)."""
     isolation, band = served_settings(members)
-    return ServedModel.from_info(model, info, cache_isolation=isolation, priority=band)
+    found = [m.model_sha256 for m in members] if digests is None else list(digests)
+    return ServedModel.from_info(model, info, cache_isolation=isolation, priority=band,
+                                 weights_sha256=frozenset(d for d in found if d))

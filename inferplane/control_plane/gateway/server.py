@@ -16,6 +16,7 @@ from inferplane.control_plane.auth import KeyCache
 from inferplane.control_plane.autoscale.activator import Activator
 from inferplane.control_plane.concurrency import InProcessSequenceLimiter, SequenceLimiter
 from inferplane.control_plane.db import init_db, session_factory
+from inferplane.control_plane.gateway.adapter_sync import AdapterSync
 from inferplane.control_plane.gateway.catalog import Catalog
 from inferplane.control_plane.gateway.context import GatewayContext
 from inferplane.control_plane.gateway.grpc_api import InferenceServicer
@@ -47,6 +48,7 @@ class GatewaySettings:
     jwt_issuer: str | None = None  # when set, tokens must carry exactly this `iss`
     salt_secret: bytes = b""
     key_refresh_interval: float = 1.0
+    adapter_refresh_interval: float = 2.0  # how soon a LoRA adapter registered elsewhere is served
     usage_flush_interval: float = 2.0
     health_poll_interval: float = 2.0
     # On stop (SIGTERM): new connections are refused at once, requests and streams in flight get
@@ -97,6 +99,7 @@ class Gateway:
         self.catalog = catalog or Catalog()
         self.router = router or Router(health=HealthTracker())
         self.keys = KeyCache(self.sessions, refresh_interval=settings.key_refresh_interval)
+        self.adapters = AdapterSync(self.sessions, self.catalog, refresh_interval=settings.adapter_refresh_interval)
         self.usage = UsageRecorder(self.sessions, flush_interval=settings.usage_flush_interval)
         self.quota = QuotaTracker(self.sessions, recorder=self.usage)
         self.channels = WorkerChannels()
@@ -127,7 +130,8 @@ class Gateway:
                                       bootstrap_key=settings.bootstrap_key, jwt_verifier=jwt_verifier,
                                       model_roots=tuple(settings.model_roots),
                                       alert_webhook_secret=settings.alert_webhook_secret,
-                                      alert_forwarder=self.alert_forwarder, outbound=outbound)
+                                      alert_forwarder=self.alert_forwarder, outbound=outbound,
+                                      refresh_adapters=self.adapters.refresh)
         self.app = create_asgi_app(self.context)
         self._http: uvicorn.Server | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -138,6 +142,7 @@ class Gateway:
         # at most this long at a time (Python's default is 5 ms).
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.keys.start()
+        self.adapters.start()
         self.usage.start()
         self.quota.start()
         if self.alert_forwarder is not None:
@@ -196,4 +201,5 @@ class Gateway:
         self.quota.stop()
         self.usage.stop()
         self.keys.stop()
+        self.adapters.stop()
         self.engine.dispose()

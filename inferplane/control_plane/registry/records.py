@@ -76,6 +76,9 @@ class ModelInfo:
     visibility: str
     created_at: datetime
     updated_at: datetime
+    base_model: str | None = None  # an adapter's base ("name:version"); None for a model
+    base_sha256: str | None = None  # that base version's digest
+    lora_rank: int | None = None
 
     @property
     def path(self) -> Path:
@@ -94,7 +97,7 @@ def _info(row: Model) -> ModelInfo:
     return ModelInfo(
         row.id, row.name, row.version, row.uri, row.format, row.sha256, row.size_bytes, row.architecture,
         _kind(row), row.context_length, row.status, row.status_detail, row.owner_tenant_id, row.visibility,
-        row.created_at, row.updated_at,
+        row.created_at, row.updated_at, row.base_model, row.base_sha256, row.lora_rank,
     )  # fmt: skip
 
 
@@ -130,6 +133,42 @@ def _next_version(session: Session, namespace: str, name: str) -> str:
     versions = session.scalars(select(Model.version).where(Model.namespace == namespace, Model.name == name)).all()
     numbers = [int(v) for v in versions if v.isdigit()]
     return str(max(numbers, default=0) + 1)
+
+
+def claim_name(session: Session, name: str, version: str | None, owner_tenant_id: str | None,
+               visibility: str | None) -> tuple[str, str, str]:
+    """(namespace, version, visibility) for a new registration of `name` (a model's or an adapter's:
+    one namespace of names): checks the name, version and visibility, and that the name is the
+    caller's to use; the version defaults to the next integer. Raises InvalidInput, Forbidden,
+    NotFound (an unknown owner) or Conflict."""
+    if not NAME_RE.match(name):
+        raise InvalidInput(f"invalid model name {name!r}: letters, digits, '.', '_', '-', '/'; up to 128",
+                           param="name")
+    if name in RESERVED_NAMES:
+        raise InvalidInput(f"model name {name!r} is reserved: /admin/v1/models/{name} is an endpoint of the "
+                           "admin API, so such a model could not be deleted by name; choose another name",
+                           param="name")
+    if version is not None and not VERSION_RE.match(version):
+        raise InvalidInput(f"invalid model version {version!r}", param="version")
+    visibility = visibility or ("private" if owner_tenant_id else "public")
+    if visibility not in ("public", "private"):
+        raise InvalidInput(f"visibility must be public or private, got {visibility!r}")
+    if owner_tenant_id is None and visibility == "private":
+        raise InvalidInput("a platform model (no owner tenant) must be public")
+    if owner_tenant_id is not None and visibility == "public":
+        raise Forbidden("public models are the platform's; a tenant's models are private")
+    if owner_tenant_id is not None and session.get(Tenant, owner_tenant_id) is None:
+        raise NotFound(f"tenant {owner_tenant_id!r} not found")
+    namespace = owner_tenant_id or PLATFORM
+    existing = session.scalars(select(Model).where(Model.namespace == namespace, Model.name == name)).all()
+    # A new tenant name may not be a platform name (a tenant's older name stays its own).
+    if namespace != PLATFORM and not existing and session.scalars(
+            select(Model.id).where(Model.namespace == PLATFORM, Model.name == name)).first() is not None:
+        raise Conflict(f"model name {name!r} is a platform model's; choose another name")
+    version = version or _next_version(session, namespace, name)
+    if any(r.version == version for r in existing):
+        raise Conflict(f"model {name}:{version} already exists")
+    return namespace, version, visibility
 
 
 def register_model(
@@ -173,33 +212,7 @@ def register_model(
                 raise InvalidInput(f"source: {e}", param="source") from None
         default_name = PurePosixPath(urlparse(str(source)).path.rstrip("/")).name.removesuffix(".gguf")
     name = name or default_name
-    if not NAME_RE.match(name):
-        raise InvalidInput(f"invalid model name {name!r}: letters, digits, '.', '_', '-', '/'; up to 128",
-                           param="name")
-    if name in RESERVED_NAMES:
-        raise InvalidInput(f"model name {name!r} is reserved: /admin/v1/models/{name} is an endpoint of the "
-                           "admin API, so such a model could not be deleted by name; choose another name",
-                           param="name")
-    if version is not None and not VERSION_RE.match(version):
-        raise InvalidInput(f"invalid model version {version!r}", param="version")
-    visibility = visibility or ("private" if owner_tenant_id else "public")
-    if visibility not in ("public", "private"):
-        raise InvalidInput(f"visibility must be public or private, got {visibility!r}")
-    if owner_tenant_id is None and visibility == "private":
-        raise InvalidInput("a platform model (no owner tenant) must be public")
-    if owner_tenant_id is not None and visibility == "public":
-        raise Forbidden("public models are the platform's; a tenant's models are private")
-    if owner_tenant_id is not None and session.get(Tenant, owner_tenant_id) is None:
-        raise NotFound(f"tenant {owner_tenant_id!r} not found")
-    namespace = owner_tenant_id or PLATFORM
-    existing = session.scalars(select(Model).where(Model.namespace == namespace, Model.name == name)).all()
-    # A new tenant name may not be a platform name (a tenant's older name stays its own).
-    if namespace != PLATFORM and not existing and session.scalars(
-            select(Model.id).where(Model.namespace == PLATFORM, Model.name == name)).first() is not None:
-        raise Conflict(f"model name {name!r} is a platform model's; choose another name")
-    version = version or _next_version(session, namespace, name)
-    if any(r.version == version for r in existing):
-        raise Conflict(f"model {name}:{version} already exists")
+    namespace, version, visibility = claim_name(session, name, version, owner_tenant_id, visibility)
 
     if scheme == "file":
         inspected = inspect_local(path, expected_sha256)
@@ -249,6 +262,9 @@ def resolve_for_deployment(session: Session, name: str, version: str | None) -> 
         rows = _find(session, PLATFORM, name, version)
     except NotFound:
         raise ModelResolutionError("ModelNotFound", f"model {ref} is not in the registry") from None
+    if any(r.kind == "adapter" for r in rows):
+        raise ModelResolutionError("ModelIsAdapter", f"model {ref} is a LoRA adapter of {rows[0].base_model}: deploy "
+                                   "that model with engine.maxLoras > 0 and send requests to the adapter's name")
     servable = [r for r in rows if r.status == "verified" or (r.status == "registered" and r.uri.startswith("pvc://"))]
     row = _latest(servable or rows)
     if not servable or row.sha256 is None:
@@ -349,6 +365,12 @@ def verify_model(session: Session, tenant: TenantScope, ref: str, *, actor: str)
     row = _latest(_find(session, tenant, name, version))
     _check_owner([row], tenant, "verify")
     path = Path(unquote(urlparse(row.uri).path))
+    if row.kind == "adapter":
+        _verify_adapter(row, path)
+        session.flush()
+        audit.record(session, actor=actor, action="model.verify", target=f"{row.name}:{row.version}",
+                     tenant_id=row.owner_tenant_id, detail={"status": row.status})
+        return _info(row)
     try:
         if not path.exists():
             raise InvalidInput(f"weights are gone: {path}")
@@ -376,3 +398,16 @@ def verify_model(session: Session, tenant: TenantScope, ref: str, *, actor: str)
         detail={"status": row.status},
     )
     return _info(row)
+
+
+def _verify_adapter(row: Model, path: Path) -> None:
+    """An adapter's files compared with its recorded digest (its fit was checked at registration)."""
+    from inferplane.storage.digest import digest
+
+    if not path.exists():
+        row.status, row.status_detail = "failed", f"the adapter's files are gone: {path}"
+    elif (actual := digest(path)) != row.sha256:
+        row.status, row.status_detail = "failed", f"sha256 changed: recorded {row.sha256}, now {actual}"
+    else:
+        row.status, row.status_detail = "verified", None
+    row.updated_at = utcnow()

@@ -28,6 +28,7 @@ from inferplane.control_plane.registry.weights import CorruptWeights, ModelMetad
 
 if TYPE_CHECKING:
     from inferplane.control_plane.outbound import OutboundPolicy
+    from inferplane.storage.fetch import FetchResult
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +112,22 @@ def inspect_local(path: Path, expected_sha256: str | None) -> _Inspected:
 
 def inspect_remote(uri: str, expected_sha256: str | None, cache_root: Path | None,
                     outbound: OutboundPolicy | None) -> _Inspected:
-    """Fetches into the digest-keyed cache (verifying against `expected_sha256` when given), then
-    reads the header as for a local file; the row keeps the remote URI, which workers fetch.
+    """Fetches into the digest-keyed cache (fetch_remote), then reads the header as for a local
+    file; the row keeps the remote URI, which workers fetch. A digest mismatch records a failed row."""
+    from inferplane.storage.fetch import DigestMismatch
+
+    try:
+        fetched = fetch_remote(uri, expected_sha256, cache_root, outbound, what="model")
+    except DigestMismatch as e:
+        return _Inspected(uri, "gguf" if not uri.endswith("/") else "hf", None, "failed", str(e))
+    inspected = inspect_local(fetched.path, expected_sha256)
+    return _Inspected(uri, inspected.format, inspected.meta, inspected.status, inspected.detail)
+
+
+def fetch_remote(uri: str, expected_sha256: str | None, cache_root: Path | None,
+                 outbound: OutboundPolicy | None, *, what: str) -> FetchResult:
+    """Fetches `uri` into the digest-keyed cache, verifying against `expected_sha256` when given
+    (a mismatch raises DigestMismatch); `what` ("model", "adapter") names it in errors.
 
     http(s): every connection (redirects too) is checked against `outbound` (None: public addresses
     only), and so is the host before a cache hit could skip the network: an internal URL is never
@@ -126,22 +141,20 @@ def inspect_remote(uri: str, expected_sha256: str | None, cache_root: Path | Non
     try:
         if http:
             check_url(uri, policy)
-        fetched = fetch_model(uri, cache_root or default_cache_root(), sha256=expected_sha256,
-                              http_transport=GuardedTransport(policy) if http else None)
-    except DigestMismatch as e:
-        return _Inspected(uri, "gguf" if not uri.endswith("/") else "hf", None, "failed", str(e))
+        return fetch_model(uri, cache_root or default_cache_root(), sha256=expected_sha256,
+                           http_transport=GuardedTransport(policy) if http else None)
+    except DigestMismatch:
+        raise
     except (FetchError, AddressNotAllowed) as e:
         log.warning("registering %s: %s", uri, e)
         if isinstance(e, AddressNotAllowed) or isinstance(e.__cause__, AddressNotAllowed):
-            raise InvalidInput(f"cannot fetch the model from {uri}: its host is an internal address this gateway "
+            raise InvalidInput(f"cannot fetch the {what} from {uri}: its host is an internal address this gateway "
                                "does not connect to (allow it with --outbound-allow)") from None
         if http:
-            raise InvalidInput(f"cannot fetch the model from {uri}") from None
+            raise InvalidInput(f"cannot fetch the {what} from {uri}") from None
         raise InvalidInput(f"cannot fetch {uri}: {e}") from None  # s3: the operator's endpoint, no port to probe
     except ValueError as e:  # a malformed URI or digest: found before any connection
         raise InvalidInput(f"cannot fetch {uri}: {e}") from None
-    inspected = inspect_local(fetched.path, expected_sha256)
-    return _Inspected(uri, inspected.format, inspected.meta, inspected.status, inspected.detail)
 
 
 def pvc_entry(uri: str, expected_sha256: str | None, fmt: str | None) -> _Inspected:

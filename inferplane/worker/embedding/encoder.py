@@ -18,10 +18,10 @@ import torch
 from tokenizers import Tokenizer
 
 from inferplane.api.architectures import config_architecture, model_kind
+from inferplane.api.model_config import ModelLoadError
 from inferplane.api.tokenizer import TextTokenizer
 from inferplane.worker.embedding.pooling import Pooling, read_pooling
 from inferplane.worker.model.bert import BertConfig, BertModel, load_bert
-from inferplane.worker.model.config import ModelLoadError
 from inferplane.worker.model.hf_folder import read_config
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inferplane.worker.model.config import ModelLoadError
+from inferplane.api.model_config import ModelLoadError
 
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens")
 # sentence-transformers' earlier config keys (one boolean per mode), in its concatenation order.

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
+from inferplane.api.model_config import ModelConfig
 from inferplane.worker.lora.adapter import WEIGHTS_FILE, AdapterError, LoraAdapter, LoraRequest, load_adapter
-from inferplane.worker.model.config import ModelConfig
 
 
 class AdapterCatalog:

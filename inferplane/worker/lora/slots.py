@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inferplane.api.model_config import ModelConfig
 from inferplane.worker.lora.adapter import AdapterError, LoraAdapter, module_shape
-from inferplane.worker.model.config import ModelConfig
 from inferplane.worker.quant.smooth import smoothed_factors
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inferplane.worker.model.config import ModelLoadError
+from inferplane.api.model_config import ModelLoadError
 from inferplane.worker.model.hf_folder import read_config, read_safetensors
 
 # HF's names for the activations BERT checkpoints use.

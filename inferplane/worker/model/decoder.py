@@ -4,7 +4,7 @@ each added to the residual. Gemma's sandwich of norms (gemma.py) is this layer w
 
 from __future__ import annotations
 
-from inferplane.worker.model.config import FULL, SLIDING, ModelConfig
+from inferplane.api.model_config import FULL, SLIDING, ModelConfig
 from inferplane.worker.model.layers import MLP, Attention, RMSNorm
 from inferplane.worker.model.moe import SparseMoE
 from inferplane.worker.model.structure import WatchedModule

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from inferplane.api.model_config import FULL, SLIDING, ModelConfig
 from inferplane.worker import native
 from inferplane.worker.attention import AttentionBatch, PagedKVCache
 from inferplane.worker.model import structure
-from inferplane.worker.model.config import FULL, SLIDING, ModelConfig
 
 Segment = tuple[int, int, object]  # (first layer, end, ctypes array of LayerWeights or None: op by op)
 

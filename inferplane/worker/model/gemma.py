@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from inferplane.worker.model.config import ModelConfig
+from inferplane.api.model_config import ModelConfig
 from inferplane.worker.model.decoder import DecoderLayer
 from inferplane.worker.model.layers import RMSNorm
 

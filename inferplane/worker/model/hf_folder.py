@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
-from inferplane.worker.model.config import ModelLoadError
+from inferplane.api.model_config import ModelLoadError
 
 
 def safetensors_files(folder: str) -> list[str]:

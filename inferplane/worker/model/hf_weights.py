@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from inferplane.worker.model.config import ModelConfig
+from inferplane.api.model_config import ModelConfig
 from inferplane.worker.model.gemma import gemma_norm_weight
 
 _MIXTRAL_EXPERT = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.(experts\.\d+\.)?(w1|w2|w3|gate)\.weight$")

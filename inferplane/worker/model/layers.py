@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inferplane.api.model_config import ModelConfig, ModelLoadError
 from inferplane.worker import native
 from inferplane.worker.attention import AttentionBatch, PagedKVCache, paged_attention, store_kv
-from inferplane.worker.model.config import ModelConfig, ModelLoadError
 from inferplane.worker.model.structure import WatchedModule
 
 

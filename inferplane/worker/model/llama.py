@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from inferplane.api.model_config import FULL, SLIDING, ModelConfig
 from inferplane.worker import native
 from inferplane.worker.attention import AttentionBatch, PagedKVCache
-from inferplane.worker.model.config import FULL, SLIDING, ModelConfig
 from inferplane.worker.model.decoder import DecoderLayer
 from inferplane.worker.model.fused_decode import FusedDecode
 from inferplane.worker.model.gemma import SandwichDecoderLayer

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from inferplane.api.model_config import ModelConfig, ModelLoadError
 from inferplane.api.model_resolution import BUILTIN_MODELS, BuiltinModelMissing, builtin_model_path
 from inferplane.api.tokenizer import TextTokenizer
-from inferplane.worker.model.config import ModelConfig, ModelLoadError
 from inferplane.worker.model.hf_folder import read_config, read_safetensors
 from inferplane.worker.model.hf_weights import hf_tensors_for
 from inferplane.worker.model.layers import Rotary
@@ -74,7 +74,8 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, max_positio
         tensors = hf_tensors_for(config, read_safetensors(path))
         tokenizer = load_hf_tokenizer(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
     elif path.endswith(".gguf"):
-        from inferplane.worker.model.gguf_file import config_from_gguf, load_gguf_tensors, open_gguf
+        from inferplane.api.model_config import config_from_gguf
+        from inferplane.worker.model.gguf_file import load_gguf_tensors, open_gguf
 
         reader = open_gguf(path)
         config = config_from_gguf(reader)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from inferplane.worker.model.config import ModelConfig
+from inferplane.api.model_config import ModelConfig
 from inferplane.worker.model.layers import MLP
 from inferplane.worker.model.structure import WatchedModule
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import tokenizers
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from inferplane.api.model_config import ModelLoadError, gguf_value
 from inferplane.api.tokenizer import TextTokenizer
-from inferplane.worker.model.config import ModelLoadError, gguf_value
 
 # ggml token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
 _GGML_CONTROL = 3

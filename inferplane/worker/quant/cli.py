@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from inferplane.worker.model.config import ModelLoadError
+    from inferplane.api.model_config import ModelLoadError
     from inferplane.worker.model.loader import load_model
     from inferplane.worker.quant import gate
     from inferplane.worker.quant.convert import calibration_tokens, convert_model

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inferplane.worker.model.config import ModelConfig
+from inferplane.api.model_config import ModelConfig
 from inferplane.worker.model.gguf_file import (
     _bits,
     _f16,

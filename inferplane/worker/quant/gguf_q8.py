@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from inferplane.worker.model.config import ModelConfig
+from inferplane.api.model_config import ModelConfig
 from inferplane.worker.model.gguf_file import _unpermute_rope, linear_tensor_name, open_gguf, permuted_rope_heads
 from inferplane.worker.quant.int8_linear import QMAX
 

@@ -1,4 +1,5 @@
-"""The architecture numbers the engine needs, from a HF config.json or from GGUF metadata.
+"""The architecture numbers the engine needs, from a HF config.json or from GGUF metadata (read
+without torch, so the registry reads a model's numbers by the workers' own rule: read_model_config).
 
 One `ModelConfig` describes every decoder family served (api/architectures.py lists them): the
 Llama block is the default, and each family is a handful of fields that say how it differs
@@ -184,3 +185,99 @@ def _activation(name: str) -> str:
     if name in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new"):
         return "gelu_tanh"
     raise ModelLoadError(f"activation {name!r} is not supported (supported: silu, gelu_pytorch_tanh)")
+
+
+# llama.cpp's per-family facts a GGUF file does not carry: every how-many-th layer attends globally
+# (the rest slide), and the sliding layers' rope base.
+_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+_LOCAL_ROPE_BASE = {"gemma3": 10000.0}
+
+
+def config_from_gguf(reader) -> ModelConfig:
+    file_arch = gguf_value(reader, "general.architecture")
+    arch = canonical_architecture(file_arch)
+    if arch is None or arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"GGUF file: {unsupported_message(file_arch)}")
+    p = f"{file_arch}."
+    heads = int(gguf_value(reader, p + "attention.head_count"))
+    hidden = int(gguf_value(reader, p + "embedding_length"))
+    layers = int(gguf_value(reader, p + "block_count"))
+    vocab = gguf_value(reader, p + "vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    names = {t.name for t in reader.tensors}
+    scaling = None
+    scaling_type = gguf_value(reader, p + "rope.scaling.type")
+    if scaling_type and scaling_type != "none":
+        scaling = {"rope_type": scaling_type, "factor": float(gguf_value(reader, p + "rope.scaling.factor", 1.0))}
+    eos = gguf_value(reader, "tokenizer.ggml.eos_token_id")
+    head_dim = int(gguf_value(reader, p + "attention.key_length", hidden // heads))
+    experts = int(gguf_value(reader, p + "expert_count", 0) or 0)
+    if arch == "llama" and experts:
+        arch = "mixtral"
+    window = gguf_value(reader, p + "attention.sliding_window")
+    pattern = _SLIDING_PATTERN.get(arch)
+    layer_types: tuple[str, ...] = ()
+    if window and pattern:
+        layer_types = tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers))
+    elif window:
+        layer_types = (SLIDING,) * layers
+    gemma = arch in ("gemma2", "gemma3")
+    pre_attn_scalar = None
+    if gemma:  # llama.cpp's rule: the 27B models scale by hidden / heads, the others by head_dim
+        pre_attn_scalar = float(hidden // heads if layers in (46, 62) else head_dim)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(gguf_value(reader, p + "feed_forward_length")),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(gguf_value(reader, p + "attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(gguf_value(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(gguf_value(reader, p + "rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(gguf_value(reader, p + "context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+        hidden_act="gelu_tanh" if gemma else "silu",
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        sandwich_norms=gemma,
+        embedding_multiplier=hidden**0.5 if gemma else None,
+        query_pre_attn_scalar=pre_attn_scalar,
+        attn_logit_softcap=_positive(gguf_value(reader, p + "attn_logit_softcapping")),
+        final_logit_softcap=_positive(gguf_value(reader, p + "final_logit_softcapping")),
+        sliding_window=int(window) if window else None,
+        layer_types=layer_types,
+        rope_local_theta=_LOCAL_ROPE_BASE.get(arch),
+        num_experts=experts,
+        experts_per_token=int(gguf_value(reader, p + "expert_used_count", 0) or 0),
+        moe_intermediate_size=int(gguf_value(reader, p + "expert_feed_forward_length", 0)
+                                  or gguf_value(reader, p + "feed_forward_length")),
+        normalize_expert_weights=bool(gguf_value(reader, p + "expert_weights_norm", True)),
+    )
+
+
+def _positive(value) -> float | None:
+    return float(value) if value else None
+
+
+def read_model_config(path) -> ModelConfig:
+    """A model's config from its files: a GGUF file's header or a HF folder's config.json (the
+    registry's view of a base model; the worker's loader reads the same way). ModelLoadError naming
+    the path where neither can be read."""
+    import json
+    from pathlib import Path
+
+    from inferplane.api.gguf_reader import open_gguf
+
+    path = Path(path)
+    try:
+        if path.is_file():
+            return config_from_gguf(open_gguf(path))
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read the model config of {path}: {exc}") from None
