@@ -70,6 +70,10 @@ def test_a_workers_metrics_pass_promtool(runtime: str) -> None:
     from inferplane.worker import metrics as worker_metrics
 
     stats = {key: 1.0 for key in (*worker_metrics._COUNTER_STATS, *worker_metrics._GAUGE_STATS)}
-    stats |= {"gate_perplexity_ratio": 1.01, "weight_bytes": 1e6}
+    stats |= {"gate_perplexity_ratio": 1.01, "weight_bytes": 1e6, "lora_requests:support-bot": 3.0,
+              "lora_loaded:support-bot": 1.0}
     exporter = worker_metrics.WorkerMetrics("m", runtime, lambda: stats)
-    assert promtool_lint(generate_latest(exporter.registry)) == ""
+    exposition = generate_latest(exporter.registry)
+    assert promtool_lint(exposition) == ""
+    series = f'inferplane_worker_lora_requests_total{{adapter="support-bot",model="m",runtime="{runtime}"}} 3.0'
+    assert series.encode() in exposition

@@ -32,6 +32,15 @@ WORKER_NATIVE_KERNEL = "inferplane_worker_native_kernel"  # 1 per {kernel, isa};
 WORKER_WEIGHTS_INFO = "inferplane_worker_weights_info"
 WORKER_TENANT_SEQUENCES = "inferplane_worker_tenant_sequences"  # labels state (running|waiting), band, tenant
 WORKER_FAIR_SHARE_PREEMPTIONS = "inferplane_worker_fair_share_preemptions"  # slots taken back for a share or band
+# LoRA adapters (engine.maxLoras slots): loads into a slot, evictions, sequences waiting for a slot,
+# and per adapter (label adapter) requests and whether it is loaded now.
+WORKER_LORA_SLOTS = "inferplane_worker_lora_slots"
+WORKER_LORA_SLOTS_LOADED = "inferplane_worker_lora_slots_loaded"
+WORKER_LORA_WAITING = "inferplane_worker_lora_waiting_for_slot"
+WORKER_LORA_LOADS = "inferplane_worker_lora_loads"
+WORKER_LORA_EVICTIONS = "inferplane_worker_lora_evictions"
+WORKER_LORA_REQUESTS = "inferplane_worker_lora_requests"
+WORKER_LORA_LOADED = "inferplane_worker_lora_loaded"
 # prometheus_client's process collector, which every worker registers: a restart moves it.
 PROCESS_START_TIME = "process_start_time_seconds"
 

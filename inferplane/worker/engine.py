@@ -459,6 +459,9 @@ class Engine:
             stats[f"{QUEUE_STAT_PREFIX}{state}:{BANDS[band]}:{tenant}"] = float(count)
         if self.adapters is not None:
             stats.update(self.adapters.stats())
+            # waiting for a slot: counted in num_waiting too, so the autoscaler's saturation sees them
+            stats["lora_waiting"] = float(sum(1 for s in self.scheduler.waiting if s.adapter is not None
+                                              and self.adapters.slot_of(s.adapter.key) is None))
         if self.device.type == "cpu":  # which jobs run on the C kernels (and which ISA), which on PyTorch ops
             stats["native_kernels"] = float(sum(isa != "torch" for isa in self.kernel_isas.values()))
             stats.update({f"native_kernel:{name}:{isa}": 1.0 for name, isa in self.kernel_isas.items()})

@@ -29,6 +29,8 @@ _COUNTER_STATS = {
     "prefix_hit_tokens": m.WORKER_PREFIX_HIT_TOKENS,
     "evicted_blocks": m.WORKER_PREFIX_EVICTED_BLOCKS,
     "fair_share_preemptions": m.WORKER_FAIR_SHARE_PREEMPTIONS,
+    "lora_loads_total": m.WORKER_LORA_LOADS,
+    "lora_evictions_total": m.WORKER_LORA_EVICTIONS,
 }
 _GAUGE_STATS = {
     "num_running": m.WORKER_RUNNING,
@@ -39,6 +41,14 @@ _GAUGE_STATS = {
     "peak_blocks_used": m.WORKER_KV_PEAK,
     "tree_nodes": m.WORKER_TREE_NODES,
     "native_kernels": m.WORKER_NATIVE_KERNELS,
+    "lora_slots": m.WORKER_LORA_SLOTS,
+    "lora_slots_loaded": m.WORKER_LORA_SLOTS_LOADED,
+    "lora_waiting": m.WORKER_LORA_WAITING,
+}
+# Per-adapter stats ("<prefix><adapter name>"): (metric, help, counter?)
+_ADAPTER_STATS = {
+    "lora_requests:": (m.WORKER_LORA_REQUESTS, "requests per LoRA adapter", True),
+    "lora_loaded:": (m.WORKER_LORA_LOADED, "1 for each LoRA adapter in a slot now", False),
 }
 
 
@@ -67,6 +77,14 @@ class _EngineStatsCollector:
             for kernel, isa in kernels:
                 family.add_metric([*values, kernel, isa], 1.0)
             yield family
+        for prefix, (metric, text, counter) in _ADAPTER_STATS.items():
+            found = [(key[len(prefix):], value) for key, value in stats.items() if key.startswith(prefix)]
+            if found:
+                family = (CounterMetricFamily if counter else GaugeMetricFamily)(metric, text,
+                                                                                labels=[*names, "adapter"])
+                for adapter, value in found:
+                    family.add_metric([*values, adapter], float(value))
+                yield family
         queues = [(key.split(":", 3)[1:], value) for key, value in stats.items() if key.startswith(QUEUE_STAT_PREFIX)]
         if queues:
             family = GaugeMetricFamily(m.WORKER_TENANT_SEQUENCES, "sequences per tenant and priority band, "

@@ -166,3 +166,23 @@ def test_prompts_without_a_full_block_go_to_the_least_loaded() -> None:
             lease.release(True)
     nxt = router.pick(RouteRequest("m", token_ids=None))
     assert nxt.address != busy
+
+
+def test_an_adapters_requests_go_where_it_is_loaded_and_spill_under_load() -> None:
+    """Whatever the prompt, an adapter's requests land on one replica (its slot stays warm) while
+    that replica is under the load bound; beyond it they spill, within the bound, to others."""
+    router, _ = _router(6)
+    owners = {}
+    for adapter in ("support@aa", "sales@bb", "legal@cc"):
+        places = set()
+        for s in range(20):  # different prompts, one at a time
+            lease = router.pick(RouteRequest("m", token_ids=_prompt(s), adapter=adapter))
+            places.add(lease.address)
+            lease.release(True)
+        assert len(places) == 1
+        owners[adapter] = places.pop()
+    assert len(set(owners.values())) > 1  # the adapters spread over the replicas
+    held = [router.pick(RouteRequest("m", token_ids=_prompt(s), adapter="support@aa")) for s in range(60)]
+    loads = Counter(lease.address for lease in held)
+    assert loads.most_common(1)[0][0] == owners["support@aa"] and len(loads) > 1
+    assert max(loads.values()) <= math.ceil(1.25 * len(held) / 6)

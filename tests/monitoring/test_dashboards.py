@@ -25,7 +25,7 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 # Which constants are counters or histograms (by reference, not by copied name); every other one is a gauge.
 # `test_the_metric_kinds_agree_with_the_exporters` checks this against the registries that exist.
 COUNTERS = {m.WORKER_REQUESTS, m.WORKER_PROMPT_TOKENS, m.WORKER_GENERATION_TOKENS, m.WORKER_PREEMPTIONS,
-            m.WORKER_FAIR_SHARE_PREEMPTIONS,
+            m.WORKER_FAIR_SHARE_PREEMPTIONS, m.WORKER_LORA_LOADS, m.WORKER_LORA_EVICTIONS, m.WORKER_LORA_REQUESTS,
             m.WORKER_PREFIX_QUERY_TOKENS, m.WORKER_PREFIX_HIT_TOKENS, m.WORKER_PREFIX_EVICTED_BLOCKS,
             m.GATEWAY_REQUESTS, m.GATEWAY_TOKENS, m.GATEWAY_LIMITER_STORE_ERRORS, m.KEY_REQUESTS, m.TENANT_TOKENS,
             m.OPERATOR_RECONCILES}

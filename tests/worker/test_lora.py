@@ -234,3 +234,28 @@ def test_bench_lora_measures_and_prints_ratios(lora_setup, capsys):
     out = capsys.readouterr().out
     for line in ("mixed / base", "mixed / merged", "first request to an unloaded adapter", "loads 4, evictions 1"):
         assert line in out, out
+
+
+def test_a_request_whose_adapter_finds_every_slot_pinned_waits_and_others_go_ahead(lora_setup):
+    """One slot, pinned by adapter 0's running request: adapter 1's request waits (counted as waiting
+    for a slot) while the base's request is admitted; when adapter 0's finishes, adapter 1 loads."""
+    from inferplane.worker.lora import load_adapter
+
+    base, adapters, prompts, expected = lora_setup
+    llm = LLM(base, device="cpu", dtype="float32", max_loras=1, max_lora_rank=16)
+    engine = llm.engine
+    first, second = (load_adapter(LoraRequest(f"adapter{i}", adapters[i]), engine.loaded.config, 16) for i in (0, 1))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    a = engine.add_request(prompts[0], params, adapter=first)
+    b = engine.add_request(prompts[1], params, adapter=second)
+    c = engine.add_request(prompts[2], params)
+    engine.step()
+    stats = engine.stats()
+    assert (a.status.value, b.status.value, c.status.value) == ("running", "waiting", "running")
+    assert stats["lora_waiting"] == 1 and stats["lora_slots_pinned"] == 1 and "lora_loaded:adapter0" in stats
+    while engine.has_unfinished():
+        engine.step()
+    assert (a.output_token_ids, b.output_token_ids, c.output_token_ids) == (
+        expected[adapters[0]][0], expected[adapters[1]][1], expected[None][2])
+    stats = engine.stats()
+    assert stats["lora_waiting"] == 0 and stats["lora_evictions_total"] == 1 and "lora_loaded:adapter1" in stats

@@ -313,13 +313,15 @@ class InferenceService:
             def call(endpoint):
                 return self.channels.stub(endpoint.address).Generate(request, timeout=self.request_timeout)
 
-            return route_and_stream(self.router, RouteRequest(route, token_ids=token_ids, cache_salt=salt), call)
+            return route_and_stream(self.router, RouteRequest(route, token_ids=token_ids, cache_salt=salt,
+                                                              adapter=adapter_route), call)
 
         # An adapter is served by its base's replicas, which load it by URI and digest.
         route = model.route_name
-        adapter = None
+        adapter, adapter_route = None, ""
         if model.adapter is not None:
             adapter = worker_pb2.Adapter(name=model.name, uri=model.adapter.uri, sha256=model.adapter.sha256)
+            adapter_route = f"{model.name}@{model.adapter.sha256}"
         try:
             # A model scaled to zero: wait (bounded) for the replica the autoscaler starts.
             await self.activator.wait_for_replica(route, lambda: self.router.has_replicas(route))

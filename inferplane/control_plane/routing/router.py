@@ -1,4 +1,5 @@
-"""Served model name -> deployment (A/B weight, tier) -> replica (prefix affinity under bounded load).
+"""Served model name -> deployment (A/B weight, tier) -> replica (prefix affinity under bounded load;
+a LoRA adapter's requests: affinity to the adapter, so it stays loaded where its traffic goes).
 
 The router holds no per-prefix state: a replica is a pure function of the prompt's prefix key, the
 member set and current loads. Several gateway replicas therefore agree on where a prefix lives
@@ -70,6 +71,7 @@ class RouteRequest:
     token_ids: Sequence[int] | None = None  # tokenized prompt; None routes by load alone
     cache_salt: str = ""                    # the tenant's salt (see ``salt.tenant_cache_salt``)
     ab_key: str | None = None               # e.g. a user id: pins the A/B arm; None draws at random
+    adapter: str = ""                       # a LoRA adapter's key (name@digest): affine to the adapter
 
 
 @dataclass(eq=False)
@@ -225,7 +227,13 @@ class Router:
 
     def _choose_replica(self, request: RouteRequest, c: _Candidates) -> str:
         d = c.deployment
-        key = prefix_key(request.token_ids, d.block_size, request.cache_salt, d.affinity_blocks)
+        if request.adapter:
+            # An adapter's requests go where it is loaded (one replica, its slot warm and its prefixes
+            # cached); bounded load moves the excess to the next replica on the ring, which then
+            # loads it too: the adapter spreads with its traffic, not with every request.
+            key = adapter_key(request.adapter)
+        else:
+            key = prefix_key(request.token_ids, d.block_size, request.cache_salt, d.affinity_blocks)
         # A saturated replica is passed over while its siblings have room, whatever the ring says.
         room = [a for a in c.endpoints if not self._replica_saturated(d, a)] or list(c.endpoints)
         loads = {a: self.load.outstanding(a) for a in room}
@@ -235,6 +243,11 @@ class Router:
                 return picked
         low = min(loads.values())
         return self._rng.choice(sorted(a for a, n in loads.items() if n == low))
+
+
+def adapter_key(adapter: str) -> int:
+    """Ring key of a LoRA adapter, equal on every gateway replica."""
+    return int.from_bytes(hashlib.blake2b(adapter.encode(), digest_size=8, person=b"lora").digest(), "big")
 
 
 def _unit(key: str) -> float:

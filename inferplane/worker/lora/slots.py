@@ -183,4 +183,7 @@ class AdapterSlots:
                  "lora_evictions_total": float(self.counters.evictions)}
         for name, count in self.counters.requests.items():
             stats[f"lora_requests:{name}"] = float(count)
+        for adapter in self._adapter_in:
+            if adapter is not None:
+                stats[f"lora_loaded:{adapter.name}"] = 1.0
         return stats
