@@ -147,11 +147,20 @@ async def test_adapters_are_served_listed_isolated_counted_and_rolled(gateway, a
         assert sum(r.requests for r in query_usage(session, "acme", model="support")) == 1
         assert sum(r.requests for r in query_usage(session, "globex", model="support")) == 1
 
-    # version 2 of "support": the next request runs the new weights
-    with gateway.sessions.begin() as session:
-        v2 = registry.register_adapter(session, folders["support-v2"], actor="test", base="smollm2-135m",
-                                       name="support")
-    assert v2.version == "2"
-    gateway.adapters.refresh()
+    # version 2 of "support" while version 1's answers stream: those finish on version 1, the
+    # requests after the switch run version 2, and none fails
     async with client(gateway, globex) as c:
-        assert await complete(c, "support") == answers["support-v2"]
+        streams = [await c.completions.create(model="support", prompt=PROMPT, max_tokens=8, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True}) for _ in range(3)]
+        firsts = [await anext(aiter(s)) for s in streams]  # each is running on a replica now
+        with gateway.sessions.begin() as session:
+            v2 = registry.register_adapter(session, folders["support-v2"], actor="test", base="smollm2-135m",
+                                           name="support")
+        assert v2.version == "2"
+        gateway.adapters.refresh()
+        after = [await complete(c, "support") for _ in range(2)]
+        before = []
+        for first, stream in zip(firsts, streams, strict=True):
+            before.append(first.choices[0].text + "".join([chunk.choices[0].text async for chunk in stream
+                                                           if chunk.choices]))
+    assert before == [answers["support-v1"]] * 3 and after == [answers["support-v2"]] * 2
