@@ -127,6 +127,13 @@ class ModelRef(Section):
         return claim, rest
 
 
+class AdapterRef(Section):
+    """A LoRA adapter of the registry to load at start (the latest verified version, or `version`)."""
+
+    name: Annotated[str, Field(max_length=253, pattern=NAME_PATTERN)]
+    version: number_as_text(Field(max_length=63)) | None = None
+
+
 class Resources(Section):
     gpus: Annotated[int, Field(ge=0, le=8)] = 0
     gpu_resource_name: str = "nvidia.com/gpu"
@@ -242,6 +249,9 @@ class InferenceDeploymentSpec(Section):
     tenant: Annotated[str, Field(pattern=r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$")] | None = Field(
         None, description="The tenant that owns this deployment: its alerts carry this tenant label and reach "
                           "that tenant's alert webhooks.")
+    adapters: list[AdapterRef] = Field(default_factory=list, max_length=64, description=(
+        "LoRA adapters (registry entries bound to this deployment's model) every replica loads before it "
+        "serves; others load on their first request. Needs engine.maxLoras at least this many."))
     image: Annotated[str, Field(max_length=512)] | None = None
     drain_grace_seconds: int = Field(30, ge=0, le=3600)
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -368,6 +378,12 @@ RULES: tuple[Rule, ...] = (
     Rule("", "engine.requantizeQ4", "engine.requantizeQ4 is a generation setting (cpu-int8's GGUF weights)",
          lambda s: not (_is_embedding(s) and s.engine.requantize_q4),
          cel="self.kind != 'embedding' || !self.engine.requantizeQ4"),
+    Rule("", "engine.maxLoras", "engine.maxLoras is a generation setting; an embedding model serves no LoRA adapters",
+         lambda s: not (_is_embedding(s) and s.engine.max_loras > 0),
+         cel="self.kind != 'embedding' || self.engine.maxLoras == 0"),
+    Rule("", "adapters", "adapters: preloading them needs engine.maxLoras at least the number listed",
+         lambda s: len(s.adapters) <= s.engine.max_loras,
+         cel="!has(self.adapters) || size(self.adapters) <= self.engine.maxLoras"),
     Rule("", "workload", "workload hints choose among generative runtimes; an embedding deployment takes none",
          lambda s: not (_is_embedding(s) and (s.workload.multi_turn or s.workload.shared_prefix or s.workload.agent)),
          cel="self.kind != 'embedding' || !(self.workload.multiTurn || self.workload.sharedPrefix || "

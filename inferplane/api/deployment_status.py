@@ -53,6 +53,14 @@ class ModelStatus(_StatusPart):
     format: str
 
 
+class AdapterStatus(_StatusPart):
+    """A LoRA adapter of spec.adapters as the registry resolved it: every worker loads it at start."""
+
+    name: str
+    version: str
+    sha256: str
+
+
 class InferenceDeploymentStatus(_StatusPart):
     phase: Phase | None = None
     observed_generation: int | None = None
@@ -64,5 +72,6 @@ class InferenceDeploymentStatus(_StatusPart):
     endpoints: list[str] = Field(default_factory=list)
     autoscaler: AutoscalerStatus | None = None
     model: ModelStatus | None = None
+    adapters: list[AdapterStatus] = Field(default_factory=list)
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})

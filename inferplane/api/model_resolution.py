@@ -51,7 +51,7 @@ def builtin_model_path(name: str) -> Path:
     return path
 
 ResolutionFailure = Literal["ModelNotFound", "ModelNotVerified", "ModelKindMismatch", "ModelIsAdapter",
-                            "RegistryUnavailable"]
+                            "AdapterNotFound", "AdapterBaseMismatch", "RegistryUnavailable"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,37 @@ class ResolvedModel:
     def from_dict(cls, data: dict[str, Any]) -> ResolvedModel:
         return cls(**{k: data[k] for k in ("name", "version", "uri", "sha256", "format")},
                    size_bytes=data.get("size_bytes"), kind=data.get("kind"))
+
+
+@dataclass(frozen=True)
+class ResolvedAdapter:
+    """A LoRA adapter a deployment preloads (spec.adapters), as the registry resolved it: what the
+    workers fetch (uri, sha256) and the base version digest it was checked against."""
+
+    name: str
+    version: str
+    uri: str
+    sha256: str
+    base_sha256: str
+
+    def require_base(self, model: ResolvedModel | None) -> None:
+        """AdapterBaseMismatch unless `model` (the deployment's resolved model) is the adapter's base."""
+        if model is None or model.sha256 != self.base_sha256:
+            what = f"model {model.ref} (sha256 {model.sha256[:12]})" if model is not None else \
+                "a model that is not a registry entry"
+            raise ModelResolutionError("AdapterBaseMismatch", f"adapter {self.name}@{self.version} was registered "
+                                       f"for the base with sha256 {self.base_sha256[:12]}; this deployment runs {what}")
+
+    def worker_flag(self) -> str:
+        """The worker's --preload-adapter value: NAME=URI#SHA256."""
+        return f"{self.name}={self.uri}#{self.sha256}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ResolvedAdapter:
+        return cls(**{k: data[k] for k in ("name", "version", "uri", "sha256", "base_sha256")})
 
 
 class ModelResolutionError(Exception):

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
-from inferplane.api.model_resolution import ModelResolutionError
+from inferplane.api.model_resolution import ModelResolutionError, ResolvedAdapter, ResolvedModel
 from inferplane.control_plane import auth, registry, tenants
 from inferplane.control_plane.autoscale.autoscaler import Autoscaler, AutoscalerMetrics
 from inferplane.control_plane.autoscale.settings import watch
@@ -110,6 +110,7 @@ class LocalPlatform:
         self._run_state: asyncio.Task | None = None
         self.tenant_key: str | None = None
         self.fetches: dict[str, FetchResult] = {}  # deployment name -> how its registry weights were fetched
+        self.resolved_models: dict[str, ResolvedModel] = {}  # deployment name -> its registry model
         self.digests: dict[str, str | None] = {}  # deployment name -> its weights' digest (what adapters bind to)
         # served model name -> its deployments' routes: the mapping the cluster sync uses (served_routes)
         self.routes = route_table(ResourceRoute.of(m.name, m.spec) for m in manifests)
@@ -143,6 +144,7 @@ class LocalPlatform:
                     self.digests[manifest.name] = info.sha256
                     return str(info.path)
             resolved.require_kind(manifest.spec.kind)
+            self.resolved_models[manifest.name] = resolved
             fetched = fetch_model(resolved.uri, self.home / "model-cache", sha256=resolved.sha256)
             self.fetches[manifest.name] = fetched
             self.digests[manifest.name] = resolved.sha256
@@ -156,6 +158,17 @@ class LocalPlatform:
             except Conflict:
                 self.digests[manifest.name] = registry.get_model(session, auth.ALL_TENANTS, manifest.name).sha256
         return uri.removeprefix("file://")
+
+    def _adapters(self, manifest: Manifest) -> tuple[ResolvedAdapter, ...]:
+        """spec.adapters resolved as the operator does (registry.resolve_adapter), each an adapter of
+        the deployment's registry model; ModelResolutionError naming the first that is not."""
+        found = []
+        with self.gateway.sessions.begin() as session:
+            for ref in manifest.spec.adapters:
+                adapter = registry.resolve_adapter(session, ref.name, ref.version)
+                adapter.require_base(self.resolved_models.get(manifest.name))
+                found.append(adapter)
+        return tuple(found)
 
     def run_state(self) -> dict:
         """What runs, for run.json (`inferplane status`, and the next start's leftover cleanup)."""
@@ -187,7 +200,8 @@ class LocalPlatform:
         loop = asyncio.get_running_loop()
         for manifest in self.manifests:
             path = await loop.run_in_executor(None, self._model_path, manifest)
-            self.supervisor.add(manifest.name, manifest.spec, path)
+            adapters = await loop.run_in_executor(None, self._adapters, manifest)
+            self.supervisor.add(manifest.name, manifest.spec, path, adapters)
         for served, members in self.routes.items():
             self.gateway.router.set_route(served, [
                 router_deployment(r, self.supervisor.deployments[r.name].source) for r in members])

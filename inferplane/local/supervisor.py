@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferplane.api.deployment import InferenceDeploymentSpec
+from inferplane.api.model_resolution import ResolvedAdapter
 from inferplane.api.resolve import ResolvedDeployment, resolve
 from inferplane.control_plane.routing import StaticEndpointSource
 from inferplane.local import runstate
@@ -61,6 +62,7 @@ class LocalDeployment:
     spec: InferenceDeploymentSpec
     resolved: ResolvedDeployment
     model_arg: str
+    adapters: tuple[ResolvedAdapter, ...] = ()  # spec.adapters as resolved: loaded before a replica serves
     source: StaticEndpointSource = field(default_factory=StaticEndpointSource)
     replicas: list[Replica] = field(default_factory=list)
     next_index: int = 0  # replicas keep their number (and log file) for life; a new one takes the next
@@ -85,8 +87,9 @@ class Supervisor:
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
 
-    def add(self, name: str, spec: InferenceDeploymentSpec, model_arg: str) -> LocalDeployment:
-        deployment = LocalDeployment(name, spec, resolve(spec), model_arg)
+    def add(self, name: str, spec: InferenceDeploymentSpec, model_arg: str,
+            adapters: tuple[ResolvedAdapter, ...] = ()) -> LocalDeployment:
+        deployment = LocalDeployment(name, spec, resolve(spec), model_arg, adapters)
         self.deployments[name] = deployment
         self.scale(name, spec.replicas)
         return deployment
@@ -119,7 +122,7 @@ class Supervisor:
     def command(self, deployment: LocalDeployment, replica: Replica) -> tuple[list[str], dict[str, str]]:
         invocation = worker_invocation(deployment.name, deployment.spec, resolved=deployment.resolved,
                                        host="127.0.0.1", port=replica.port, metrics_port=replica.metrics_port,
-                                       model_argument=deployment.model_arg)
+                                       model_argument=deployment.model_arg, adapters=deployment.adapters)
         args = list(invocation.args)
         # `inferplane worker` as this interpreter runs it, so the process uses the same environment.
         command = [sys.executable, "-m", "inferplane.cli", *invocation.command[1:], *args]

@@ -20,7 +20,8 @@ from typing import Any
 import kopf
 
 from inferplane.api.deployment import GROUP, PLURAL, VERSION, InferenceDeploymentSpec, SpecError
-from inferplane.api.model_resolution import BUILTIN_MODELS, ModelResolutionError, ResolvedModel
+from inferplane.api.deployment_status import AdapterStatus
+from inferplane.api.model_resolution import BUILTIN_MODELS, ModelResolutionError, ResolvedAdapter, ResolvedModel
 from inferplane.api.resolve import resolve
 from inferplane.operator import manifests, peering
 from inferplane.operator.config import OperatorConfig
@@ -172,8 +173,9 @@ async def _reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: 
     parsed = _parse(spec, patch, meta, status)
     resolved = resolve(parsed)
     model = await _resolve_model(parsed, config, patch, meta, status, retry, logger)
+    adapters = await _resolve_adapters(parsed, config, model, patch, meta, status, retry, logger)
     desired = manifests.children(body, parsed, image=config.worker_image, monitoring=config.monitoring,
-                                 resolved=resolved, model=model, cache=config.model_cache)
+                                 resolved=resolved, model=model, cache=config.model_cache, adapters=adapters)
     try:
         for child in desired:
             await _apply(client, child, logger)
@@ -187,7 +189,34 @@ async def _reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: 
     patch.status.update(compute_status(
         name=name, namespace=namespace, desired_replicas=parsed.replicas, resolved=resolved,
         deployment=deployment, generation=meta.get("generation"),
-        previous_conditions=status.get("conditions") or [], model=model))
+        previous_conditions=status.get("conditions") or [], model=model,
+        adapters=[AdapterStatus(name=a.name, version=a.version, sha256=a.sha256) for a in adapters]))
+
+
+async def _resolve_adapters(spec: InferenceDeploymentSpec, config: OperatorConfig, model: ResolvedModel | None,
+                            patch: kopf.Patch, meta: Mapping[str, Any], status: Mapping[str, Any], retry: int,
+                            logger: logging.Logger) -> tuple[ResolvedAdapter, ...]:
+    """spec.adapters as the registry resolves them, each checked to be an adapter of the resolved
+    model; one that is unknown, or of another base, is handled as an unresolved model is (a False
+    ModelResolved condition, no child touched, another try later)."""
+    if not spec.adapters:
+        return ()
+    try:
+        if config.registry is None:
+            raise ModelResolutionError("AdapterNotFound", "spec.adapters needs the operator's registry "
+                                       "(--registry-url) to resolve adapters")
+        found = []
+        for ref in spec.adapters:
+            adapter = await config.registry.resolve_adapter(ref.name, ref.version)
+            adapter.require_base(model)
+            found.append(adapter)
+        return tuple(found)
+    except ModelResolutionError as exc:
+        logger.warning(f"adapters not resolved: {exc.message}")
+        patch.status.update(unresolved_model_status(exc, generation=meta.get("generation"),
+                                                    previous_conditions=status.get("conditions") or []))
+        delay = _retry_delay(retry, config) if exc.retryable else config.max_backoff_seconds
+        raise kopf.TemporaryError(exc.message, delay=delay) from exc
 
 
 async def _resolve_model(spec: InferenceDeploymentSpec, config: OperatorConfig, patch: kopf.Patch,
@@ -239,7 +268,8 @@ async def child_deployment_changed(type: str | None, body: kopf.Body, namespace:
         name=owner, namespace=namespace, desired_replicas=parsed.replicas, resolved=resolve(parsed),
         deployment=body, generation=parent.get("metadata", {}).get("generation"),
         previous_conditions=current.get("conditions") or [],
-        model=ResolvedModel.from_dict(resolved_model) if resolved_model and parsed.model.name else None)
+        model=ResolvedModel.from_dict(resolved_model) if resolved_model and parsed.model.name else None,
+        adapters=[AdapterStatus.model_validate(a) for a in current.get("adapters") or []])
     if any(current.get(key) != value for key, value in new.items()):
         await client.patch_status(owner_path, new)
 

@@ -12,12 +12,12 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from inferplane.api.deployment import API_VERSION, KIND, InferenceDeploymentSpec
-from inferplane.api.model_resolution import ResolvedModel
+from inferplane.api.model_resolution import ResolvedAdapter, ResolvedModel
 from inferplane.api.resolve import ResolvedDeployment, resolve
 from inferplane.monitoring.deployment_rules import DeploymentScope, deployment_groups
 from inferplane.monitoring.rules import rule_file
@@ -82,9 +82,11 @@ def worker_invocation(
     port: int = GRPC_PORT,
     metrics_port: int = METRICS_PORT,
     model_argument: str | None = None,
+    adapters: Sequence[ResolvedAdapter] = (),
 ) -> WorkerInvocation:
     """The worker's command line and environment for one replica of `name`; `model_argument` is
-    what --model says (default: as `model_pod.plan` says without a registry)."""
+    what --model says (default: as `model_pod.plan` says without a registry); `adapters` are the
+    spec's `adapters` as the registry resolved them (loaded before the worker serves)."""
     resolved = resolved or resolve(spec)
     args = [
         "--model", model_argument or model_pod.plan(spec, None, image="").argument,
@@ -94,6 +96,7 @@ def worker_invocation(
         *resolved.engine_args(),
         "--served-model-name", spec.served_model_name(name),
         "--drain-grace-seconds", str(spec.drain_grace_seconds),
+        *(arg for adapter in adapters for arg in ("--preload-adapter", adapter.worker_flag())),
     ]
     env: dict[str, str] = {}
     if resolved.cpu_threads is not None:
@@ -127,7 +130,8 @@ def _grpc_probe(period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
 def worker_container(name: str, spec: InferenceDeploymentSpec, *,
                      resolved: ResolvedDeployment, image: str, weights: model_pod.ModelPlan) -> dict[str, Any]:
     """The worker container: the invocation plus probes, ports, resources and a locked-down context."""
-    invocation = worker_invocation(name, spec, resolved=resolved, model_argument=weights.argument)
+    invocation = worker_invocation(name, spec, resolved=resolved, model_argument=weights.argument,
+                                   adapters=weights.adapters)
     quantities = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
     if spec.uses_gpu:
         quantities[spec.resources.gpu_resource_name] = str(spec.resources.gpus)
@@ -205,8 +209,9 @@ def _metadata(owner: Owner, spec: InferenceDeploymentSpec, resolved: ResolvedDep
 
 
 def deployment(owner: Owner, spec: InferenceDeploymentSpec, *, resolved: ResolvedDeployment, image: str,
-               model: ResolvedModel | None = None, cache: model_pod.ModelCache | None = None) -> dict[str, Any]:
-    weights = model_pod.plan(spec, model, image=image, cache=cache)
+               model: ResolvedModel | None = None, cache: model_pod.ModelCache | None = None,
+               adapters: tuple[ResolvedAdapter, ...] = ()) -> dict[str, Any]:
+    weights = model_pod.plan(spec, model, image=image, cache=cache, adapters=adapters)
     # Without a spare GPU a surge pod cannot schedule, so GPU rollouts replace one pod at a time.
     rolling = {"maxSurge": 0, "maxUnavailable": 1} if spec.uses_gpu else {"maxSurge": 1, "maxUnavailable": 0}
     return {
@@ -303,6 +308,7 @@ def children(
     resolved: ResolvedDeployment | None = None,
     model: ResolvedModel | None = None,
     cache: model_pod.ModelCache | None = None,
+    adapters: tuple[ResolvedAdapter, ...] = (),
 ) -> list[dict[str, Any]]:
     """Every object an InferenceDeployment owns, each stamped with the hash of its content.
 
@@ -312,7 +318,7 @@ def children(
     owner = Owner.from_body(body)
     resolved = resolved or resolve(spec)
     objects = [
-        deployment(owner, spec, resolved=resolved, image=image, model=model, cache=cache),
+        deployment(owner, spec, resolved=resolved, image=image, model=model, cache=cache, adapters=adapters),
         service(owner, spec, resolved=resolved),
         pod_disruption_budget(owner, spec, resolved=resolved),
     ]

@@ -17,11 +17,11 @@ one node (or every node, for a ReadWriteMany claim) share, so the second pod sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from inferplane.api.deployment import InferenceDeploymentSpec
-from inferplane.api.model_resolution import ResolvedModel
+from inferplane.api.model_resolution import ResolvedAdapter, ResolvedModel
 from inferplane.storage.cache import cached_path
 from inferplane.storage.uris import parse_model_uri
 
@@ -29,6 +29,7 @@ MODEL_ROOT = "/models"
 CACHE_ROOT = "/model-cache"
 ANNOTATION_DIGEST = "inferplane.io/model-digest"
 ANNOTATION_VERSION = "inferplane.io/model-version"
+ANNOTATION_ADAPTERS = "inferplane.io/adapters"  # name@version:sha256 of each preloaded adapter
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,22 @@ class ModelPlan:
     worker_mounts: list[dict[str, Any]]
     init_containers: list[dict[str, Any]] = field(default_factory=list)
     annotations: dict[str, str] = field(default_factory=dict)
+    # LoRA adapters the worker loads before serving (--preload-adapter, fetched by the worker itself
+    # into its cache on the tmp volume; their digests annotate the pod, so a new version rolls it).
+    adapters: tuple[ResolvedAdapter, ...] = ()
 
 
 def plan(spec: InferenceDeploymentSpec, model: ResolvedModel | None, *, image: str,
-         cache: ModelCache | None = None) -> ModelPlan:
+         cache: ModelCache | None = None, adapters: tuple[ResolvedAdapter, ...] = ()) -> ModelPlan:
+    weights = _weights(spec, model, image=image, cache=cache)
+    if not adapters:
+        return weights
+    listed = ",".join(f"{a.name}@{a.version}:{a.sha256}" for a in adapters)
+    return replace(weights, adapters=tuple(adapters), annotations={**weights.annotations, ANNOTATION_ADAPTERS: listed})
+
+
+def _weights(spec: InferenceDeploymentSpec, model: ResolvedModel | None, *, image: str,
+             cache: ModelCache | None) -> ModelPlan:
     if model is None:
         return _direct(spec)
     cache = cache or ModelCache()

@@ -14,7 +14,7 @@ import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from inferplane.api.deployment_status import Condition, InferenceDeploymentStatus, ModelStatus
+from inferplane.api.deployment_status import AdapterStatus, Condition, InferenceDeploymentStatus, ModelStatus
 from inferplane.api.model_resolution import ModelResolutionError, ResolvedModel
 from inferplane.api.resolve import ResolvedDeployment
 from inferplane.operator.manifests import GRPC_PORT, LABEL_DEPLOYMENT
@@ -63,8 +63,10 @@ def compute_status(
     previous_conditions: Sequence[Mapping[str, Any]] = (),
     now: str | None = None,
     model: ResolvedModel | None = None,
+    adapters: Sequence[AdapterStatus] = (),
 ) -> dict[str, Any]:
-    """Phase Ready when every desired replica is ready and updated; Degraded when the rollout failed."""
+    """Phase Ready when every desired replica is ready and updated; Degraded when the rollout failed.
+    `adapters`: spec.adapters as resolved (status.adapters lists them)."""
     dstatus = (deployment or {}).get("status", {}) or {}
     ready = int(dstatus.get("readyReplicas") or 0)
     updated = int(dstatus.get("updatedReplicas") or 0)
@@ -114,7 +116,7 @@ def compute_status(
         endpoints=[f"{name}.{namespace}.svc:{GRPC_PORT}"] if ready > 0 else [],
         model=None if model is None else ModelStatus(name=model.name, version=model.version, sha256=model.sha256,
                                                      uri=model.uri, format=model.format),
-        observed_generation=generation))
+        **({"adapters": list(adapters)} if adapters else {}), observed_generation=generation))
 
 
 def unresolved_model_status(error: ModelResolutionError, *, generation: int | None,

@@ -37,6 +37,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0 disables)")
     parser.add_argument("--served-model-name", default=None, help="name reported to the gateway")
     parser.add_argument("--drain-grace-seconds", type=float, default=30.0)
+    parser.add_argument("--preload-adapter", action="append", default=[], metavar="NAME=URI#SHA256",
+                        help="a LoRA adapter to fetch and load into a slot before serving (repeatable; the "
+                             "digest may be left out for a local folder); needs --max-loras")
     for option in dataclasses.fields(EngineOptions):
         flag, meta = "--" + option.name.replace("_", "-"), option.metadata
         shown = argparse.SUPPRESS if meta["hidden"] else meta["help"]
@@ -65,7 +68,33 @@ def _build_engine(args: argparse.Namespace):
     dtype = options.resolve_dtype(device)
     loaded = load_model(args.model, device, dtype, max_positions=args.max_model_len)
     report = prepare_weights(options, loaded)
-    return Engine(loaded, options, device, dtype), report
+    engine = Engine(loaded, options, device, dtype)
+    return engine, report, _preload_adapters(engine, args.preload_adapter)
+
+
+def _preload_adapters(engine, flags: list[str]):
+    """Fetches and loads each --preload-adapter into a slot (before the engine serves anything, so
+    nothing else touches the slots); returns the adapter source requests then share (None without)."""
+    if not flags:
+        return None
+    if engine.adapters is None:
+        raise ValueError("--preload-adapter: this engine serves no adapters; set --max-loras")
+    if len(flags) > engine.adapters.max_loras:
+        raise ValueError(f"--preload-adapter: {len(flags)} adapters for {engine.adapters.max_loras} slots")
+    from inferplane.worker.lora.catalog import AdapterCatalog
+    from inferplane.worker.lora.sources import AdapterSource
+
+    source = AdapterSource(AdapterCatalog(engine.loaded.config, engine.options.max_lora_rank, engine.dtype,
+                                          engine.device))
+    for flag in flags:
+        name, sep, rest = flag.partition("=")
+        if not sep or not name or not rest:
+            raise ValueError(f"--preload-adapter: {flag!r} is not NAME=URI#SHA256")
+        uri, _, sha256 = rest.rpartition("#") if "#" in rest else (rest, "", "")
+        adapter = source.adapter(name, uri, sha256)
+        if engine.adapters.acquire(adapter) is None:
+            raise ValueError(f"--preload-adapter: no free slot for {name!r}")
+    return source
 
 
 def _refuse_embedding_model(model: str) -> None:
@@ -101,7 +130,7 @@ def _install_engine(state: WorkerState, args: argparse.Namespace, built) -> tupl
     from inferplane.worker.async_engine import AsyncEngine
     from inferplane.worker.metrics import WorkerMetrics
 
-    engine, report = built
+    engine, report, state.adapter_source = built
     state.extra_stats = {k: float(v) for k, v in report.items()}
     state.info = dict(model=state.model, runtime=args.runtime, max_model_len=engine.max_model_len,
                       block_size=engine.block_size, architecture=engine.loaded.config.architecture,

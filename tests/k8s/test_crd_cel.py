@@ -64,6 +64,11 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"kind": "embedding", "engine": {"requantizeQ4": True}}),
     "workload hints choose among generative runtimes; an embedding deployment takes none": (
         {"kind": "embedding", "workload": {"agent": False}}, {"kind": "embedding", "workload": {"agent": True}}),
+    "engine.maxLoras is a generation setting; an embedding model serves no LoRA adapters": (
+        {"kind": "embedding", "engine": {"maxLoras": 0}}, {"kind": "embedding", "engine": {"maxLoras": 2}}),
+    "adapters: preloading them needs engine.maxLoras at least the number listed": (
+        {"adapters": [{"name": "bot"}], "engine": {"maxLoras": 1}},
+        {"adapters": [{"name": "bot"}, {"name": "helper"}], "engine": {"maxLoras": 1}}),
     "autoscaling.panicWindowSeconds must be shorter than autoscaling.stableWindowSeconds": (
         {"autoscaling": {"panicWindowSeconds": 10, "stableWindowSeconds": 30}},
         {"autoscaling": {"panicWindowSeconds": 61}}),  # against the default stable window, 60

@@ -124,3 +124,50 @@ async def test_a_new_version_rolls_the_pod_template_to_the_new_digest(
     status = await eventually(lambda: status_of(api, "roll").get("model", {}).get("version") == "2"
                               and status_of(api, "roll"))
     assert status["model"]["sha256"] == digest_of(gateway, "2")
+
+
+def _adapter_for(gateway: Gateway, tmp_path: Path, version: str, name: str) -> str:
+    """A random adapter registered for tiny:`version`; returns its digest."""
+    from inferplane.api.model_config import read_model_config
+    from inferplane.bench.lora import write_random_adapter
+
+    with gateway.sessions() as session:
+        base = registry.get_model(session, registry.PLATFORM, f"tiny:{version}")
+    folder = write_random_adapter(tmp_path / name, read_model_config(base.path), 4, ["q_proj"], seed=len(name))
+    with gateway.sessions.begin() as session:
+        return registry.register_adapter(session, folder, actor="test", base=f"tiny:{version}", name=name).sha256
+
+
+async def test_preloaded_adapters_reach_every_worker_and_the_status(
+        operator_with_registry: Any, gateway: Gateway, tmp_path: Path) -> None:
+    from inferplane.operator.model_pod import ANNOTATION_ADAPTERS
+
+    api = operator_with_registry
+    sha = _adapter_for(gateway, tmp_path, "1", "bot")
+    body = resource("tuned", {"name": "tiny", "version": "1"})
+    body["spec"].update(adapters=[{"name": "bot"}], engine={"maxLoras": 2})
+    await create(api, body)
+    template = await eventually(lambda: pod_template(api, "tuned"))
+    args = template["spec"]["containers"][0]["args"]
+    flag = args[args.index("--preload-adapter") + 1]
+    assert flag.startswith("bot=file://") and flag.endswith(f"#{sha}") and args[args.index("--max-loras") + 1] == "2"
+    assert template["metadata"]["annotations"][ANNOTATION_ADAPTERS] == f"bot@1:{sha}"
+    status = await eventually(lambda: status_of(api, "tuned").get("adapters") and status_of(api, "tuned"))
+    assert status["adapters"] == [{"name": "bot", "version": "1", "sha256": sha}]
+
+
+async def test_an_adapter_of_another_base_is_a_false_condition_and_no_worker(
+        operator_with_registry: Any, gateway: Gateway, tmp_path: Path) -> None:
+    api = operator_with_registry
+    _adapter_for(gateway, tmp_path, "2", "v2-bot")
+    body = resource("mismatch", {"name": "tiny", "version": "1"})
+    body["spec"].update(adapters=[{"name": "v2-bot"}], engine={"maxLoras": 1})
+    await create(api, body)
+    status = await eventually(lambda: condition(status_of(api, "mismatch"), "ModelResolved"))
+    assert status["status"] == "False" and status["reason"] == "AdapterBaseMismatch"
+    assert "v2-bot@1" in status["message"] and "tiny@1" in status["message"]
+    assert api.get("apps/v1/deployments", NAMESPACE, "mismatch") is None
+    await create(api, {**resource("missing", {"name": "tiny", "version": "1"}),
+                       "spec": {**body["spec"], "adapters": [{"name": "no-such-adapter"}]}})
+    status = await eventually(lambda: condition(status_of(api, "missing"), "ModelResolved"))
+    assert status["reason"] == "AdapterNotFound" and "no-such-adapter" in status["message"]

@@ -179,9 +179,10 @@ def test_adapters_that_do_not_fit_are_refused_naming_what(lora_setup, tmp_path):
 
 
 def test_worker_serves_adapters_by_uri_over_grpc(lora_setup):
-    """The worker process: a request names its adapter by URI and digest; rows of two adapters
-    and the base stream concurrently, each with its merged model's tokens; a digest that does not
-    match is an INVALID_ARGUMENT naming the adapter, and a replica without slots says so."""
+    """The worker process: one adapter preloaded (in its slot before the worker serves), requests
+    name their adapter by URI and digest; rows of two adapters and the base stream concurrently,
+    each with its merged model's tokens; a digest that does not match is an INVALID_ARGUMENT naming
+    the adapter."""
     import grpc
 
     from inferplane.storage.digest import digest
@@ -190,13 +191,16 @@ def test_worker_serves_adapters_by_uri_over_grpc(lora_setup):
 
     base, adapters, prompts, expected = lora_setup
     proc, port = start_worker(base, "--device", "cpu", "--dtype", "float32", "--max-loras", "2",
-                              "--max-lora-rank", "16")
+                              "--max-lora-rank", "16", "--preload-adapter",
+                              f"adapter0=file://{adapters[0]}#{digest(adapters[0])}")
     try:
         from grpc_health.v1 import health_pb2_grpc
 
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         wait_for(lambda: health(health_pb2_grpc.HealthStub(channel)) == SERVING, 180, "SERVING")
         stub = worker_pb2_grpc.WorkerStub(channel)
+        preloaded = stub.Stats(worker_pb2.StatsRequest()).values  # loaded before serving
+        assert preloaded["lora_loads_total"] == 1 and preloaded["lora_loaded:adapter0"] == 1
 
         def generate(prompt, folder=None, sha256=None):
             ref = None

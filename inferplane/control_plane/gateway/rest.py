@@ -307,6 +307,16 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         with ctx.sessions.begin() as session:
             return {"data": [a.__dict__ for a in registry.list_adapters(session, scope_of(principal))]}
 
+    @app.get("/admin/v1/adapters/resolve")
+    def admin_resolve_adapter(name: str, version: str | None = None, principal: Principal = Depends(admin)):
+        """What a deployment's `adapters` entry loads: the operator asks this when it reconciles."""
+        _platform_admin(principal)
+        with ctx.sessions.begin() as session:
+            try:
+                return registry.resolve_adapter(session, name, version).to_dict()
+            except ModelResolutionError as exc:
+                return error_response(404, exc.message, "model_not_found", "name")
+
     @app.post("/admin/v1/adapters", status_code=201)
     def admin_register_adapter(body: AdapterIn, principal: Principal = Depends(admin)):
         """A LoRA adapter (PEFT folder) for a base model the caller can see; a tenant admin's is private."""

@@ -2,7 +2,7 @@
 (aliases, confined paths, fetched URIs, claims), weights.py (reading and checking weights) and
 adapters.py (LoRA adapters bound to a base model version)."""
 
-from inferplane.control_plane.registry.adapters import ADAPTER_KIND, list_adapters, register_adapter
+from inferplane.control_plane.registry.adapters import ADAPTER_KIND, list_adapters, register_adapter, resolve_adapter
 from inferplane.control_plane.registry.records import (
     NAME_RE,
     PLATFORM,
@@ -35,6 +35,7 @@ __all__ = [
     "ADAPTER_KIND", "ALIASES", "NAME_RE", "PLATFORM", "RESERVED_NAMES", "VERSION_RE", "CorruptWeights", "ModelInfo",
     "ModelMetadata", "ModelNotReady", "UnsupportedArchitecture", "alias_path", "clear_inspect_cache", "confine_source",
     "delete_model", "detect_format", "get_model", "inspect_model", "is_visible", "list_adapters", "list_models",
-    "list_versions", "parse_ref", "register_adapter", "register_model", "resolve_for_deployment", "resolve_model",
+    "list_versions", "parse_ref", "register_adapter", "register_model", "resolve_adapter", "resolve_for_deployment",
+    "resolve_model",
     "resolve_source", "uri_scheme", "verify_model",
 ]

@@ -22,15 +22,18 @@ from sqlalchemy.orm import Session
 
 from inferplane.api.lora_manifest import AdapterError, BaseShape, read_manifest
 from inferplane.api.model_config import ModelLoadError, read_model_config
+from inferplane.api.model_resolution import ModelResolutionError, ResolvedAdapter
 from inferplane.control_plane import audit
 from inferplane.control_plane.auth import ALL_TENANTS, TenantScope
-from inferplane.control_plane.errors import Conflict, InvalidInput
+from inferplane.control_plane.errors import Conflict, InvalidInput, NotFound
 from inferplane.control_plane.orm import Model, utcnow
 from inferplane.control_plane.registry.records import (
     PLATFORM,
     SHA256_RE,
     ModelInfo,
+    _find,
     _info,
+    _latest,
     _visible,
     claim_name,
     resolve_model,
@@ -150,3 +153,20 @@ def list_adapters(session: Session, tenant: TenantScope = ALL_TENANTS, *,
     if base_sha256 is not None:
         query = query.where(Model.base_sha256 == base_sha256)
     return [_info(row) for row in sorted(session.scalars(query), key=lambda r: (r.namespace, r.name, r.id))]
+
+
+def resolve_adapter(session: Session, name: str, version: str | None) -> ResolvedAdapter:
+    """What a deployment's `adapters: [{name, version}]` entry loads: a platform adapter (a tenant's
+    private one never backs a deployment), that version or the latest verified one. Raises
+    ModelResolutionError (AdapterNotFound) naming it."""
+    ref = f"{name}:{version}" if version else name
+    try:
+        rows = [r for r in _find(session, PLATFORM, name, version) if r.kind == ADAPTER_KIND]
+    except NotFound:
+        rows = []
+    verified = [r for r in rows if r.status == "verified"]
+    if not verified:
+        raise ModelResolutionError("AdapterNotFound", f"adapter {ref} is not a verified platform adapter in the "
+                                   "registry")
+    row = _latest(verified)
+    return ResolvedAdapter(row.name, row.version, row.uri, row.sha256 or "", row.base_sha256 or "")
