@@ -263,3 +263,89 @@ def test_a_request_whose_adapter_finds_every_slot_pinned_waits_and_others_go_ahe
         expected[adapters[0]][0], expected[adapters[1]][1], expected[None][2])
     stats = engine.stats()
     assert stats["lora_waiting"] == 0 and stats["lora_evictions_total"] == 1 and "lora_loaded:adapter1" in stats
+
+
+@pytest.fixture(scope="module")
+def smollm2_adapters(tmp_path_factory):
+    """Two peft adapters on SmolLM2 as transformers loads it from the GGUF file (q,k,v,o and MLP
+    targets, ranks 8 and 16), each merged model saved beside it; and the prompts."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from inferplane.api.model_resolution import builtin_model_path
+
+    gguf = builtin_model_path("smollm2-135m")
+    root = tmp_path_factory.mktemp("smollm2-lora")
+    # transformers will not save a model it read from GGUF: the same weights as a plain model
+    from_gguf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = from_gguf.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = from_gguf.state_dict()
+    folders = []
+    for i, (rank, targets) in enumerate([(8, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+                                         (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj"])]):
+        torch.manual_seed(40 + i)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(state)
+        peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                                                      init_lora_weights=False))
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.02)
+        folder = root / f"smol{i}"
+        peft_model.save_pretrained(str(folder))
+        peft_model.merge_and_unload().save_pretrained(str(folder) + "-merged")
+        folders.append(str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,",
+             "The chemical symbol for gold is", "Water boils at"]
+    return folders, [tokenizer.encode(t) for t in texts]
+
+
+@pytest.mark.slow
+def test_smollm2_adapters_and_the_base_in_one_batch_equal_each_merged_model(smollm2_adapters):
+    folders, prompts = smollm2_adapters
+    llm = LLM("smollm2-135m", device="cpu", dtype="float32", max_loras=2, max_lora_rank=16)
+    which = [folders[0], folders[1], None] * 2
+    requests = [None if f is None else LoraRequest(os.path.basename(f), f) for f in which]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                        lora_request=requests)
+    expected = {None: hf_greedy(llm_reference("smollm2-135m"), prompts, 12)}
+    for folder in folders:
+        expected[folder] = hf_greedy(f"{folder}-merged", prompts, 12)
+    assert expected[folders[0]] != expected[None] and expected[folders[1]] != expected[None]
+    assert [o.token_ids for o in outs] == [expected[f][i] for i, f in enumerate(which)]
+
+
+@pytest.mark.slow
+def test_smollm2_cpu_int8_with_an_adapter_is_as_close_as_the_quantized_merged_model(smollm2_adapters):
+    folders, prompts = smollm2_adapters
+    folder = folders[1]  # every target, rank 16
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=1, top_logprobs=5)
+
+    def top(llm, request=None):
+        outs = llm.generate(prompts, params, lora_request=[request] * len(prompts))
+        return torch.tensor([[lp for _, lp in o.top_logprobs[0]] for o in outs])
+
+    reference = top(LLM(f"{folder}-merged", device="cpu", dtype="float32"))
+    quantized_merged = (top(LLM(f"{folder}-merged", runtime="cpu-int8", device="cpu", skip_quality_gate=True))
+                        - reference).abs().mean()  # a yardstick: the merged folder has no tokenizer for the gate
+    int8 = LLM("smollm2-135m", runtime="cpu-int8", device="cpu", max_loras=1, max_lora_rank=16)
+    ours = (top(int8, LoraRequest("smol1", folder)) - reference).abs().mean()
+    without = (top(int8) - reference).abs().mean()
+    assert ours <= max(2 * quantized_merged, 0.05), (ours, quantized_merged)
+    assert ours < without / 2, (ours, without)
+
+
+def llm_reference(alias: str):
+    """transformers' SmolLM2 from the same GGUF file (the base's oracle)."""
+    from transformers import AutoModelForCausalLM
+
+    from inferplane.api.model_resolution import builtin_model_path
+
+    gguf = builtin_model_path(alias)
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
