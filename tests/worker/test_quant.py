@@ -252,6 +252,18 @@ def test_a_snapshot_restores_the_same_model_and_a_wrong_one_changes_nothing(tiny
     assert len(restored.layers) == len(report.layers) and restored.source_layers == report.source_layers
     torch.testing.assert_close(sequence_logits(fresh.model, ids), sequence_logits(converted.model, ids),
                                rtol=0, atol=0)
+    # the smoothing factors come back too (LoRA adapters are rescaled by them), through the file's
+    # own loader (weights_only), as the start-up cache reads it
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    again = _tiny(tiny_llama)
+    restore(again.model, torch.load(buffer, weights_only=True), measure_dispatch=False)
+    assert converted.model.smoothing and again.model.smoothing.keys() == converted.model.smoothing.keys()
+    for key, factor in converted.model.smoothing.items():
+        torch.testing.assert_close(again.model.smoothing[key], factor, rtol=0, atol=0)
 
 
 def test_the_conversion_cache_key_follows_the_file_the_settings_and_the_switch(tmp_path, monkeypatch):
