@@ -212,11 +212,7 @@ async def _resolve_adapters(spec: InferenceDeploymentSpec, config: OperatorConfi
             found.append(adapter)
         return tuple(found)
     except ModelResolutionError as exc:
-        logger.warning(f"adapters not resolved: {exc.message}")
-        patch.status.update(unresolved_model_status(exc, generation=meta.get("generation"),
-                                                    previous_conditions=status.get("conditions") or []))
-        delay = _retry_delay(retry, config) if exc.retryable else config.max_backoff_seconds
-        raise kopf.TemporaryError(exc.message, delay=delay) from exc
+        raise _unresolved(exc, "adapters", config, patch, meta, status, retry, logger) from exc
 
 
 async def _resolve_model(spec: InferenceDeploymentSpec, config: OperatorConfig, patch: kopf.Patch,
@@ -234,11 +230,19 @@ async def _resolve_model(spec: InferenceDeploymentSpec, config: OperatorConfig, 
         model.require_kind(spec.kind)
         return model
     except ModelResolutionError as exc:
-        logger.warning(f"model not resolved: {exc.message}")
-        patch.status.update(unresolved_model_status(exc, generation=meta.get("generation"),
-                                                    previous_conditions=status.get("conditions") or []))
-        delay = _retry_delay(retry, config) if exc.retryable else config.max_backoff_seconds
-        raise kopf.TemporaryError(exc.message, delay=delay) from exc
+        raise _unresolved(exc, "model", config, patch, meta, status, retry, logger) from exc
+
+
+def _unresolved(exc: ModelResolutionError, what: str, config: OperatorConfig, patch: kopf.Patch,
+                meta: Mapping[str, Any], status: Mapping[str, Any], retry: int,
+                logger: logging.Logger) -> kopf.TemporaryError:
+    """The False ModelResolved status for a model or adapters the registry cannot give, and the
+    error that retries later (soon while the registry is unreachable)."""
+    logger.warning(f"{what} not resolved: {exc.message}")
+    patch.status.update(unresolved_model_status(exc, generation=meta.get("generation"),
+                                                previous_conditions=status.get("conditions") or []))
+    delay = _retry_delay(retry, config) if exc.retryable else config.max_backoff_seconds
+    return kopf.TemporaryError(exc.message, delay=delay)
 
 
 def _degraded(reason: str, message: str, meta: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, Any]:
