@@ -349,3 +349,14 @@ def llm_reference(alias: str):
 
     gguf = builtin_model_path(alias)
     return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+
+
+def test_the_choices_of_one_request_share_its_adapter(lora_setup):
+    """n > 1: the forked choices run under the leader's adapter (its slot pinned for each)."""
+    base, adapters, prompts, expected = lora_setup
+    llm = LLM(base, runtime="radix", device="cpu", dtype="float32", max_loras=1, max_lora_rank=16)
+    outs = llm.generate(prompts[3:4], SamplingParams(n=3, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+                        lora_request=LoraRequest("adapter1", adapters[1]))
+    assert [o.token_ids for o in outs] == [expected[adapters[1]][3]] * 3
+    stats = llm.stats()
+    assert stats["forked_sequences"] == 2 and stats["lora_slots_pinned"] == 0
