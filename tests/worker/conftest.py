@@ -62,3 +62,21 @@ def hf_greedy(model_path_or_module, prompts: list[list[int]], max_new_tokens: in
                                  do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+def one_kernel_for_every_row_count(llm):
+    """`llm` (cpu-int8) with one kernel for every row count: tests that compare runs need it.
+
+    cpu-int8 runs a linear of many rows as float32 GEMM over the dequantized weight from the row
+    count its start-up measurement found faster, and fewer rows on the int8 kernel: a 37-row prefill
+    and the 5 rows a cache hit leaves (or two engines measuring apart) can then take different
+    kernels, further apart than rounding (0.24 in logprob, seen once on a loaded machine, where the
+    measured crossover fell below 37). So every row count takes the int8 kernel, as the quality gate
+    measures it (Int8Dispatch.int8_only); layers left unpacked quantize every row count's
+    activations (their measured weight-only/dynamic crossover is pinned the same way)."""
+    for module in llm.engine.loaded.model.modules():
+        dispatch = getattr(module, "dispatch", None)
+        if dispatch is not None:
+            dispatch.float_from, dispatch.thresholds, dispatch.default_min_rows = {}, {}, 1
+            dispatch.version += 1
+    return llm

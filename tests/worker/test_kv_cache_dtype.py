@@ -10,7 +10,7 @@ import torch
 
 from inferplane.worker.llm import LLM
 from inferplane.worker.sampling import SamplingParams
-from tests.worker.conftest import prompts_of_lengths
+from tests.worker.conftest import one_kernel_for_every_row_count, prompts_of_lengths
 
 RUNTIMES = ["paged", "cpu-int8"]  # PyTorch's attention over the gathered cache; the C kernels
 
@@ -111,13 +111,14 @@ def test_a_prompt_computes_the_same_from_the_prefix_cache_or_forked(tiny_llama, 
 
     prompts = prompts_of_lengths([37, 50], 320, seed=14)
     paged = {"kv_manager": "paged"} if runtime == "cpu-int8" else {}
-    whole = run(_llm(tiny_llama, runtime, kv_cache_dtype="float16", **paged))
-    radix = (_llm(tiny_llama, "radix", kv_cache_dtype="float16") if runtime == "paged"
-             else _llm(tiny_llama, runtime, kv_cache_dtype="float16", kv_manager="radix"))
+    whole = run(one_kernel_for_every_row_count(_llm(tiny_llama, runtime, kv_cache_dtype="float16", **paged)))
+    radix = one_kernel_for_every_row_count(
+        _llm(tiny_llama, "radix", kv_cache_dtype="float16") if runtime == "paged"
+        else _llm(tiny_llama, runtime, kv_cache_dtype="float16", kv_manager="radix"))
     run(radix)
     cached = run(radix)
     assert radix.stats()["prefix_hit_tokens"] > 0
-    forked = run(_llm(tiny_llama, runtime, kv_cache_dtype="float16", **paged),
+    forked = run(one_kernel_for_every_row_count(_llm(tiny_llama, runtime, kv_cache_dtype="float16", **paged)),
                  SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2, n=2))
     for name, other in (("cached", cached), ("forked", forked[::2]), ("forked", forked[1::2])):
         for expected, got in zip(whole, other, strict=True):

@@ -11,7 +11,7 @@ import torch
 
 from inferplane import LLM, SamplingParams
 from inferplane.worker.lora import AdapterError, LoraRequest
-from tests.worker.conftest import hf_greedy, prompts_of_lengths, save_tiny
+from tests.worker.conftest import hf_greedy, one_kernel_for_every_row_count, prompts_of_lengths, save_tiny
 
 # (rank, target modules): attention only, everything, MLP only, a pair; ranks 8 and 16 as the issue asks
 ADAPTERS = [(8, ["q_proj", "k_proj", "v_proj", "o_proj"]),
@@ -138,11 +138,13 @@ def test_cpu_int8_with_adapters_is_as_close_as_the_quantized_merged_model(lora_s
         outs = llm.generate(prompts, params, lora_request=[request] * len(prompts))
         return torch.tensor([[lp for _, lp in o.top_logprobs[0]] for o in outs])
 
-    int8 = LLM(base, runtime="cpu-int8", device="cpu", max_loras=4, max_lora_rank=16, skip_quality_gate=True)
+    int8 = one_kernel_for_every_row_count(LLM(base, runtime="cpu-int8", device="cpu", max_loras=4, max_lora_rank=16,
+                                              skip_quality_gate=True))
     for folder in adapters:
         reference = top(LLM(f"{folder}-merged", device="cpu", dtype="float32"))
-        quantized_merged = (top(LLM(f"{folder}-merged", runtime="cpu-int8", device="cpu",
-                                    skip_quality_gate=True)) - reference).abs().mean().item()
+        merged_int8 = one_kernel_for_every_row_count(LLM(f"{folder}-merged", runtime="cpu-int8", device="cpu",
+                                                         skip_quality_gate=True))
+        quantized_merged = (top(merged_int8) - reference).abs().mean().item()
         ours = (top(int8, folder) - reference).abs().mean().item()
         without = (top(int8) - reference).abs().mean().item()
         assert ours <= max(2 * quantized_merged, 0.05), (folder, ours, quantized_merged)
@@ -283,6 +285,7 @@ def smollm2_adapters(tmp_path_factory):
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     state = from_gguf.state_dict()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     folders = []
     for i, (rank, targets) in enumerate([(8, ["q_proj", "k_proj", "v_proj", "o_proj"]),
                                          (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -295,12 +298,12 @@ def smollm2_adapters(tmp_path_factory):
         with torch.no_grad():
             for name, param in peft_model.named_parameters():
                 if "lora_B" in name:
-                    param.normal_(0, 0.02)
+                    param.normal_(0, 0.05)
         folder = root / f"smol{i}"
         peft_model.save_pretrained(str(folder))
         peft_model.merge_and_unload().save_pretrained(str(folder) + "-merged")
+        tokenizer.save_pretrained(str(folder) + "-merged")  # cpu-int8 calibrates on text with it
         folders.append(str(folder))
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,",
              "The chemical symbol for gold is", "Water boils at"]
     return folders, [tokenizer.encode(t) for t in texts]
@@ -322,7 +325,7 @@ def test_smollm2_adapters_and_the_base_in_one_batch_equal_each_merged_model(smol
 
 
 @pytest.mark.slow
-def test_smollm2_cpu_int8_with_an_adapter_is_as_close_as_the_quantized_merged_model(smollm2_adapters):
+def test_smollm2_cpu_int8_with_an_adapter_is_as_close_as_the_quantized_merged_model(smollm2_adapters, capsys):
     folders, prompts = smollm2_adapters
     folder = folders[1]  # every target, rank 16
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=1, top_logprobs=5)
@@ -332,11 +335,15 @@ def test_smollm2_cpu_int8_with_an_adapter_is_as_close_as_the_quantized_merged_mo
         return torch.tensor([[lp for _, lp in o.top_logprobs[0]] for o in outs])
 
     reference = top(LLM(f"{folder}-merged", device="cpu", dtype="float32"))
-    quantized_merged = (top(LLM(f"{folder}-merged", runtime="cpu-int8", device="cpu", skip_quality_gate=True))
-                        - reference).abs().mean()  # a yardstick: the merged folder has no tokenizer for the gate
-    int8 = LLM("smollm2-135m", runtime="cpu-int8", device="cpu", max_loras=1, max_lora_rank=16)
+    quantized_merged = (top(one_kernel_for_every_row_count(LLM(f"{folder}-merged", runtime="cpu-int8", device="cpu",
+                                                               skip_quality_gate=True))) - reference).abs().mean()
+    int8 = one_kernel_for_every_row_count(LLM("smollm2-135m", runtime="cpu-int8", device="cpu", max_loras=1,
+                                              max_lora_rank=16))
     ours = (top(int8, LoraRequest("smol1", folder)) - reference).abs().mean()
     without = (top(int8) - reference).abs().mean()
+    with capsys.disabled():
+        print(f"\nSmolLM2 + rank-16 adapter, mean |top-5 logprob - float merged|: cpu-int8 with the adapter "
+              f"{ours:.4f}, the merged model quantized {quantized_merged:.4f}, cpu-int8 without it {without:.4f}")
     assert ours <= max(2 * quantized_merged, 0.05), (ours, quantized_merged)
     assert ours < without / 2, (ours, without)
 
