@@ -29,7 +29,7 @@ def _settings(engine: Engine) -> dict:
 def _from_worker_cli(model: str, args: list[str]) -> Engine:
     parser = argparse.ArgumentParser()
     worker_cli.configure(parser)
-    engine, _ = worker_cli._build_engine(parser.parse_args(["--model", model, *args]))
+    engine, _, _ = worker_cli._build_engine(parser.parse_args(["--model", model, *args]))
     return engine
 
 
