@@ -402,6 +402,9 @@ def main(argv: list[str]) -> int:
         print(f"\n{name}: {kind} weights {mib['weight_bytes_int8']:.1f} MiB vs float32 "
               f"{mib['weight_bytes_float32']:.1f} MiB ({report['weight_bytes_ratio']:.3f}x); "
               f"whole model {mib['model_bytes_int8']:.1f} MiB vs {mib['model_bytes_float32']:.1f} MiB")
+        if "weight_bytes_arena" in report:
+            print(f"  decode weights in one arena: {mib['weight_bytes_arena']:.1f} MiB, "
+                  f"{mib['weight_bytes_on_huge_pages']:.1f} MiB of it on huge pages")
         if "gate_ppl_rise_pct" in report:
             print(f"  start-up gate ({int(report['gate_tokens'])} tokens): perplexity "
                   f"{report['gate_ppl_rise_pct']:+.2f}%, top-1 agreement {report['gate_top1_agreement']:.2%}")

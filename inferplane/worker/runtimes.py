@@ -89,7 +89,10 @@ def prepare_weights(options: EngineOptions, loaded) -> dict[str, float]:
     if PRESETS[options.runtime].weights == "int8":
         from inferplane.worker.quant.convert import quantize_loaded_model
 
+        from inferplane.worker.quant.weight_arena import place_decode_weights
+
         figures.update(quantize_loaded_model(loaded, options))
+        figures.update(place_decode_weights(loaded.model))  # before the head's timing below: its final memory
     measure = getattr(loaded.model, "measure_head_kernel", None)
     if measure is not None:
         crossover = measure()
