@@ -90,10 +90,6 @@ class AdapterManifest:
     def rank(self) -> int:
         return max(entry.rank for entry in self.modules.values())
 
-    @property
-    def target_modules(self) -> list[str]:
-        return sorted({module for _, module in self.modules}, key=SERVED_MODULES.index)
-
     def check(self, base: BaseShape, max_rank: int | None = None) -> None:
         """AdapterError naming the first thing that does not fit `base` (and `max_rank`)."""
         for (layer, module), entry in sorted(self.modules.items()):

@@ -84,8 +84,7 @@ def _preload_adapters(engine, flags: list[str]):
     from inferplane.worker.lora.catalog import AdapterCatalog
     from inferplane.worker.lora.sources import AdapterSource
 
-    source = AdapterSource(AdapterCatalog(engine.loaded.config, engine.options.max_lora_rank, engine.dtype,
-                                          engine.device))
+    source = AdapterSource(AdapterCatalog.for_engine(engine))
     for flag in flags:
         name, sep, rest = flag.partition("=")
         if not sep or not name or not rest:

@@ -101,8 +101,7 @@ class LLM:
         if self._adapters is None:
             from inferplane.worker.lora.catalog import AdapterCatalog
 
-            self._adapters = AdapterCatalog(self.engine.loaded.config, self.engine.options.max_lora_rank,
-                                            self.engine.dtype, self.engine.device)
+            self._adapters = AdapterCatalog.for_engine(self.engine)
         return [None if r is None else self._adapters.get(r) for r in requests]
 
     def chat(self, conversations: list[dict] | list[list[dict]],

@@ -88,7 +88,6 @@ def prepare_weights(options: EngineOptions, loaded) -> dict[str, float]:
     figures: dict[str, float] = {}
     if PRESETS[options.runtime].weights == "int8":
         from inferplane.worker.quant.convert import quantize_loaded_model
-
         from inferplane.worker.quant.weight_arena import place_decode_weights
 
         figures.update(quantize_loaded_model(loaded, options))

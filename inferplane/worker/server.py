@@ -152,8 +152,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             from inferplane.worker.lora.catalog import AdapterCatalog
             from inferplane.worker.lora.sources import AdapterSource
 
-            catalog = AdapterCatalog(engine.loaded.config, engine.options.max_lora_rank, engine.dtype, engine.device)
-            self.state.adapter_source = AdapterSource(catalog)
+            self.state.adapter_source = AdapterSource(AdapterCatalog.for_engine(engine))
         return self.state.adapter_source
 
     async def _adapter(self, request: worker_pb2.GenerateRequest):

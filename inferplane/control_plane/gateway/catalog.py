@@ -77,21 +77,30 @@ class Catalog:
     def __init__(self) -> None:
         self._models: dict[str, ServedModel] = {}
         self._adapters: dict[tuple[str | None, str], AdapterRecord] = {}  # (owner, name) -> record
+        # (owner, name) -> the adapter as served now (None: its base is not served): built when the
+        # models or adapters change, so that requests only look entries up
+        self._served: dict[tuple[str | None, str], ServedModel | None] = {}
         self._lock = threading.Lock()
 
     def put(self, model: ServedModel) -> None:
         with self._lock:
             self._models[model.name] = model
+            self._serve_adapters()
 
     def remove(self, name: str) -> None:
         with self._lock:
             self._models.pop(name, None)
+            self._serve_adapters()
 
     def set_adapters(self, records: list[AdapterRecord]) -> None:
         """Replaces the adapters the catalog knows (the registry's verified ones; for a name with
         several versions, the last in `records` wins)."""
         with self._lock:
             self._adapters = {(r.owner_tenant, r.name): r for r in records}
+            self._serve_adapters()
+
+    def _serve_adapters(self) -> None:  # under the lock
+        self._served = {key: self._served_adapter(record) for key, record in self._adapters.items()}
 
     def _served_adapter(self, record: AdapterRecord) -> ServedModel | None:
         """The adapter as a served model, through the first served model (by name) of its base."""
@@ -108,8 +117,8 @@ class Catalog:
     def visible(self, tenant_id: str | None) -> list[ServedModel]:
         with self._lock:
             models = [m for m in self._models.values() if m.visible_to(tenant_id)]
-            adapters = [self._served_adapter(r) for r in self._adapters.values()
-                        if tenant_id is None or r.owner_tenant in (None, tenant_id)]
+            adapters = [served for (owner, _), served in self._served.items()
+                        if tenant_id is None or owner in (None, tenant_id)]
         return sorted(models + [a for a in adapters if a is not None], key=lambda m: m.name)
 
     def get(self, name: str, tenant_id: str | None) -> ServedModel:
@@ -117,11 +126,10 @@ class Catalog:
         with self._lock:
             model = self._models.get(name)
             if model is None:
-                record = self._adapters.get((tenant_id, name)) if tenant_id is not None else None
-                record = record or self._adapters.get((None, name))
-                if record is None and tenant_id is None:  # the platform admin sees every tenant's
-                    record = next((r for (_, n), r in self._adapters.items() if n == name), None)
-                model = self._served_adapter(record) if record is not None else None
+                key = (tenant_id, name) if (tenant_id, name) in self._adapters else (None, name)
+                if key not in self._adapters and tenant_id is None:  # the platform admin sees every tenant's
+                    key = next((k for k in self._adapters if k[1] == name), key)
+                model = self._served.get(key)
         if model is None or not model.visible_to(tenant_id):
             raise ModelNotFound(f"The model '{name}' does not exist or you do not have access to it.")
         return model

@@ -10,7 +10,6 @@ Invariants of a `LoraAdapter`:
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from inferplane.api.lora_manifest import (
     read_manifest,
 )
 from inferplane.api.model_config import ModelConfig
+from inferplane.storage.digest import sha256_file
 
 __all__ = ["ATTENTION_MODULES", "CONFIG_FILE", "MLP_MODULES", "SERVED_MODULES", "WEIGHTS_FILE", "AdapterError",
            "LoraAdapter", "LoraRequest", "load_adapter", "module_shape"]
@@ -57,13 +57,6 @@ class LoraAdapter:
         """What slots, prefix caches and metrics tell adapters apart by: name and version."""
         return f"{self.name}@{self.digest[:16]}"
 
-    @property
-    def modules(self) -> set[str]:
-        return {module for _, module in self.weights}
-
-    def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
-
 
 def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
     """(in, out) features of a served module on `config`'s layers."""
@@ -78,7 +71,7 @@ def load_adapter(request: LoraRequest, base: ModelConfig, max_rank: int, dtype: 
     manifest = read_manifest(request.path, request.name)
     manifest.check(BaseShape.of(base), max_rank)
     weights_path = Path(request.path) / WEIGHTS_FILE
-    digest = hashlib.sha256(weights_path.read_bytes()).hexdigest()
+    digest = sha256_file(weights_path)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     with safe_open(str(weights_path), framework="pt") as handle:
         for key, entry in manifest.modules.items():

@@ -29,6 +29,11 @@ class AdapterCatalog:
         self._lock = threading.Lock()
         self.reads = 0
 
+    @classmethod
+    def for_engine(cls, engine) -> AdapterCatalog:
+        """The catalog of adapters that fit `engine`: its base model, rank limit, dtype and device."""
+        return cls(engine.loaded.config, engine.options.max_lora_rank, engine.dtype, engine.device)
+
     def get(self, request: LoraRequest) -> LoraAdapter:
         """The adapter `request` names, read again only when its weights file changed."""
         weights = Path(request.path) / WEIGHTS_FILE

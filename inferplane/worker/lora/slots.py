@@ -92,9 +92,6 @@ class AdapterSlots:
     def slot_of(self, key: str) -> int | None:
         return self._slot_of.get(key)
 
-    def loaded(self) -> list[str]:
-        return list(self._slot_of)
-
     def acquire(self, adapter: LoraAdapter) -> int | None:
         """The slot holding `adapter`, loading it (into a free slot, else the least recently used
         unpinned one) if needed; None while every slot is pinned by other adapters' sequences."""
