@@ -151,8 +151,9 @@ class EngineConfig(Section):
         "Bytes (2GiB) or a fraction of free GPU memory (0.9)."))) | None = None
     dtype: Dtype = "auto"
     kv_cache_dtype: Dtype = Field("auto", description=(
-        "What the KV cache stores. auto: the compute dtype. float16 under float32 compute (the CPU "
-        "runtimes) halves the KV memory and the bytes each decode step reads."))
+        "What the KV cache stores. auto: the runtime's choice, float16 on cpu-int8 (as llama.cpp), "
+        "else the compute dtype. float16 under float32 compute (the CPU runtimes) halves the KV "
+        "memory and the bytes each decode step reads."))
     max_model_len: Annotated[int, Field(ge=16, le=1_048_576)] | None = None
     quantize_head: bool | None = Field(None, description=(
         "cpu-int8 only. The output head in int8 (unset: the runtime's default, int8); false keeps it "

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
 # The options a runtime's preset fills where they are left open (None).
-PRESET_DECIDED = ("dtype", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory")
+PRESET_DECIDED = ("dtype", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_cache_dtype")
 
 
 def parse_memory(value: int | float | str) -> int | float:
@@ -80,9 +80,10 @@ class EngineOptions:
     kv_cache_memory: int | float | str | None = option(
         None, "KV pool size: bytes like 2GiB, or a fraction of free GPU memory like 0.9; default: the runtime's "
               "preset")
-    kv_cache_dtype: str = option(spec_default("kv_cache_dtype"), "what the KV cache stores: auto is the compute "
-                                 "dtype; float16 under float32 compute halves the KV memory and the bytes a decode "
-                                 "step reads", choices=("auto", *COMPUTE_DTYPES))
+    kv_cache_dtype: str = option(spec_default("kv_cache_dtype"), "what the KV cache stores: auto is the runtime's "
+                                 "choice (float16 on cpu-int8, else the compute dtype); float16 under float32 compute "
+                                 "halves the KV memory and the bytes a decode step reads",
+                                 choices=("auto", *COMPUTE_DTYPES))
     num_kv_blocks: int | None = option(None, "exact KV pool size; overrides kv_cache_memory (tests)", hidden=True)
     max_model_len: int | None = option(spec_default("max_model_len"), "longest sequence (default: the model's "
                                                                         "context)")
@@ -125,9 +126,8 @@ class EngineOptions:
     def settled(self, device: torch.device) -> EngineOptions:
         """These options with what they leave open filled from the runtime's preset for `device`
         (api.resolve.engine_settings: the rule a deployment's engine section is resolved by)."""
-        given = {name: getattr(self, name) for name in PRESET_DECIDED}
-        return replace(self, **{name: engine_settings(self.runtime, device.type, given)[name]
-                                for name in PRESET_DECIDED})
+        filled = engine_settings(self.runtime, device.type, {name: getattr(self, name) for name in PRESET_DECIDED})
+        return replace(self, **{name: filled[name] for name in PRESET_DECIDED})
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         import torch
