@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
-from inferplane.api.model_resolution import ModelResolutionError, ResolvedAdapter, ResolvedModel
+from inferplane.api.model_resolution import BUILTIN_MODELS, ModelResolutionError, ResolvedAdapter, ResolvedModel
 from inferplane.control_plane import auth, registry, tenants
 from inferplane.control_plane.autoscale.autoscaler import Autoscaler, AutoscalerMetrics
 from inferplane.control_plane.autoscale.settings import watch
@@ -138,7 +138,7 @@ class LocalPlatform:
                 try:
                     resolved = registry.resolve_for_deployment(session, model.name, model.version)
                 except ModelResolutionError:
-                    if model.name not in registry.ALIASES or model.version is not None:
+                    if model.name not in BUILTIN_MODELS or model.version is not None:
                         raise
                     info = registry.register_model(session, model.name, actor="inferplane-up", name=model.name)
                     self.digests[manifest.name] = info.sha256

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from inferplane.api.deployment import InferenceDeploymentSpec
-from inferplane.api.resolve import resolve
+from inferplane.api.resolve import ResolvedDeployment, resolve
 from inferplane.control_plane.autoscale.activator import HoldPolicy
 from inferplane.control_plane.autoscale.autoscaler import Autoscaler, ScaleTarget
 from inferplane.control_plane.autoscale.decision import Policy
@@ -21,8 +21,10 @@ class AutoscaleSettings:
     slots: int  # the workers' maxNumSeqs after presets
 
 
-def autoscale_settings(spec: InferenceDeploymentSpec) -> AutoscaleSettings | None:
-    """None when the spec does not enable autoscaling (its replicas are then the user's)."""
+def autoscale_settings(spec: InferenceDeploymentSpec,
+                       resolved: ResolvedDeployment | None = None) -> AutoscaleSettings | None:
+    """None when the spec does not enable autoscaling (its replicas are then the user's).
+    `resolved`: the spec already resolved, where the caller has it (else resolved here)."""
     a = spec.autoscaling
     if not a.enabled:
         return None
@@ -31,7 +33,7 @@ def autoscale_settings(spec: InferenceDeploymentSpec) -> AutoscaleSettings | Non
         targets=Targets(queue_depth=a.target_queue_depth, kv_cache_utilization=a.target_kv_cache_utilization,
                         ttft_p95_seconds=spec.slo.ttft_p95_seconds),
         hold=HoldPolicy(a.queue_size, a.queue_timeout_seconds) if spec.min_replicas == 0 else None,
-        slots=int(resolve(spec).engine["max_num_seqs"]))  # type: ignore[arg-type]
+        slots=int((resolved or resolve(spec)).engine["max_num_seqs"]))  # type: ignore[arg-type]
 
 
 def watch(autoscaler: Autoscaler, name: str, served_model: str, deployment: str, settings: AutoscaleSettings) -> None:

@@ -63,10 +63,11 @@ class ResourceRoute:
     def of(cls, name: str, spec: InferenceDeploymentSpec, *, namespace: str | None = None,
            fingerprint: str = "", model_sha256: str | None = None) -> ResourceRoute:
         """The route of the deployment `name` with `spec`."""
+        resolved = resolve(spec)
         return cls(namespace=namespace, name=name, served_model_name=spec.served_model_name(name),
                    weight=float(spec.serving.weight), tier=Tier(spec.serving.tier),
-                   block_size=resolve(spec).block_size, cache_isolation=spec.cache_isolation,
-                   model_fingerprint=fingerprint, autoscaling=autoscale_settings(spec),
+                   block_size=resolved.block_size, cache_isolation=spec.cache_isolation,
+                   model_fingerprint=fingerprint, autoscaling=autoscale_settings(spec, resolved),
                    replicas=None if namespace is None else spec.replicas, priority=spec.priority,
                    model_sha256=model_sha256)
 

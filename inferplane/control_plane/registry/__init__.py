@@ -21,7 +21,7 @@ from inferplane.control_plane.registry.records import (
     resolve_model,
     verify_model,
 )
-from inferplane.control_plane.registry.sources import ALIASES, alias_path, confine_source, resolve_source, uri_scheme
+from inferplane.control_plane.registry.sources import alias_path, confine_source, resolve_source, uri_scheme
 from inferplane.control_plane.registry.weights import (
     CorruptWeights,
     ModelMetadata,
@@ -32,7 +32,7 @@ from inferplane.control_plane.registry.weights import (
 )
 
 __all__ = [
-    "ADAPTER_KIND", "ALIASES", "NAME_RE", "PLATFORM", "RESERVED_NAMES", "VERSION_RE", "CorruptWeights", "ModelInfo",
+    "ADAPTER_KIND", "NAME_RE", "PLATFORM", "RESERVED_NAMES", "VERSION_RE", "CorruptWeights", "ModelInfo",
     "ModelMetadata", "ModelNotReady", "UnsupportedArchitecture", "alias_path", "clear_inspect_cache", "confine_source",
     "delete_model", "detect_format", "get_model", "inspect_model", "is_visible", "list_adapters", "list_models",
     "list_versions", "parse_ref", "register_adapter", "register_model", "resolve_adapter", "resolve_for_deployment",

@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ALIASES = frozenset(BUILTIN_MODELS)  # short names for the weights every worker image has
 
 
 def alias_path(alias: str) -> Path:
@@ -46,13 +45,13 @@ def alias_path(alias: str) -> Path:
 def resolve_source(source: str | Path) -> tuple[Path, str | None]:
     """A path or an alias → (existing absolute path, alias used or None)."""
     text = str(source)
-    if text in ALIASES:
+    if text in BUILTIN_MODELS:
         return alias_path(text).resolve(), text
     if text.startswith("file://"):
         text = unquote(urlparse(text).path)
     path = Path(text).expanduser()
     if not path.exists():
-        raise InvalidInput(f"no such model file or folder: {path} (aliases: {', '.join(sorted(ALIASES))})")
+        raise InvalidInput(f"no such model file or folder: {path} (aliases: {', '.join(sorted(BUILTIN_MODELS))})")
     return path.resolve(), None
 
 
@@ -60,7 +59,7 @@ def confine_source(source: str, roots: Sequence[str | Path], *, platform_admin: 
     """What a caller of the admin API may register: aliases for anyone; server paths for a platform
     admin, and only inside `roots` (symlinks resolved first, so none leads out). A refused path gets
     the same answer whether or not it exists: the API is no oracle for the gateway's file system."""
-    if source in ALIASES:
+    if source in BUILTIN_MODELS:
         return source
     if uri_scheme(source) != "file":  # fetched from object storage or a claim: no local file is read
         if not platform_admin:
@@ -68,7 +67,7 @@ def confine_source(source: str, roots: Sequence[str | Path], *, platform_admin: 
         return source
     if not platform_admin:
         raise Forbidden("registering weights from a server path is a platform admin's operation; a tenant "
-                        f"admin may register these aliases: {', '.join(sorted(ALIASES))}")
+                        f"admin may register these aliases: {', '.join(sorted(BUILTIN_MODELS))}")
     text = unquote(urlparse(source).path) if source.startswith("file://") else source
     if not os.path.isabs(text):
         raise InvalidInput(f"source must be an alias or an absolute path, got {source!r}")
