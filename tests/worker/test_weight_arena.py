@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import mmap
 
-import pytest
 import torch
 
-from inferplane.worker import native
 from inferplane.worker.model import structure
 from inferplane.worker.quant.weight_arena import ALIGN, decode_operands, place
 from tests.worker.conftest import prompts_of_lengths
-
-needs_native_int8 = pytest.mark.skipif(not (native.kernels() and native.kernels().has_int8_linear),
-                                       reason="no C compiler (or not x86-64) here")
+from tests.worker.test_quant import needs_native_int8
 
 
 def test_place_moves_each_tensors_storage_and_keeps_the_tensor():

@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-
 def alias_path(alias: str) -> Path:
     """The weights an alias names (api.model_resolution: the rule the workers resolve it by)."""
     try:

@@ -51,7 +51,7 @@ def decode_operands(model: nn.Module) -> list[torch.Tensor]:
 def _movable(tensor: torch.Tensor) -> bool:
     storage = tensor.untyped_storage()
     return (tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.storage_offset() == 0
-            and storage.nbytes() == tensor.numel() * tensor.element_size())
+            and storage.nbytes() == tensor.nbytes)
 
 
 def _round_up(n: int, to: int) -> int:
@@ -105,17 +105,17 @@ def place(tensors: Iterable[torch.Tensor]) -> tuple[WeightArena | None, int]:
         if _movable(tensor):
             movable.append(tensor)
         else:
-            left += tensor.numel() * tensor.element_size()
+            left += tensor.nbytes
     if not movable:
         return None, left
     offsets, end = [], 0
     for tensor in movable:
         offset = _round_up(end, ALIGN)
         offsets.append(offset)
-        end = offset + tensor.numel() * tensor.element_size()
+        end = offset + tensor.nbytes
     arena = WeightArena(end)
     for tensor, offset in zip(movable, offsets, strict=True):
-        size = tensor.numel() * tensor.element_size()
+        size = tensor.nbytes
         view = arena.bytes[offset:offset + size].view(tensor.dtype).view(tensor.shape)
         with torch.inference_mode() if tensor.is_inference() else nullcontext(), torch.no_grad():
             view.copy_(tensor)
