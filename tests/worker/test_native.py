@@ -270,6 +270,25 @@ def test_argmax_rows_is_torchs_argmax_with_ties_infinities_and_nans(isa_kernels,
         assert torch.equal(isa_kernels.argmax_rows(x), x.argmax(dim=-1))
 
 
+@pytest.mark.parametrize(("experts", "top_k", "normalize"), [(4, 2, True), (8, 2, True), (128, 8, False), (3, 3, True)])
+def test_moe_route_is_softmax_and_topk_renormalised(isa_kernels, experts, top_k, normalize):
+    """The router's choice (model/moe.py on the CPU, and the fused decode): the experts topk picks,
+    most probable first, and their softmax probabilities, renormalised where asked, within float
+    rounding of PyTorch's; an equal pair goes to the lower id."""
+    torch.manual_seed(experts)
+    logits = torch.randn(7, experts) * 4
+    logits[0] = 0.5  # all equal: the first k ids
+    logits[1, -1] = 80.0  # one expert takes (nearly) all the probability
+    weights, ids = isa_kernels.moe_route(logits, top_k, normalize)
+    probs = torch.softmax(logits, dim=-1)
+    expected_weights, expected_ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        expected_weights = expected_weights / expected_weights.sum(dim=-1, keepdim=True)
+    assert torch.equal(ids[1:], expected_ids[1:])
+    assert ids[0].tolist() == list(range(top_k))
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])  # float16: stored rounded to nearest even
 def test_rope_and_kv_store_in_one_pass_match_the_pytorch_ops(isa_kernels, kv_dtype):
     from inferplane.worker.attention import store_kv

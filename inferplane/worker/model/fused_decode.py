@@ -18,6 +18,8 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from inferplane.api.model_config import FULL, SLIDING, ModelConfig
@@ -40,17 +42,23 @@ class FusedDecode:
         self._linears: list[tuple] = []  # per layer: its four linears, or None where one has no kernel
         self._weights: list = []  # per layer: native.LayerWeights or None
         self._keep: list[torch.Tensor] = []  # what the pointers point into
+        self._structs: list = []  # the MoE layers' ctypes structures the entries point to
         self._segments: dict[tuple, list[Segment]] = {}
         self._dispatches: list = []
 
     def _build(self, cache: PagedKVCache, key: tuple) -> None:
-        self._key, self._segments, self._keep = key, {}, []
+        self._key, self._segments, self._keep, self._structs = key, {}, [], []
         self._linears, self._weights, dispatches = [], [], {}
         self.builds += 1
         self.layers = self.body.layers
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            experts = getattr(mlp, "experts", None)  # moe.SparseMoE: its router, then every expert's two
+            if experts is None:
+                linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            else:
+                linears = (attn.qkv_proj, attn.o_proj, mlp.gate, *(e.gate_up_proj for e in experts),
+                           *(e.down_proj for e in experts))
             operands = [lin.fused_operands() if hasattr(lin, "fused_operands") else None for lin in linears]
             # norm1 and norm2 always; Gemma's: the query/key norms and the sandwich's other two
             extra = [getattr(getattr(owner, name, None), "weight", None) for owner, name in (
@@ -72,17 +80,38 @@ class FusedDecode:
             entry.softcap = attn.softcap or 0.0
             entry.view = int(cache.is_windowed(attn.layer_index))
             entry.rope = int(layer.rope_kind == SLIDING)
-            for i, (weight, scale, bias) in enumerate(operands):
-                entry.w[i] = weight.data_ptr()
-                entry.s[i] = None if scale is None else scale.data_ptr()
-                entry.bits[i] = linears[i].bits if scale is None else 0  # a BlockLinear's blocks
-                entry.bias[i] = None if bias is None else bias.data_ptr()
-                self._keep.extend(t for t in (weight, scale, bias) if t is not None)
+            for i, lin in enumerate(linears[:2] if experts is not None else linears):
+                entry.w[i], entry.s[i], entry.bits[i], entry.bias[i], _ = self._operands(lin, operands[i])
+            self._keep.extend(t for operand in operands for t in operand if t is not None)
+            if experts is not None:
+                entry.moe = ctypes.addressof(self._experts(mlp, linears[2:], operands[2:]))
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
             self._keep.extend((*norms, k_cache, v_cache))
             self._linears.append(linears)
             self._weights.append(entry)
         self._dispatches = list(dispatches.values())
+
+    @staticmethod
+    def _operands(lin: torch.nn.Module, operands: tuple) -> tuple:
+        """(weight, scale, bits, bias, outputs) pointers and sizes of one linear, as kernels.c's ip_linear."""
+        weight, scale, bias = operands
+        return (weight.data_ptr(), None if scale is None else scale.data_ptr(), lin.bits if scale is None else 0,
+                None if bias is None else bias.data_ptr(), lin.out_features)
+
+    def _experts(self, moe: torch.nn.Module, linears: tuple, operands: list) -> native.MoeWeights:
+        """A MoE layer's router and experts (linears: the router, every expert's gate_up, then every
+        expert's down) as kernels.c's ip_moe; kept alive with the plan."""
+        def linear(i: int) -> native.LinearOperands:
+            w, s, bits, bias, n = self._operands(linears[i], operands[i])
+            return native.LinearOperands(w, s, bias, bits, n)
+
+        count = len(moe.experts)
+        gate_up = (native.LinearOperands * count)(*(linear(1 + e) for e in range(count)))
+        down = (native.LinearOperands * count)(*(linear(1 + count + e) for e in range(count)))
+        experts = native.MoeWeights(linear(0), ctypes.addressof(gate_up), ctypes.addressof(down), count, moe.top_k,
+                                    linears[1].out_features // 2, int(moe.normalize))
+        self._structs.extend((gate_up, down, experts))
+        return experts
 
     def _segments_for(self, rows: int) -> list[Segment]:
         key = (rows, *(d.version for d in self._dispatches))

@@ -6,7 +6,8 @@ probabilities renormalised to sum to 1 where the model says so (Mixtral always; 
 
 Experts run grouped: tokens are sorted by the expert they were routed to, and each expert that
 received any runs once over all its rows (one matmul per expert per step, never a loop per token).
-Each expert is the dense `MLP` module, so cpu-int8 quantizes and packs experts as it does any linear.
+Each expert is the dense `MLP` module, so cpu-int8 quantizes and packs experts as it does any linear,
+and the fused CPU decode (fused_decode.py, native moe_mlp) runs the same steps in C.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from inferplane.api.model_config import ModelConfig
+from inferplane.worker import native
 from inferplane.worker.model.layers import MLP
 from inferplane.worker.model.structure import WatchedModule
 
@@ -28,8 +30,13 @@ class SparseMoE(WatchedModule):
         self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in x's dtype, expert ids [T, k]) for each token."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        """(weights [T, k] in x's dtype, expert ids [T, k]) for each token. Float32 rows on the CPU
+        are routed by the C kernel the fused decode routes with (the same bits either way)."""
+        logits = self.gate(x)
+        kernels = native.kernels()
+        if kernels is not None and logits.dim() == 2 and native.float32_rows(logits):
+            return kernels.moe_route(logits, self.top_k, self.normalize)
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

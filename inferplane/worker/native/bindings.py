@@ -15,7 +15,7 @@ from inferplane.worker.native.packing import BLOCK, BLOCK_KINDS
 # What each kernel is called in stats, metrics and bench output.
 KERNEL_NAMES = ("int8_linear", *(f"{kind}_linear" for kind in BLOCK_KINDS.values()), "f32_linear",
                 "decode_attention", "rms_norm", "silu_mul",
-                "gelu_mul", "rope_store_kv", "argmax")
+                "gelu_mul", "rope_store_kv", "argmax", "moe_route")
 _FEATURE_INT8_LINEAR = 1
 _FEATURE_F32_LINEAR = 2
 _FEATURE_BLOCK_LINEAR = 4  # ip_block_linear: GGUF blocks of 4, 5, 6 or 8 bits
@@ -24,16 +24,33 @@ _FEATURE_HALF_KV = 8  # float16 KV caches (F16C)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
+class LinearOperands(ctypes.Structure):
+    """kernels.c's ip_linear: one linear as the layer kernels read it, packed int8 with its scale,
+    or GGUF blocks (NULL scale) of `bits`; n outputs; bias or NULL."""
+
+    _fields_ = [("w", _P), ("s", _P), ("bias", _P), ("bits", _I), ("n", _I)]
+
+
+class MoeWeights(ctypes.Structure):
+    """kernels.c's ip_moe: a Mixture-of-Experts MLP, its router and each expert's gate_up and down
+    (arrays of LinearOperands, n_experts long)."""
+
+    _fields_ = [("router", LinearOperands), ("gate_up", _P), ("down", _P), ("n_experts", _I), ("top_k", _I),
+                ("inter", _I), ("normalize", _I)]
+
+
 class LayerWeights(ctypes.Structure):
     """One decoder layer as ip_decode_layers reads it (kernels.c's ip_layer_weights): the norms, the
     four linears (qkv, o, gate_up, down) as packed int8 weight + scale, or GGUF blocks with a NULL
     scale and their `bits`, biases or NULL, the layer's K and V caches; Gemma's query/key and sandwich
     norms (NULL where none), a sliding layer's window, attention view and rope tables, and Gemma 2's
-    score soft-cap (0: none; kernels.c says how)."""
+    score soft-cap (0: none; kernels.c says how); a MoE layer's experts (a MoeWeights, or NULL: the
+    dense MLP in linears 2 and 3)."""
 
     _fields_ = [("norm1", _P), ("norm2", _P), ("w", _P * 4), ("s", _P * 4), ("bias", _P * 4),
                 ("k_cache", _P), ("v_cache", _P), ("q_norm", _P), ("k_norm", _P), ("norm3", _P), ("norm4", _P),
-                ("window", _I), ("view", _I), ("rope", _I), ("bits", _I * 4), ("softcap", ctypes.c_float)]
+                ("window", _I), ("view", _I), ("rope", _I), ("bits", _I * 4), ("softcap", ctypes.c_float),
+                ("moe", _P)]
 
 
 class AttnView(ctypes.Structure):
@@ -76,6 +93,8 @@ class NativeKernels:
         lib.ip_silu_mul.restype = None
         lib.ip_gelu_mul.argtypes = [_P, _I, _I, _P]
         lib.ip_gelu_mul.restype = None
+        lib.ip_moe_route.argtypes = [_P, _I, _I, _I, ctypes.c_int, _P, _P]
+        lib.ip_moe_route.restype = None
         lib.ip_argmax_rows.argtypes = [_P, _I, _I, _I, _P]
         lib.ip_argmax_rows.restype = None
         lib.ip_rope_store_kv.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, ctypes.c_int]
@@ -177,6 +196,16 @@ class NativeKernels:
         out = torch.empty(m, width // 2, dtype=torch.float32)
         self._lib.ip_gelu_mul(gate_up.data_ptr(), m, width // 2, out.data_ptr())
         return out
+
+    def moe_route(self, logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [M, E] (contiguous float32) -> (weights [M, k] float32, expert ids [M, k]
+        int64): softmax, the k most probable (most probable first), renormalised where `normalize`
+        says. The fused decode routes with this same kernel."""
+        m, e = logits.shape
+        weights = torch.empty(m, top_k, dtype=torch.float32)
+        ids = torch.empty(m, top_k, dtype=torch.int64)
+        self._lib.ip_moe_route(logits.data_ptr(), m, e, top_k, int(normalize), weights.data_ptr(), ids.data_ptr())
+        return weights, ids
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, N] float32 on the CPU (rows may be strided) -> int64 [M]: torch.argmax(x, dim=-1)'s

@@ -1251,6 +1251,41 @@ void ip_gelu_mul(const float *gate_up, int64_t m, int64_t inter, float *out) {
     }
 }
 
+/* A Mixture-of-Experts router's choice for each of m rows of logits [m, e]: softmax over the e
+ * experts, the k most probable (the first of equal ones), most probable first, into ids [m, k] and
+ * weights [m, k], renormalised to sum to 1 where `normalize` says so (Mixtral; Qwen3-MoE by
+ * norm_topk_prob). The MoE layer's Python (model/moe.py) calls this on the CPU too, so the fused
+ * decode and the layers op by op route with the same bits. */
+void ip_moe_route(const float *logits, int64_t m, int64_t e, int64_t k, int normalize, float *weights,
+                  int64_t *ids) {
+    float *probs = (float *)malloc(sizeof(float) * (size_t)e);
+    unsigned char *taken = (unsigned char *)malloc((size_t)e);
+    for (int64_t r = 0; r < m; r++) {
+        const float *row = logits + r * e;
+        float top = row[0];
+        for (int64_t j = 1; j < e; j++) top = row[j] > top ? row[j] : top;
+        float total = 0.0f;
+        for (int64_t j = 0; j < e; j++) {
+            probs[j] = expf(row[j] - top);
+            total += probs[j];
+            taken[j] = 0;
+        }
+        for (int64_t j = 0; j < e; j++) probs[j] /= total;
+        float chosen = 0.0f;
+        for (int64_t t = 0; t < k; t++) {
+            int64_t best = -1;
+            for (int64_t j = 0; j < e; j++)
+                if (!taken[j] && (best < 0 || probs[j] > probs[best])) best = j;
+            taken[best] = 1;
+            ids[r * k + t] = best;
+            weights[r * k + t] = probs[best];
+            chosen += probs[best];
+        }
+        for (int64_t t = 0; normalize && t < k; t++) weights[r * k + t] /= chosen;
+    }
+    free(probs); free(taken);
+}
+
 /* Row-wise argmax of x [m, n] (rows ldx apart) into out [m]: the first index of each row's largest
  * value, as torch.argmax returns it, and for a row holding a NaN the first NaN's (torch counts NaN
  * as largest). Greedy decoding takes one per sampled row: PyTorch's CPU argmax took 0.7 ms for 16
@@ -1371,6 +1406,76 @@ static int layer_linear(const float *x, int64_t b, int64_t k, int64_t ldx, const
     return ip_block_linear(x, b, k, ldx, w, (int)bits, bias, n, out, ldo);
 }
 
+/* One linear of a layer: packed int8 with per-channel scales s, or (s NULL) GGUF blocks of `bits`;
+ * n outputs; bias or NULL. */
+typedef struct {
+    const uint8_t *w;
+    const float *s, *bias;
+    int64_t bits, n;
+} ip_linear;
+
+/* A Mixture-of-Experts MLP (model/moe.py): the router (hidden -> n_experts) and each expert's fused
+ * gate_up (hidden -> 2 * inter) and down (inter -> hidden) projections. */
+typedef struct ip_moe {
+    ip_linear router;
+    const ip_linear *gate_up, *down;
+    int64_t n_experts, top_k, inter, normalize;
+} ip_moe;
+
+static int run_linear(const float *x, int64_t b, int64_t k, const ip_linear *lin, float *out) {
+    return layer_linear(x, b, k, k, lin->w, lin->s, lin->bits, lin->bias, lin->n, out, lin->n);
+}
+
+/* h [b, hidden] through the experts into delta [b, hidden], as SparseMoE.forward computes it: each
+ * expert that any row chose runs once over its rows (in row order), its output scaled by the row's
+ * weight, and the scaled outputs are added to a zeroed delta expert by expert in id order. The
+ * product is stored before the add, as PyTorch's separate multiply and index_add_ round it. */
+static int moe_mlp(const float *h, int64_t b, int64_t hidden, const ip_moe *M, int gelu, float *delta) {
+    const int64_t e = M->n_experts, k = M->top_k, inter = M->inter;
+    float *logits = (float *)malloc(sizeof(float) * (size_t)(b * e));
+    float *weights = (float *)malloc(sizeof(float) * (size_t)(b * k));
+    int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)(b * k));
+    int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)b);
+    float *row_weight = (float *)malloc(sizeof(float) * (size_t)b);
+    float *x = (float *)malloc(sizeof(float) * (size_t)(b * hidden));
+    float *gate_up = (float *)malloc(sizeof(float) * (size_t)(b * 2 * inter));
+    float *act = (float *)malloc(sizeof(float) * (size_t)(b * inter));
+    float *y = (float *)malloc(sizeof(float) * (size_t)(b * hidden));
+    int rc = (!logits || !weights || !ids || !rows || !row_weight || !x || !gate_up || !act || !y) ? -2 : 0;
+    if (rc == 0) rc = run_linear(h, b, hidden, &M->router, logits);
+    if (rc == 0) {
+        ip_moe_route(logits, b, e, k, (int)M->normalize, weights, ids);
+        memset(delta, 0, sizeof(float) * (size_t)(b * hidden));
+    }
+    for (int64_t expert = 0; rc == 0 && expert < e; expert++) {
+        int64_t count = 0;
+        for (int64_t r = 0; r < b; r++)
+            for (int64_t t = 0; t < k; t++)
+                if (ids[r * k + t] == expert) {
+                    rows[count] = r;
+                    row_weight[count++] = weights[r * k + t];
+                }
+        if (count == 0) continue;
+        for (int64_t i = 0; i < count; i++) memcpy(x + i * hidden, h + rows[i] * hidden, sizeof(float) * (size_t)hidden);
+        rc = run_linear(x, count, hidden, &M->gate_up[expert], gate_up);
+        if (rc != 0) break;
+        if (gelu) ip_gelu_mul(gate_up, count, inter, act);
+        else ip_silu_mul(gate_up, count, inter, act);
+        rc = run_linear(act, count, inter, &M->down[expert], y);
+        for (int64_t i = 0; rc == 0 && i < count; i++) {
+            float *yr = y + i * hidden;
+            for (int64_t j = 0; j < hidden; j++) yr[j] *= row_weight[i];
+        }
+        for (int64_t i = 0; rc == 0 && i < count; i++) {
+            float *d = delta + rows[i] * hidden;
+            const float *yr = y + i * hidden;
+            for (int64_t j = 0; j < hidden; j++) d[j] += yr[j];
+        }
+    }
+    free(logits); free(weights); free(ids); free(rows); free(row_weight); free(x); free(gate_up); free(act); free(y);
+    return rc;
+}
+
 /* One decoder layer's weights and KV cache, as ip_decode_layers reads them: the four linears (qkv, o,
  * gate_up, down) each as packed int8 with per-channel scales s, or (s NULL) GGUF blocks of bits[i]
  * (4, 5, 6 or 8, ip_block_linear); biases may be
@@ -1392,6 +1497,7 @@ typedef struct {
     int64_t rope;    /* the ip_rope it rotates by: 0 the model's, 1 the sliding layers' own */
     int64_t bits[4]; /* where s[i] is NULL: the bits of linear i's blocks */
     float softcap;   /* > 0: attention scores soft-capped (Gemma 2), cap * tanh(score / cap) */
+    const struct ip_moe *moe; /* non-NULL: the MLP is these experts (w[2], w[3] unused) */
 } ip_layer_weights;
 
 /* Where a step's KV goes and is read from, for the layers of one pool: each row's slot, its block
@@ -1442,9 +1548,10 @@ static int decode_layer(float *x, int64_t b, int64_t hidden, const ip_layer_weig
         } else {
             ip_rms_norm(x, delta, b, hidden, L->norm2, eps, h);  /* x += attn; h = norm(x) */
         }
-        rc = layer_linear(h, b, hidden, hidden, L->w[2], L->s[2], L->bits[2], L->bias[2], 2 * inter, wide, 2 * inter);
+        if (L->moe) rc = moe_mlp(h, b, hidden, L->moe, gelu, delta);
+        else rc = layer_linear(h, b, hidden, hidden, L->w[2], L->s[2], L->bits[2], L->bias[2], 2 * inter, wide, 2 * inter);
     }
-    if (rc == 0) {
+    if (rc == 0 && !L->moe) {
         if (gelu) ip_gelu_mul(wide, b, inter, narrow);
         else ip_silu_mul(wide, b, inter, narrow);
         rc = layer_linear(narrow, b, inter, inter, L->w[3], L->s[3], L->bits[3], L->bias[3], hidden, delta, hidden);

@@ -77,13 +77,13 @@ def _groups(model: nn.Module, quantize_head: bool, fuse: bool) -> list[_Group]:
     if fuse and _is_llama_shaped(model):
         for i, layer in enumerate(model.model.layers):
             for owner, attr, names in _FUSED:
-                parent = getattr(layer, owner)
-                linears = [getattr(parent, n, None) for n in names]
-                if not hasattr(parent, attr) or not all(isinstance(m, nn.Linear) for m in linears):
-                    continue
-                members = [(f"model.layers.{i}.{owner}.{n}", n, getattr(parent, n)) for n in names]
-                groups.append(_Group(parent, attr, members))
-                fused.update(m[0] for m in members)
+                for prefix, parent in _fusable_parents(f"model.layers.{i}.{owner}", getattr(layer, owner)):
+                    linears = [getattr(parent, n, None) for n in names]
+                    if not hasattr(parent, attr) or not all(isinstance(m, nn.Linear) for m in linears):
+                        continue
+                    members = [(f"{prefix}.{n}", n, getattr(parent, n)) for n in names]
+                    groups.append(_Group(parent, attr, members))
+                    fused.update(m[0] for m in members)
     for parent_name, parent in model.named_modules():
         for attr, child in parent.named_children():
             name = f"{parent_name}.{attr}" if parent_name else attr
@@ -91,6 +91,15 @@ def _groups(model: nn.Module, quantize_head: bool, fuse: bool) -> list[_Group]:
                 continue
             groups.append(_Group(parent, attr, [(name, attr, child)]))
     return groups
+
+
+def _fusable_parents(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of what holds a fused group's members: the module itself, or each
+    expert of a Mixture-of-Experts MLP (each expert's gate and up read the same input)."""
+    experts = getattr(module, "experts", None)
+    if isinstance(experts, nn.ModuleList):
+        return [(f"{name}.experts.{e}", expert) for e, expert in enumerate(experts)]
+    return [(name, module)]
 
 
 def _weight_name(model: nn.Module, layer_name: str) -> str:
