@@ -84,9 +84,9 @@ class ModelConfig:
     def fused_decode_block(self) -> bool:
         """True when every layer is a block the fused CPU decode computes: the Llama block, with
         Gemma's and Qwen3's differences (GeGLU, query/key norms, the sandwich of norms, sliding
-        layers with their own rope, Gemma 2's soft-capped scores) and Mixture-of-Experts MLPs;
-        not LongRoPE."""
-        return self.hidden_act in ("silu", "gelu_tanh") and not self.rope_scaling_per_position
+        layers with their own rope, Gemma 2's soft-capped scores), Mixture-of-Experts MLPs and
+        LongRoPE (its tables are per position, as every rope's are)."""
+        return self.hidden_act in ("silu", "gelu_tanh")
 
     @property
     def rope_scaling_per_position(self) -> bool:

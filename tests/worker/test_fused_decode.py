@@ -17,11 +17,12 @@ from tests.worker.test_native import isa_kernels  # noqa: F401 (the fixture: eve
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True)
 
 
-def _llm(path):
+def _llm(path, **options):
     from inferplane.worker.llm import LLM
 
     # paged: a radix cache would serve a second run's prompts from the first run's KV
-    return LLM(path, runtime="cpu-int8", device="cpu", num_kv_blocks=64, skip_quality_gate=True, kv_manager="paged")
+    return LLM(path, runtime="cpu-int8", device="cpu", num_kv_blocks=64, skip_quality_gate=True, kv_manager="paged",
+               **options)
 
 
 def _record_calls(kernels, monkeypatch) -> list[tuple[int, int]]:
@@ -95,6 +96,27 @@ def tiny_qwen3_moe(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("qwen3_moe")
     model.save_pretrained(str(path))
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_phi3(tmp_path_factory) -> str:
+    """Phi-3's LongRoPE: short factors inside the original context of 256, long ones past it."""
+    from tests.worker.test_architectures import save_family
+
+    return save_family(tmp_path_factory.mktemp("phi3"), "phi3", seed=9)
+
+
+def test_longrope_decodes_fused_inside_and_past_the_original_context(tiny_phi3, isa_kernels, monkeypatch):  # noqa: F811
+    """Rows at positions on both sides of Phi-3's original context (256) decode in one call, each
+    rotated by its own position's factors, as the layers op by op rotate them."""
+    # Prefill chunks sized by a fixed budget, not by measured step time: the chunks a step mixes with
+    # decode rows pick the kernels (float GEMM from a crossover), so both runs must cut them alike.
+    llm = _llm(tiny_phi3, step_target_ms=0, max_num_batched_tokens=1024)
+    prompts = prompts_of_lengths([250, 5, 300], 320, seed=3)  # the first crosses 256 while it decodes
+    calls = _record_calls(isa_kernels, monkeypatch)
+    fused = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, PARAMS)]
+    assert calls and {layers for _, layers in calls} == {3}
+    assert_same_answers(fused, _op_by_op(llm, prompts, monkeypatch))
 
 
 # qwen2: biases on q, k and v; qwen3: query/key norms; gemma3: all of Gemma 3's block, contexts past the window;
