@@ -41,12 +41,12 @@ FAMILIES = {
 }
 
 
-def save_family(path, family: str, seed: int) -> str:
+def save_family(path, family: str, seed: int, **overrides) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model_type = "phi3" if family.startswith("phi3") else family
-    config = AutoConfig.for_model(model_type, **COMMON, **FAMILIES[family])
+    config = AutoConfig.for_model(model_type, **{**COMMON, **FAMILIES[family], **overrides})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -5,7 +5,6 @@ layer's modules change, and runs of fusable layers around one that must run op b
 from __future__ import annotations
 
 import pytest
-import torch
 
 from inferplane.worker.model import fused_decode
 from inferplane.worker.quant.block_linear import BlockLinear, quantize_blocks
@@ -80,22 +79,9 @@ def tiny_qwen3(tmp_path_factory) -> str:
 def tiny_qwen3_moe(tmp_path_factory) -> str:
     """Qwen3-MoE's block: 16 experts (a router the int8 kernel packs: its outputs a multiple of 16),
     2 per token, renormalised; layer 1 keeps a dense MLP, so one call holds both kinds."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from tests.worker.test_architectures import save_family
 
-    from tests.worker.test_architectures import COMMON
-
-    torch.manual_seed(8)
-    config = AutoConfig.for_model("qwen3_moe", **COMMON, num_experts=16, num_experts_per_tok=2,
-                                  moe_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1],
-                                  norm_topk_prob=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "gate.weight" in name and "experts" not in name:  # routers: decisive choices
-                param.normal_(0.0, 1.0)
-    path = tmp_path_factory.mktemp("qwen3_moe")
-    model.save_pretrained(str(path))
-    return str(path)
+    return save_family(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", seed=8, num_experts=16)
 
 
 @pytest.fixture(scope="module")

@@ -306,11 +306,19 @@ def permuted_rope_heads(config: ModelConfig, name: str) -> int | None:
 
 def linear_tensor_name(gguf_name: str, config: ModelConfig) -> str | None:
     """The HF name of a 2-D linear weight stored under `gguf_name`, None for anything else (norms,
-    experts stacked in 3-D): what the cpu-int8 block readers look up."""
-    parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[2] in _STACKED_EXPERTS:
+    experts stacked in 3-D: expert_tensor_names): what the cpu-int8 block readers look up."""
+    if expert_tensor_names(gguf_name, 0) is not None:
         return None
     return hf_name(gguf_name, config.sandwich_norms)
+
+
+def expert_tensor_names(gguf_name: str, experts: int) -> list[str] | None:
+    """The HF name of each expert's weight, in expert order, where `gguf_name` is a MoE layer's
+    experts stacked in one tensor [experts, rows, columns]; None for any other tensor."""
+    parts = gguf_name.split(".", 2)
+    if parts[0] != "blk" or len(parts) != 3 or parts[2] not in _STACKED_EXPERTS:
+        return None
+    return [f"model.layers.{parts[1]}.mlp.experts.{e}.{_STACKED_EXPERTS[parts[2]]}.weight" for e in range(experts)]
 
 
 def load_gguf_tensors(reader, config: ModelConfig):
@@ -318,10 +326,9 @@ def load_gguf_tensors(reader, config: ModelConfig):
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         tensor = dequantize(t.tensor_type.name, t.data, shape)
-        parts = t.name.split(".", 2)
-        if parts[0] == "blk" and len(parts) == 3 and parts[2] in _STACKED_EXPERTS:
-            for e in range(tensor.shape[0]):
-                yield f"model.layers.{parts[1]}.mlp.experts.{e}.{_STACKED_EXPERTS[parts[2]]}.weight", tensor[e]
+        experts = expert_tensor_names(t.name, shape[0])
+        if experts is not None:
+            yield from zip(experts, tensor, strict=True)
             continue
         name = hf_name(t.name, config.sandwich_norms)
         heads = permuted_rope_heads(config, name)

@@ -31,6 +31,7 @@ from inferplane.worker.model.gguf_file import (
     _high_bits_32,
     _nibbles,
     _unpermute_rope,
+    expert_tensor_names,
     linear_tensor_name,
     open_gguf,
     permuted_rope_heads,
@@ -180,8 +181,14 @@ def load_blocks(path: str, config: ModelConfig, wanted: set[str]) -> dict[str, B
         kind = BLOCK_TYPES.get(t.tensor_type.name)
         if kind is None:
             continue
-        name = linear_tensor_name(t.name, config)
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        experts = expert_tensor_names(t.name, shape[0]) if len(shape) == 3 else None
+        if experts is not None:  # a MoE layer's experts stacked [experts, rows, columns]: each its own blocks
+            for name, raw in zip(experts, t.data, strict=True):
+                if name in wanted and shape[2] % kind[1] == 0:
+                    found[name] = file_blocks(raw, t.tensor_type.name, shape[1], shape[2])
+            continue
+        name = linear_tensor_name(t.name, config)
         if name is None or name not in wanted or len(shape) != 2 or shape[1] % kind[1]:
             continue
         blocks = file_blocks(t.data, t.tensor_type.name, *shape)
