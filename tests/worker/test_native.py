@@ -287,6 +287,8 @@ def test_moe_route_is_softmax_and_topk_renormalised(isa_kernels, experts, top_k,
     assert torch.equal(ids[1:], expected_ids[1:])
     assert ids[0].tolist() == list(range(top_k))
     torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+    with pytest.raises(RuntimeError, match="ip_moe_route"):  # more experts a token than there are
+        isa_kernels.moe_route(logits, experts + 1, normalize)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])  # float16: stored rounded to nearest even

@@ -94,7 +94,7 @@ class NativeKernels:
         lib.ip_gelu_mul.argtypes = [_P, _I, _I, _P]
         lib.ip_gelu_mul.restype = None
         lib.ip_moe_route.argtypes = [_P, _I, _I, _I, ctypes.c_int, _P, _P]
-        lib.ip_moe_route.restype = None
+        lib.ip_moe_route.restype = ctypes.c_int
         lib.ip_argmax_rows.argtypes = [_P, _I, _I, _I, _P]
         lib.ip_argmax_rows.restype = None
         lib.ip_rope_store_kv.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, ctypes.c_int]
@@ -204,7 +204,8 @@ class NativeKernels:
         m, e = logits.shape
         weights = torch.empty(m, top_k, dtype=torch.float32)
         ids = torch.empty(m, top_k, dtype=torch.int64)
-        self._lib.ip_moe_route(logits.data_ptr(), m, e, top_k, int(normalize), weights.data_ptr(), ids.data_ptr())
+        rc = self._lib.ip_moe_route(logits.data_ptr(), m, e, top_k, int(normalize), weights.data_ptr(), ids.data_ptr())
+        _check(rc, "ip_moe_route")
         return weights, ids
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:

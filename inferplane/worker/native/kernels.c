@@ -1255,11 +1255,17 @@ void ip_gelu_mul(const float *gate_up, int64_t m, int64_t inter, float *out) {
  * experts, the k most probable (the first of equal ones), most probable first, into ids [m, k] and
  * weights [m, k], renormalised to sum to 1 where `normalize` says so (Mixtral; Qwen3-MoE by
  * norm_topk_prob). The MoE layer's Python (model/moe.py) calls this on the CPU too, so the fused
- * decode and the layers op by op route with the same bits. */
-void ip_moe_route(const float *logits, int64_t m, int64_t e, int64_t k, int normalize, float *weights,
-                  int64_t *ids) {
+ * decode and the layers op by op route with the same bits. Returns 0, -1 where k is not in [1, e],
+ * -2 when out of memory. */
+int ip_moe_route(const float *logits, int64_t m, int64_t e, int64_t k, int normalize, float *weights,
+                 int64_t *ids) {
+    if (k < 1 || k > e) return -1;
     float *probs = (float *)malloc(sizeof(float) * (size_t)e);
     unsigned char *taken = (unsigned char *)malloc((size_t)e);
+    if (!probs || !taken) {
+        free(probs); free(taken);
+        return -2;
+    }
     for (int64_t r = 0; r < m; r++) {
         const float *row = logits + r * e;
         float top = row[0];
@@ -1284,6 +1290,7 @@ void ip_moe_route(const float *logits, int64_t m, int64_t e, int64_t k, int norm
         for (int64_t t = 0; normalize && t < k; t++) weights[r * k + t] /= chosen;
     }
     free(probs); free(taken);
+    return 0;
 }
 
 /* Row-wise argmax of x [m, n] (rows ldx apart) into out [m]: the first index of each row's largest
@@ -1443,10 +1450,8 @@ static int moe_mlp(const float *h, int64_t b, int64_t hidden, const ip_moe *M, i
     float *y = (float *)malloc(sizeof(float) * (size_t)(b * hidden));
     int rc = (!logits || !weights || !ids || !rows || !row_weight || !x || !gate_up || !act || !y) ? -2 : 0;
     if (rc == 0) rc = run_linear(h, b, hidden, &M->router, logits);
-    if (rc == 0) {
-        ip_moe_route(logits, b, e, k, (int)M->normalize, weights, ids);
-        memset(delta, 0, sizeof(float) * (size_t)(b * hidden));
-    }
+    if (rc == 0) rc = ip_moe_route(logits, b, e, k, (int)M->normalize, weights, ids);
+    if (rc == 0) memset(delta, 0, sizeof(float) * (size_t)(b * hidden));
     for (int64_t expert = 0; rc == 0 && expert < e; expert++) {
         int64_t count = 0;
         for (int64_t r = 0; r < b; r++)
