@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -31,9 +32,30 @@ def start_worker(model: str, *extra: str) -> tuple[subprocess.Popen, int]:
     return proc, port
 
 
-def health(stub) -> int | None:
+def wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float) -> str:
+    """The first line of the worker's stdout that starts with `prefix` (read on a thread, so a
+    worker that never prints it fails the test instead of hanging it)."""
+    found: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout:
+            if line.startswith(prefix):
+                found.put(line)
+                return
+        found.put("")  # the worker exited first
+
+    threading.Thread(target=read, daemon=True).start()
     try:
-        return stub.Check(health_pb2.HealthCheckRequest(service="inferplane.v1.Worker"), timeout=1).status
+        line = found.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(f"the worker printed no {prefix!r} line in {timeout} s") from None
+    assert line, f"the worker exited before printing {prefix!r}"
+    return line
+
+
+def health(stub, timeout: float = 1) -> int | None:
+    try:
+        return stub.Check(health_pb2.HealthCheckRequest(service="inferplane.v1.Worker"), timeout=timeout).status
     except grpc.RpcError:
         return None  # not listening yet
 
@@ -56,10 +78,14 @@ def request(text: str, max_tokens: int, **params) -> worker_pb2.GenerateRequest:
 def test_worker_lifecycle_stream_cancel_and_drain():
     proc, port = start_worker("smollm2-135m", "--drain-grace-seconds", "60")
     try:
+        # The server listens before the model loads, and says so. The channel is made only then: one
+        # made earlier backs off between refused connections (seconds, growing), and on a busy
+        # machine its first answer came after loading had finished.
+        wait_for_line(proc, "worker loading:", 120)
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         health_stub = health_pb2_grpc.HealthStub(channel)
         stub = worker_pb2_grpc.WorkerStub(channel)
-        seen = [wait_for(lambda: health(health_stub), 60, "the gRPC server")]
+        seen = [wait_for(lambda: health(health_stub, timeout=30), 60, "the gRPC server")]  # busy machine: patience
         # The server answers while the model is still loading.
         assert seen[0] == NOT_SERVING
         with pytest.raises(grpc.RpcError) as err:
