@@ -59,7 +59,7 @@ class FusedDecode:
             else:
                 linears = (attn.qkv_proj, attn.o_proj, mlp.gate, *(e.gate_up_proj for e in experts),
                            *(e.down_proj for e in experts))
-            operands = [lin.fused_operands() if hasattr(lin, "fused_operands") else None for lin in linears]
+            operands = [_operands(lin, router=experts is not None and i == 2) for i, lin in enumerate(linears)]
             # norm1 and norm2 always; Gemma's: the query/key norms and the sandwich's other two
             extra = [getattr(getattr(owner, name, None), "weight", None) for owner, name in (
                 (attn, "q_norm"), (attn, "k_norm"), (layer, "pre_feedforward_layernorm"),
@@ -72,7 +72,8 @@ class FusedDecode:
                 self._weights.append(None)
                 continue
             for lin in linears:
-                dispatches[id(lin.dispatch)] = lin.dispatch
+                if hasattr(lin, "dispatch"):  # a float32 router has no float crossover
+                    dispatches[id(lin.dispatch)] = lin.dispatch
             entry = native.LayerWeights()
             entry.norm1, entry.norm2 = norms[0].data_ptr(), norms[1].data_ptr()
             entry.q_norm, entry.k_norm, entry.norm3, entry.norm4 = (None if w is None else w.data_ptr() for w in extra)
@@ -80,36 +81,26 @@ class FusedDecode:
             entry.softcap = attn.softcap or 0.0
             entry.view = int(cache.is_windowed(attn.layer_index))
             entry.rope = int(layer.rope_kind == SLIDING)
-            for i, lin in enumerate(linears[:2] if experts is not None else linears):
-                entry.w[i], entry.s[i], entry.bits[i], entry.bias[i], _ = self._operands(lin, operands[i])
-            self._keep.extend(t for operand in operands for t in operand if t is not None)
+            for i, (weight, scale, bits, bias, _) in enumerate(operands[:2] if experts is not None else operands):
+                entry.w[i], entry.s[i], entry.bias[i] = _pointer(weight), _pointer(scale), _pointer(bias)
+                entry.bits[i] = bits
+            self._keep.extend(t for operand in operands for t in operand if isinstance(t, torch.Tensor))
             if experts is not None:
-                entry.moe = ctypes.addressof(self._experts(mlp, linears[2:], operands[2:]))
+                entry.moe = ctypes.addressof(self._experts(mlp, operands[2:]))
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
             self._keep.extend((*norms, k_cache, v_cache))
             self._linears.append(linears)
             self._weights.append(entry)
         self._dispatches = list(dispatches.values())
 
-    @staticmethod
-    def _operands(lin: torch.nn.Module, operands: tuple) -> tuple:
-        """(weight, scale, bits, bias, outputs) pointers and sizes of one linear, as kernels.c's ip_linear."""
-        weight, scale, bias = operands
-        return (weight.data_ptr(), None if scale is None else scale.data_ptr(), lin.bits if scale is None else 0,
-                None if bias is None else bias.data_ptr(), lin.out_features)
-
-    def _experts(self, moe: torch.nn.Module, linears: tuple, operands: list) -> native.MoeWeights:
-        """A MoE layer's router and experts (linears: the router, every expert's gate_up, then every
-        expert's down) as kernels.c's ip_moe; kept alive with the plan."""
-        def linear(i: int) -> native.LinearOperands:
-            w, s, bits, bias, n = self._operands(linears[i], operands[i])
-            return native.LinearOperands(w, s, bias, bits, n)
-
+    def _experts(self, moe: torch.nn.Module, operands: list[tuple]) -> native.MoeWeights:
+        """A MoE layer's router and experts (operands: the router's, every expert's gate_up, then
+        every expert's down) as kernels.c's ip_moe; kept alive with the plan."""
         count = len(moe.experts)
-        gate_up = (native.LinearOperands * count)(*(linear(1 + e) for e in range(count)))
-        down = (native.LinearOperands * count)(*(linear(1 + count + e) for e in range(count)))
-        experts = native.MoeWeights(linear(0), ctypes.addressof(gate_up), ctypes.addressof(down), count, moe.top_k,
-                                    linears[1].out_features // 2, int(moe.normalize))
+        gate_up = (native.LinearOperands * count)(*(_linear(o) for o in operands[1:1 + count]))
+        down = (native.LinearOperands * count)(*(_linear(o) for o in operands[1 + count:]))
+        experts = native.MoeWeights(_linear(operands[0]), ctypes.addressof(gate_up), ctypes.addressof(down), count,
+                                    moe.top_k, operands[1][4] // 2, int(moe.normalize))
         self._structs.extend((gate_up, down, experts))
         return experts
 
@@ -117,7 +108,8 @@ class FusedDecode:
         key = (rows, *(d.version for d in self._dispatches))
         found = self._segments.get(key)
         if found is None:
-            fusable = [linears is not None and all(rows < lin.float_rows() for lin in linears)
+            fusable = [linears is not None and all(rows < lin.float_rows() for lin in linears
+                                                   if hasattr(lin, "float_rows"))  # a float32 router has none
                        for linears in self._linears]
             found, start = [], 0
             for i in range(1, len(fusable) + 1):
@@ -170,3 +162,30 @@ class FusedDecode:
                                   config.attention_scale, kv_half=cache.data.dtype == torch.float16,
                                   gelu=config.hidden_act == "gelu_tanh")
         return x
+
+
+def _operands(lin: torch.nn.Module, router: bool = False) -> tuple | None:
+    """(weight, scale, bits, bias, outputs) of a linear as kernels.c's ip_linear reads it: packed int8
+    with its scale (bits 0), GGUF blocks (no scale, their bits) or, for a MoE `router` (cpu-int8 keeps
+    it in float32), the float weight (bits FLOAT32_BITS); None where the C kernels do not read it."""
+    if router and type(lin) is torch.nn.Linear:
+        weight = lin.weight
+        kernels = native.kernels()
+        if (kernels is None or not kernels.has_f32_linear or weight.dtype != torch.float32
+                or not weight.is_contiguous() or lin.out_features % 8):
+            return None
+        return weight, None, native.FLOAT32_BITS, lin.bias, lin.out_features
+    operands = lin.fused_operands() if hasattr(lin, "fused_operands") else None
+    if operands is None:
+        return None
+    weight, scale, bias = operands
+    return weight, scale, lin.bits if scale is None else 0, bias, lin.out_features
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _linear(operands: tuple) -> native.LinearOperands:
+    weight, scale, bits, bias, outputs = operands
+    return native.LinearOperands(_pointer(weight), _pointer(scale), _pointer(bias), bits, outputs)

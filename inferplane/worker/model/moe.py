@@ -31,10 +31,15 @@ class SparseMoE(WatchedModule):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) for each token. Float32 rows on the CPU
-        are routed by the C kernel the fused decode routes with (the same bits either way)."""
-        logits = self.gate(x)
+        are scored and routed by the C kernels the fused decode uses (the same bits either way).
+        cpu-int8 keeps the router in float32: it is tiny, and routing is where quantization hurts."""
         kernels = native.kernels()
-        if kernels is not None and logits.dim() == 2 and native.float32_rows(logits):
+        on_kernels = kernels is not None and x.dim() == 2 and native.float32_rows(x)
+        if on_kernels and type(self.gate) is nn.Linear and kernels.f32_linear_applies(x, self.gate.weight):
+            logits = kernels.f32_linear(x, self.gate.weight, self.gate.bias)  # the fused decode's router product
+        else:
+            logits = self.gate(x)
+        if on_kernels and native.float32_rows(logits):
             return kernels.moe_route(logits, self.top_k, self.normalize)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)

@@ -22,11 +22,12 @@ _FEATURE_BLOCK_LINEAR = 4  # ip_block_linear: GGUF blocks of 4, 5, 6 or 8 bits
 _FEATURE_HALF_KV = 8  # float16 KV caches (F16C)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+FLOAT32_BITS = 32  # a layer linear's `bits` where its weight is plain float32 [n, k] (kernels.c's IP_FLOAT32_BITS)
 
 
 class LinearOperands(ctypes.Structure):
     """kernels.c's ip_linear: one linear as the layer kernels read it, packed int8 with its scale,
-    or GGUF blocks (NULL scale) of `bits`; n outputs; bias or NULL."""
+    or GGUF blocks (NULL scale) of `bits`, or float32 (bits FLOAT32_BITS); n outputs; bias or NULL."""
 
     _fields_ = [("w", _P), ("s", _P), ("bias", _P), ("bits", _I), ("n", _I)]
 

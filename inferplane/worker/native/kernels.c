@@ -1406,15 +1406,17 @@ const char *ip_isa(void) {
 /* ---------------------------------------------------------------- one whole decoder layer */
 
 /* One of the layer's linears: packed int8 with per-channel scales s, or (s NULL) GGUF blocks of `bits`
- * (4, 5, 6 or 8). */
+ * (4, 5, 6 or 8), or (bits IP_FLOAT32_BITS) a float32 weight [n, k] (a MoE router, which cpu-int8
+ * keeps in float32 as llama.cpp's files keep it). */
+#define IP_FLOAT32_BITS 32
 static int layer_linear(const float *x, int64_t b, int64_t k, int64_t ldx, const uint8_t *w, const float *s,
                         int64_t bits, const float *bias, int64_t n, float *out, int64_t ldo) {
     if (s) return ip_int8_linear(x, b, k, ldx, w, s, bias, n, out, ldo);
+    if (bits == IP_FLOAT32_BITS) return ip_f32_linear(x, b, k, ldx, (const float *)w, bias, n, out, ldo);
     return ip_block_linear(x, b, k, ldx, w, (int)bits, bias, n, out, ldo);
 }
 
-/* One linear of a layer: packed int8 with per-channel scales s, or (s NULL) GGUF blocks of `bits`;
- * n outputs; bias or NULL. */
+/* One linear of a layer, as layer_linear reads it; n outputs; bias or NULL. */
 typedef struct {
     const uint8_t *w;
     const float *s, *bias;

@@ -89,6 +89,8 @@ def _groups(model: nn.Module, quantize_head: bool, fuse: bool) -> list[_Group]:
             name = f"{parent_name}.{attr}" if parent_name else attr
             if not isinstance(child, nn.Linear) or name in fused or (name == "lm_head" and not quantize_head):
                 continue
+            if attr == "gate" and isinstance(getattr(parent, "experts", None), nn.ModuleList):
+                continue  # a MoE router stays float32 (moe.py): a few KiB, and routing is where int8 hurts
             groups.append(_Group(parent, attr, [(name, attr, child)]))
     return groups
 
