@@ -13,7 +13,8 @@ Invariants:
 - Which layers fuse depends on the row count: a linear whose float crossover (Int8Dispatch) is at
   or below it runs as float32 GEMM, so its layer runs op by op. The runs of fusable layers per row
   count are cached under the dispatchers' versions, which every threshold change bumps.
-- The C code runs the same kernels in the same order as the layers' Python: the same bits.
+- The C code runs the same kernels in the same order as the layers' Python: the same bits. A MoE
+  layer's router scores and routes with the C kernels in Python too (moe.py), so this holds there.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class FusedDecode:
         self.layers: torch.nn.ModuleList | None = None
         self.builds = 0  # plans built: one per model and cache unless the structure changes
         self._key: tuple | None = None
-        self._linears: list[tuple] = []  # per layer: its four linears, or None where one has no kernel
+        self._linears: list[tuple] = []  # per layer: its linears (a MoE layer's router and experts), or None
         self._weights: list = []  # per layer: native.LayerWeights or None
         self._keep: list[torch.Tensor] = []  # what the pointers point into
         self._structs: list = []  # the MoE layers' ctypes structures the entries point to
