@@ -57,10 +57,12 @@ class FusedDecode:
             experts = getattr(mlp, "experts", None)  # moe.SparseMoE: its router, then every expert's two
             if experts is None:
                 linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                operands = [_operands(lin) for lin in linears]
             else:
                 linears = (attn.qkv_proj, attn.o_proj, mlp.gate, *(e.gate_up_proj for e in experts),
                            *(e.down_proj for e in experts))
-            operands = [_operands(lin, router=experts is not None and i == 2) for i, lin in enumerate(linears)]
+                operands = [_operands(attn.qkv_proj), _operands(attn.o_proj), _router_operands(mlp.gate),
+                            *(_operands(lin) for lin in linears[3:])]
             # norm1 and norm2 always; Gemma's: the query/key norms and the sandwich's other two
             extra = [getattr(getattr(owner, name, None), "weight", None) for owner, name in (
                 (attn, "q_norm"), (attn, "k_norm"), (layer, "pre_feedforward_layernorm"),
@@ -165,22 +167,26 @@ class FusedDecode:
         return x
 
 
-def _operands(lin: torch.nn.Module, router: bool = False) -> tuple | None:
+def _operands(lin: torch.nn.Module) -> tuple | None:
     """(weight, scale, bits, bias, outputs) of a linear as kernels.c's ip_linear reads it: packed int8
-    with its scale (bits 0), GGUF blocks (no scale, their bits) or, for a MoE `router` (cpu-int8 keeps
-    it in float32), the float weight (bits FLOAT32_BITS); None where the C kernels do not read it."""
-    if router and type(lin) is torch.nn.Linear:
-        weight = lin.weight
-        kernels = native.kernels()
-        if (kernels is None or not kernels.has_f32_linear or weight.dtype != torch.float32
-                or not weight.is_contiguous() or lin.out_features % 8):
-            return None
-        return weight, None, native.FLOAT32_BITS, lin.bias, lin.out_features
+    with its scale (bits 0) or GGUF blocks (no scale, their bits); None where the C kernels do not
+    read it."""
     operands = lin.fused_operands() if hasattr(lin, "fused_operands") else None
     if operands is None:
         return None
     weight, scale, bias = operands
     return weight, scale, lin.bits if scale is None else 0, bias, lin.out_features
+
+
+def _router_operands(gate: torch.nn.Module) -> tuple | None:
+    """A MoE router's operands: cpu-int8 keeps it float32 (bits FLOAT32_BITS, read where the float32
+    kernel reads it, the test SparseMoE.route makes too); a quantized one as any linear's."""
+    if type(gate) is not torch.nn.Linear:
+        return _operands(gate)
+    kernels = native.kernels()
+    if kernels is None or not kernels.f32_weight_applies(gate.weight):
+        return None
+    return gate.weight, None, native.FLOAT32_BITS, gate.bias, gate.out_features
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:

@@ -171,8 +171,12 @@ class NativeKernels:
         return out
 
     def f32_linear_applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return (self.has_f32_linear and x.device.type == "cpu" and x.dtype == torch.float32
-                and weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape[0] % 8 == 0)
+        return x.device.type == "cpu" and x.dtype == torch.float32 and self.f32_weight_applies(weight)
+
+    def f32_weight_applies(self, weight: torch.Tensor) -> bool:
+        """Whether ip_f32_linear reads this weight (what the fused decode checks for a float32 router)."""
+        return (self.has_f32_linear and weight.device.type == "cpu" and weight.dtype == torch.float32
+                and weight.is_contiguous() and weight.shape[0] % 8 == 0)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  delta: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch import nn
 
 from inferplane.worker import native
 from inferplane.worker.model.layers import RMSNorm
+from inferplane.worker.model.moe import SparseMoE
 from inferplane.worker.native.choice import NEVER
 from inferplane.worker.quant import gate
 from inferplane.worker.quant.block_linear import BlockLinear
@@ -89,7 +90,7 @@ def _groups(model: nn.Module, quantize_head: bool, fuse: bool) -> list[_Group]:
             name = f"{parent_name}.{attr}" if parent_name else attr
             if not isinstance(child, nn.Linear) or name in fused or (name == "lm_head" and not quantize_head):
                 continue
-            if attr == "gate" and isinstance(getattr(parent, "experts", None), nn.ModuleList):
+            if attr == "gate" and isinstance(parent, SparseMoE):
                 continue  # a MoE router stays float32 (moe.py): a few KiB, and routing is where int8 hurts
             groups.append(_Group(parent, attr, [(name, attr, child)]))
     return groups
@@ -98,9 +99,8 @@ def _groups(model: nn.Module, quantize_head: bool, fuse: bool) -> list[_Group]:
 def _fusable_parents(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
     """(qualified name, module) of what holds a fused group's members: the module itself, or each
     expert of a Mixture-of-Experts MLP (each expert's gate and up read the same input)."""
-    experts = getattr(module, "experts", None)
-    if isinstance(experts, nn.ModuleList):
-        return [(f"{name}.experts.{e}", expert) for e, expert in enumerate(experts)]
+    if isinstance(module, SparseMoE):
+        return [(f"{name}.experts.{e}", expert) for e, expert in enumerate(module.experts)]
     return [(name, module)]
 
 
