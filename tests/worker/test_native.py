@@ -176,6 +176,24 @@ def test_soft_capped_decode_attention_equals_the_explicit_softmax(isa_kernels, w
     assert not torch.allclose(got, uncapped, atol=1e-3)
 
 
+@pytest.mark.parametrize(("lengths", "window"), [([600], None), ([600], 300), ([200, 1, 2], None), ([900, 70], 500)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("dim", [12, 40])  # no vectors; five
+def test_decode_attention_split_into_parts_of_a_context_equals_one_softmax(isa_kernels, lengths, window, kv_dtype,
+                                                                            softcap, dim, monkeypatch):
+    """Fewer sequences than two a thread, with contexts long enough: each context is attended in
+    parts on different threads and the parts merged (kernels.c merge_parts). The merged answer is
+    the one softmax over the whole (windowed, soft-capped) context, including a sequence too short
+    to give every part a token (an empty part) beside a long one, and scores far apart."""
+    q, k_cache, v_cache, batch = _decode_case(lengths, 6, 2, dim=dim, block_size=16, kv_dtype=kv_dtype)
+    q, kv = q * 4, q[:, :2]
+    got = paged_attention(q, kv, kv, k_cache, v_cache, batch, 0.5, window=window, softcap=softcap)
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    expected = paged_attention(q, kv, kv, k_cache, v_cache, batch, 0.5, window=window, softcap=softcap)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_paged_decode_attention_handles_long_contexts_and_extreme_scores(isa_kernels, monkeypatch):
     """A softmax over 700 tokens with scores hundreds apart: the kernel's exp must neither overflow
     nor lose the few keys that matter."""

@@ -1027,34 +1027,45 @@ static inline __m256 hsum8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-/* acc[0..NV) += sum over tokens of p[t] * v[offs[t] + j], 8 floats a vector, kept in registers. Up to
- * eight vectors (64 floats) at a time: each accumulator takes one multiply-add per token, which
- * waits for its previous one, so with four a token cost four multiply-add latencies per 32 floats;
- * eight chains keep both FMA units busy (the attention call took 40% less time at 330 tokens, the
- * same bits: each float still sums its tokens in order). */
-static inline __attribute__((always_inline)) void weighted_sum(const float *p, const int64_t *offs, int64_t len,
-                                                               const void *v, int64_t at, float inv, float *o,
-                                                               const int NV, const int half) {
+/* o[0..NV*8) (first: from zero) += sum over tokens t < n of p[t] * v[at + offs[t] + j], 8 floats a
+ * vector, kept in registers while the loop runs. Up to eight vectors (64 floats) at a time: each
+ * accumulator takes one multiply-add per token, which waits for its previous one, so with four a token
+ * cost four multiply-add latencies per 32 floats; eight chains keep both FMA units busy (the attention
+ * call took 40% less time at 330 tokens, the same bits: each float still sums its tokens in order).
+ * Storing the sums between calls and loading them again changes no bit either. Rows up to `ahead`
+ * tokens on are asked for in advance (a later call's tokens too). */
+static inline __attribute__((always_inline)) void weighted_sum(const float *p, const int64_t *offs, int64_t n,
+                                                               int64_t ahead, const void *v, int64_t at, int first,
+                                                               float *o, const int NV, const int half) {
     __m256 acc[8];
-    for (int i = 0; i < NV; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < len; t++) {
-        if (t + KV_AHEAD < len) kv_prefetch(v, at + offs[t + KV_AHEAD], NV * 8, half);
+    for (int i = 0; i < NV; i++) acc[i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8 * i);
+    for (int64_t t = 0; t < n; t++) {
+        if (t + KV_AHEAD < ahead) kv_prefetch(v, at + offs[t + KV_AHEAD], NV * 8, half);
         const __m256 w = _mm256_set1_ps(p[t]);
         const int64_t vt = at + offs[t];
         for (int i = 0; i < NV; i++) acc[i] = _mm256_fmadd_ps(w, kv_load8(v, vt + 8 * i, half), acc[i]);
     }
-    for (int i = 0; i < NV; i++) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
+    for (int i = 0; i < NV; i++) _mm256_storeu_ps(o + 8 * i, acc[i]);
 }
 #endif
 
-/* One task: query heads [qa, qb) of one sequence (qs: its q [heads, d]) against its len tokens, whose
+/* Tokens whose values every query head of a task weighs before the next ones are read: their rows
+ * (SmolLM2's 3 x 64 floats, Gemma 3's 256) stay in L1 while the heads that share them read them. One
+ * pass per head over all tokens read each value row once per query head from wherever it was: past
+ * the L2 at long contexts (SmolLM2, 8,192 tokens, 4 sequences on 2 threads: 12 GB/s of KV). */
+#define V_CHUNK 32
+
+/* One task: query heads [qa, qb) of one sequence (qs: its q [heads, d]) against len tokens, whose
  * K and V rows start at offs[t] elements into the caches (float16 where `half`). scores: (qb - qa) *
- * len floats of scratch. Exact softmax: scores, their maximum, exp, then the values weighted by exp
- * and scaled by 1/sum. Inlined once per cache type, so the inner loops test no flag. */
+ * len floats of scratch. Exact softmax: scores, their maximum, exp, then the values weighted by exp,
+ * V_CHUNK tokens at a time for every head. Without `stats`, o is scaled by 1/sum; with it, o keeps
+ * the weighted sum and stats[2 h], stats[2 h + 1] get head h's maximum score and sum of exp, for
+ * merging with the other parts of the same context (merge_parts). Inlined once per cache type, so
+ * the inner loops test no flag. */
 static inline __attribute__((always_inline)) void attend(
         const float *qs, int64_t qa, int64_t qb, int64_t group, int64_t d, const void *k_cache,
         const void *v_cache, const int64_t *offs, int64_t len, float scale, float softcap, float *scores, float *o,
-        const int half) {
+        float *stats, const int half) {
     int64_t t0 = 0;
 #if IP_VECTOR
     if (d % 8 == 0 && (IP_HALF_KV || !half)) {
@@ -1093,42 +1104,94 @@ static inline __attribute__((always_inline)) void attend(
         float top = -INFINITY;
         for (int64_t t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
         const float total = exp_shifted(s, len, top);
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        const int64_t head = (qh / group) * d;
+        if (stats) {
+            stats[2 * (qh - qa)] = top;
+            stats[2 * (qh - qa) + 1] = total;
+        }
         float *oh = o + qh * d;
+        const int64_t head = (qh / group) * d;
         int64_t j = 0;
 #if IP_VECTOR
-        if (d % 8 == 0 && (IP_HALF_KV || !half))
-            for (; j < d; j += 64) {
-                switch ((d - j) / 8) {  /* constant vector counts keep the sums in registers */
-                    case 1: weighted_sum(s, offs, len, v_cache, head + j, inv, oh + j, 1, half); break;
-                    case 2: weighted_sum(s, offs, len, v_cache, head + j, inv, oh + j, 2, half); break;
-                    case 3: weighted_sum(s, offs, len, v_cache, head + j, inv, oh + j, 3, half); break;
-                    case 4: weighted_sum(s, offs, len, v_cache, head + j, inv, oh + j, 4, half); break;
-                    case 5: weighted_sum(s, offs, len, v_cache, head + j, inv, oh + j, 5, half); break;
-                    case 6: weighted_sum(s, offs, len, v_cache, head + j, inv, oh + j, 6, half); break;
-                    case 7: weighted_sum(s, offs, len, v_cache, head + j, inv, oh + j, 7, half); break;
-                    default: weighted_sum(s, offs, len, v_cache, head + j, inv, oh + j, 8, half); break;
-                }
-            }
+        j = d % 8 == 0 && (IP_HALF_KV || !half) ? d : 0; /* the vector heads run chunked below */
 #endif
         for (; j < d; j++) {
             float total_j = 0.0f;
             for (int64_t t = 0; t < len; t++) total_j += s[t] * kv_get(v_cache, offs[t] + head + j, half);
-            oh[j] = total_j * inv;
+            oh[j] = stats ? total_j : total_j * (total > 0.0f ? 1.0f / total : 0.0f);
         }
+        if (!stats) scores[(qb - qa) * len + (qh - qa)] = total; /* kept for the scaling below (scratch has room) */
     }
+#if IP_VECTOR
+    if (d % 8 == 0 && (IP_HALF_KV || !half)) {
+        for (int64_t c0 = 0; c0 < len; c0 += V_CHUNK) {
+            const int64_t n = len - c0 < V_CHUNK ? len - c0 : V_CHUNK;
+            for (int64_t qh = qa; qh < qb; qh++) {
+                const float *s = scores + (qh - qa) * len + c0;
+                const int64_t head = (qh / group) * d;
+                float *oh = o + qh * d;
+                for (int64_t j = 0; j < d; j += 64) {
+                    switch ((d - j) / 8) {  /* constant vector counts keep the sums in registers */
+                        case 1: weighted_sum(s, offs + c0, n, len - c0, v_cache, head + j, c0 == 0, oh + j, 1, half); break;
+                        case 2: weighted_sum(s, offs + c0, n, len - c0, v_cache, head + j, c0 == 0, oh + j, 2, half); break;
+                        case 3: weighted_sum(s, offs + c0, n, len - c0, v_cache, head + j, c0 == 0, oh + j, 3, half); break;
+                        case 4: weighted_sum(s, offs + c0, n, len - c0, v_cache, head + j, c0 == 0, oh + j, 4, half); break;
+                        case 5: weighted_sum(s, offs + c0, n, len - c0, v_cache, head + j, c0 == 0, oh + j, 5, half); break;
+                        case 6: weighted_sum(s, offs + c0, n, len - c0, v_cache, head + j, c0 == 0, oh + j, 6, half); break;
+                        case 7: weighted_sum(s, offs + c0, n, len - c0, v_cache, head + j, c0 == 0, oh + j, 7, half); break;
+                        default: weighted_sum(s, offs + c0, n, len - c0, v_cache, head + j, c0 == 0, oh + j, 8, half); break;
+                    }
+                }
+            }
+        }
+        if (len == 0)
+            for (int64_t qh = qa; qh < qb; qh++) memset(o + qh * d, 0, sizeof(float) * (size_t)d);
+        if (!stats)
+            for (int64_t qh = qa; qh < qb; qh++) {
+                const float total = scores[(qb - qa) * len + (qh - qa)];
+                const __m256 inv = _mm256_set1_ps(total > 0.0f ? 1.0f / total : 0.0f);
+                float *oh = o + qh * d;
+                for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(oh + j, _mm256_mul_ps(_mm256_loadu_ps(oh + j), inv));
+            }
+    }
+#endif
 }
+
+/* Parts of one context attended separately (stats as attend leaves them: per part and head the
+ * maximum score and the sum of exp; po the parts' unscaled weighted sums [parts][heads][d]) into one
+ * exact softmax: each part's sums scaled by exp(its maximum - the overall maximum). */
+static void merge_parts(const float *po, const float *stats, int64_t parts, int64_t heads, int64_t d, int64_t h,
+                        float *oh) {
+    float top = -INFINITY;
+    for (int64_t p = 0; p < parts; p++) top = stats[(p * heads + h) * 2] > top ? stats[(p * heads + h) * 2] : top;
+    float total = 0.0f;
+    for (int64_t j = 0; j < d; j++) oh[j] = 0.0f;
+    for (int64_t p = 0; p < parts; p++) {
+        const float *st = stats + (p * heads + h) * 2;
+        if (st[1] == 0.0f) continue; /* an empty part */
+        const float w = expf(st[0] - top);
+        total += w * st[1];
+        const float *src = po + (p * heads + h) * d;
+        for (int64_t j = 0; j < d; j++) oh[j] += w * src[j];
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int64_t j = 0; j < d; j++) oh[j] *= inv;
+}
+
+/* A context shorter than this per part is not split across threads (merging costs more than it saves). */
+#define PART_MIN_TOKENS 64
 
 /* q [b, heads, d] (rows q_stride apart) attends to its sequence's first context_lens[i] tokens in
  * k_cache / v_cache [blocks, block_size, kv_heads, d], found through block_tables [b, max_blocks].
  * out [b, heads, d] (rows out_stride apart). A task is one sequence and all its heads, so each
  * token's keys (and values) are read as one contiguous row of kv_heads * d floats (split by KV head,
  * threads each read a part of every row and the KV reads ran at half the memory bandwidth). With
- * fewer sequences than two per thread, a task is one query head, so that a batch of one keeps both
- * threads busy (by KV head, three tasks on two threads left one idle a third of the time).
- * `window` > 0 (a sliding layer): each query reads only its context's last `window` tokens.
- * `softcap` > 0 (Gemma 2): scores become softcap * tanh(score / softcap) before the softmax. */
+ * fewer sequences than two per thread, a task is a part of one sequence's tokens (every head), and
+ * the parts are merged after (merge_parts): each thread reads its own rows once, where a task per
+ * query head made threads read the rows their heads share (all of them for Gemma 3's one KV head).
+ * Contexts too short to split (PART_MIN_TOKENS) keep a task per query head, so that a batch of one
+ * still keeps both threads busy (by KV head, three tasks on two threads left one idle a third of
+ * the time). `window` > 0 (a sliding layer): each query reads only its context's last `window`
+ * tokens. `softcap` > 0 (Gemma 2): scores become softcap * tanh(score / softcap) before the softmax. */
 int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64_t heads, int64_t kv_heads,
                               int64_t d, const void *k_cache, const void *v_cache, int64_t block_size,
                               const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
@@ -1138,12 +1201,33 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
     const int64_t group = heads / kv_heads;
     const int64_t row = kv_heads * d;  /* floats per token in the cache */
     int64_t longest = 0;
-    for (int64_t i = 0; i < b; i++) longest = context_lens[i] > longest ? context_lens[i] : longest;
-    const int64_t splits = b >= 2 * (int64_t)omp_get_max_threads() ? 1 : heads;
+    for (int64_t i = 0; i < b; i++) {
+        const int64_t len = window > 0 && context_lens[i] > window ? window : context_lens[i];
+        longest = len > longest ? len : longest;
+    }
+    const int64_t threads = omp_get_max_threads();
+    int64_t splits = 1, parts = 1;
+    if (b < 2 * threads) {
+        parts = (2 * threads + b - 1) / b;
+        if (parts > longest / PART_MIN_TOKENS) parts = longest / PART_MIN_TOKENS;
+        if (parts < 2) {
+            parts = 1;
+            splits = heads;
+        }
+    }
+    float *po = NULL, *pstats = NULL;
+    if (parts > 1) {
+        po = (float *)malloc(sizeof(float) * (size_t)(b * parts * heads * d));
+        pstats = (float *)malloc(sizeof(float) * (size_t)(b * parts * heads * 2));
+        if (!po || !pstats) {
+            free(po); free(pstats);
+            return -2;
+        }
+    }
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(heads * longest + 8));
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(heads * longest + heads + 8));
         int64_t *offs = (int64_t *)malloc(sizeof(int64_t) * (size_t)(longest + 1));
         if (!scores || !offs) {
 #pragma omp atomic write
@@ -1151,10 +1235,10 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
         }
         int64_t offs_of = -1; /* the sequence whose token offsets offs holds */
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < b * splits; task++) {
+        for (int64_t task = 0; task < b * splits * parts; task++) {
             if (!scores || !offs) continue;
-            const int64_t seq = task / splits, part = task % splits;
-            const int64_t qa = part * heads / splits, qb = (part + 1) * heads / splits;
+            const int64_t seq = task / (splits * parts), split = task / parts % splits, part = task % parts;
+            const int64_t qa = split * heads / splits, qb = (split + 1) * heads / splits;
             /* a sliding layer's query (the last position) sees the last `window` positions only */
             const int64_t first = window > 0 && context_lens[seq] > window ? context_lens[seq] - window : 0;
             const int64_t len = context_lens[seq] - first;
@@ -1169,16 +1253,28 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
                 }
                 offs_of = seq;
             }
+            const int64_t ta = part * len / parts, tb = (part + 1) * len / parts;
+            float *o = parts > 1 ? po + (seq * parts + part) * heads * d : out + seq * out_stride;
+            float *st = parts > 1 ? pstats + (seq * parts + part) * heads * 2 : NULL;
             if (half)
-                attend(q + seq * q_stride, qa, qb, group, d, k_cache, v_cache, offs, len, scale, softcap, scores,
-                       out + seq * out_stride, 1);
+                attend(q + seq * q_stride, qa, qb, group, d, k_cache, v_cache, offs + ta, tb - ta, scale, softcap,
+                       scores, o, st, 1);
             else
-                attend(q + seq * q_stride, qa, qb, group, d, k_cache, v_cache, offs, len, scale, softcap, scores,
-                       out + seq * out_stride, 0);
+                attend(q + seq * q_stride, qa, qb, group, d, k_cache, v_cache, offs + ta, tb - ta, scale, softcap,
+                       scores, o, st, 0);
+        }
+        if (parts > 1 && !failed) {
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < b * heads; task++) {
+                const int64_t seq = task / heads, h = task % heads;
+                merge_parts(po + seq * parts * heads * d, pstats + seq * parts * heads * 2, parts, heads, d, h,
+                            out + seq * out_stride + h * d);
+            }
         }
         free(scores);
         free(offs);
     }
+    free(po); free(pstats);
     return failed ? -2 : 0;
 }
 
