@@ -18,6 +18,7 @@ to AVX2 as well).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from pathlib import Path
@@ -117,7 +118,10 @@ def decode_rates(generators: dict[str, object], batch: int, new_tokens: int, rep
             t_all[name] = min(t_all[name], _timed(lambda g=generate: g(new_tokens)))
         if each_round is not None:
             each_round()
-    return {name: batch * (new_tokens - 1) / max(t_all[name] - t_one[name], 1e-9) for name in generators}
+    # A difference at or below zero means one of the two timings was disturbed (a busy moment, a
+    # stall): no figure (nan) rather than a division by almost nothing.
+    return {name: batch * (new_tokens - 1) / (t_all[name] - t_one[name]) if t_all[name] > t_one[name] else math.nan
+            for name in generators}
 
 
 def prefill_rates(generators: dict[str, object], prompt_len: int, repeats: int) -> dict[str, float]:
