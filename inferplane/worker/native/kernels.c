@@ -1057,18 +1057,18 @@ static inline __attribute__((always_inline)) void weighted_sum(const float *p, c
 
 /* One task: query heads [qa, qb) of one sequence (qs: its q [heads, d]) against len tokens, whose
  * K and V rows start at offs[t] elements into the caches (float16 where `half`). scores: (qb - qa) *
- * len floats of scratch. Exact softmax: scores, their maximum, exp, then the values weighted by exp,
- * V_CHUNK tokens at a time for every head. Without `stats`, o is scaled by 1/sum; with it, o keeps
- * the weighted sum and stats[2 h], stats[2 h + 1] get head h's maximum score and sum of exp, for
- * merging with the other parts of the same context (merge_parts). Inlined once per cache type, so
- * the inner loops test no flag. */
+ * len floats of scratch. Exact softmax, unscaled: scores, their maximum, exp, then o gets the values
+ * weighted by exp, V_CHUNK tokens at a time for every head, and stats[2 h], stats[2 h + 1] head h's
+ * maximum score and sum of exp. The caller divides by the sum (scale_by_sums), or merges the parts
+ * of one context first (merge_parts). Inlined once per cache type, so the inner loops test no flag. */
 static inline __attribute__((always_inline)) void attend(
         const float *qs, int64_t qa, int64_t qb, int64_t group, int64_t d, const void *k_cache,
         const void *v_cache, const int64_t *offs, int64_t len, float scale, float softcap, float *scores, float *o,
         float *stats, const int half) {
     int64_t t0 = 0;
 #if IP_VECTOR
-    if (d % 8 == 0 && (IP_HALF_KV || !half)) {
+    const int vectors = d % 8 == 0 && (IP_HALF_KV || !half); /* else the scalar loops do it all */
+    if (vectors) {
         /* Eight tokens at a time: their keys stay in L1 while every query head of the task reads them. */
         for (; t0 + 8 <= len; t0 += 8) {
             if (t0 + KV_AHEAD + 8 <= len)
@@ -1104,25 +1104,22 @@ static inline __attribute__((always_inline)) void attend(
         float top = -INFINITY;
         for (int64_t t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
         const float total = exp_shifted(s, len, top);
-        if (stats) {
-            stats[2 * (qh - qa)] = top;
-            stats[2 * (qh - qa) + 1] = total;
-        }
+        stats[2 * (qh - qa)] = top;
+        stats[2 * (qh - qa) + 1] = total;
         float *oh = o + qh * d;
         const int64_t head = (qh / group) * d;
         int64_t j = 0;
 #if IP_VECTOR
-        j = d % 8 == 0 && (IP_HALF_KV || !half) ? d : 0; /* the vector heads run chunked below */
+        j = vectors ? d : 0; /* the vector heads run chunked below */
 #endif
         for (; j < d; j++) {
             float total_j = 0.0f;
             for (int64_t t = 0; t < len; t++) total_j += s[t] * kv_get(v_cache, offs[t] + head + j, half);
-            oh[j] = stats ? total_j : total_j * (total > 0.0f ? 1.0f / total : 0.0f);
+            oh[j] = total_j;
         }
-        if (!stats) scores[(qb - qa) * len + (qh - qa)] = total; /* kept for the scaling below (scratch has room) */
     }
 #if IP_VECTOR
-    if (d % 8 == 0 && (IP_HALF_KV || !half)) {
+    if (vectors) {
         for (int64_t c0 = 0; c0 < len; c0 += V_CHUNK) {
             const int64_t n = len - c0 < V_CHUNK ? len - c0 : V_CHUNK;
             for (int64_t qh = qa; qh < qb; qh++) {
@@ -1145,15 +1142,18 @@ static inline __attribute__((always_inline)) void attend(
         }
         if (len == 0)
             for (int64_t qh = qa; qh < qb; qh++) memset(o + qh * d, 0, sizeof(float) * (size_t)d);
-        if (!stats)
-            for (int64_t qh = qa; qh < qb; qh++) {
-                const float total = scores[(qb - qa) * len + (qh - qa)];
-                const __m256 inv = _mm256_set1_ps(total > 0.0f ? 1.0f / total : 0.0f);
-                float *oh = o + qh * d;
-                for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(oh + j, _mm256_mul_ps(_mm256_loadu_ps(oh + j), inv));
-            }
     }
 #endif
+}
+
+/* Heads [qa, qb) of o divided by their sums of exp (stats as attend leaves them): the softmax's
+ * 1/sum, one multiply a float, as it always was. */
+static void scale_by_sums(float *o, const float *stats, int64_t qa, int64_t qb, int64_t d) {
+    for (int64_t qh = qa; qh < qb; qh++) {
+        const float total = stats[2 * (qh - qa) + 1];
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t j = 0; j < d; j++) o[qh * d + j] *= inv;
+    }
 }
 
 /* Parts of one context attended separately (stats as attend leaves them: per part and head the
@@ -1227,16 +1227,17 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(heads * longest + heads + 8));
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(heads * longest + 8));
+        float *sums = (float *)malloc(sizeof(float) * (size_t)(2 * heads)); /* a task's stats, unsplit */
         int64_t *offs = (int64_t *)malloc(sizeof(int64_t) * (size_t)(longest + 1));
-        if (!scores || !offs) {
+        if (!scores || !offs || !sums) {
 #pragma omp atomic write
             failed = 1;
         }
         int64_t offs_of = -1; /* the sequence whose token offsets offs holds */
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < b * splits * parts; task++) {
-            if (!scores || !offs) continue;
+            if (!scores || !offs || !sums) continue;
             const int64_t seq = task / (splits * parts), split = task / parts % splits, part = task % parts;
             const int64_t qa = split * heads / splits, qb = (split + 1) * heads / splits;
             /* a sliding layer's query (the last position) sees the last `window` positions only */
@@ -1255,13 +1256,14 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
             }
             const int64_t ta = part * len / parts, tb = (part + 1) * len / parts;
             float *o = parts > 1 ? po + (seq * parts + part) * heads * d : out + seq * out_stride;
-            float *st = parts > 1 ? pstats + (seq * parts + part) * heads * 2 : NULL;
+            float *st = parts > 1 ? pstats + (seq * parts + part) * heads * 2 : sums;
             if (half)
                 attend(q + seq * q_stride, qa, qb, group, d, k_cache, v_cache, offs + ta, tb - ta, scale, softcap,
                        scores, o, st, 1);
             else
                 attend(q + seq * q_stride, qa, qb, group, d, k_cache, v_cache, offs + ta, tb - ta, scale, softcap,
                        scores, o, st, 0);
+            if (parts == 1) scale_by_sums(o, st, qa, qb, d);
         }
         if (parts > 1 && !failed) {
 #pragma omp for schedule(static)
@@ -1273,6 +1275,7 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
         }
         free(scores);
         free(offs);
+        free(sums);
     }
     free(po); free(pstats);
     return failed ? -2 : 0;
