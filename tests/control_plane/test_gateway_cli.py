@@ -129,3 +129,14 @@ def test_the_charts_command_line_parses_and_follows_the_operators_namespaces(hel
     args = parse(*_control_plane_args(helm, values))
     assert (args.host, args.port) == ("0.0.0.0", 8000)
     assert cli.namespaces(args, "/no/such/file") == expected
+
+
+def test_the_keep_alive_is_the_gateways_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    from inferplane.control_plane.gateway.server import GatewaySettings
+
+    assert cli.gateway_settings(parse()).keep_alive_seconds == GatewaySettings("x").keep_alive_seconds
+    assert cli.gateway_settings(parse("--keep-alive-seconds", "120")).keep_alive_seconds == 120
+    monkeypatch.setenv("INFERPLANE_KEEP_ALIVE_SECONDS", "90")
+    assert cli.gateway_settings(parse()).keep_alive_seconds == 90
+    with pytest.raises(cli.UsageError, match="--keep-alive-seconds"):
+        cli.gateway_settings(parse("--keep-alive-seconds", "0"))

@@ -77,6 +77,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-grace-seconds", type=float, default=env("INFERPLANE_DRAIN_GRACE_SECONDS", "30"),
                         help="on SIGTERM, how long requests and streams in flight may take to finish "
                              "(default: %(default)s)")
+    parser.add_argument("--keep-alive-seconds", type=float, default=env("INFERPLANE_KEEP_ALIVE_SECONDS"),
+                        help="how long an idle HTTP connection stays open (default: longer than the 5 s "
+                             "httpx and openai clients keep theirs and a load balancer's 60 s)")
     parser.add_argument("--model-root", action="append", metavar="DIR",
                         default=[r for r in (env("INFERPLANE_MODEL_ROOTS") or "").split(os.pathsep) if r],
                         help="a folder a platform admin may register weights from over the admin API (repeatable; "
@@ -197,6 +200,9 @@ def gateway_settings(args: argparse.Namespace) -> Any:
         raise UsageError("--resync-interval and --endpoint-interval must be positive")
     if args.drain_grace_seconds < 0:
         raise UsageError("--drain-grace-seconds must not be negative")
+    if args.keep_alive_seconds is not None and float(args.keep_alive_seconds) <= 0:
+        raise UsageError("--keep-alive-seconds must be positive")
+    keep_alive = {} if args.keep_alive_seconds is None else {"keep_alive_seconds": float(args.keep_alive_seconds)}
     if args.alert_retry_base_seconds <= 0 or args.alert_max_attempts < 1:
         raise UsageError("--alert-retry-base-seconds must be positive and --alert-max-attempts at least 1")
     from inferplane.control_plane.outbound import OutboundPolicy
@@ -211,7 +217,7 @@ def gateway_settings(args: argparse.Namespace) -> Any:
         jwt_algorithm=args.jwt_algorithm, jwt_key=jwt_key, jwt_audience=args.jwt_audience,
         jwt_issuer=args.jwt_issuer or None,
         salt_secret=_salt(_read_secret(args.salt_secret_file, "INFERPLANE_SALT_SECRET", "salt secret")),
-        drain_grace_seconds=args.drain_grace_seconds,
+        drain_grace_seconds=args.drain_grace_seconds, **keep_alive,
         model_roots=tuple(args.model_root),
         rate_limit_redis_url=args.rate_limit_redis_url or None, rate_limit_unreachable=args.rate_limit_unreachable,
         alert_webhook_secret=_read_secret(args.alert_webhook_secret_file, "INFERPLANE_ALERT_WEBHOOK_SECRET",

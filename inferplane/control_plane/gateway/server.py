@@ -54,6 +54,11 @@ class GatewaySettings:
     # On stop (SIGTERM): new connections are refused at once, requests and streams in flight get
     # this long to finish (the workers' drainGraceSeconds by default), then the rest is cancelled.
     drain_grace_seconds: float = 30.0
+    # How long an idle HTTP keep-alive connection stays open. Longer than the clients' own expiry
+    # (httpx and the openai client drop theirs after 5 s) and than a load balancer's idle timeout
+    # (60 s on AWS's ALB), as nginx's 75 s is: with uvicorn's 5 s a client reusing a connection at
+    # second 5 raced the server's close and got a dropped request (httpx.ReadError) instead of an answer.
+    keep_alive_seconds: float = 75.0
     # Keys' token buckets and keys' and tenants' sequences in flight in Redis, shared by every
     # replica (None: in this process only), and what to do while Redis is unreachable: "open" limits
     # per replica meanwhile, "closed" answers 503.
@@ -154,7 +159,7 @@ class Gateway:
         # format the client address and path of every request before finding that out.
         config = uvicorn.Config(self.app, host=self.settings.host, port=self.settings.port, log_level="warning",
                                 lifespan="off", timeout_graceful_shutdown=self.settings.drain_grace_seconds,
-                                access_log=False)
+                                timeout_keep_alive=self.settings.keep_alive_seconds, access_log=False)
         self._http = uvicorn.Server(config)
         self._http.install_signal_handlers = lambda: None  # the caller owns Ctrl-C
         self._tasks.append(asyncio.create_task(self._http.serve()))
