@@ -42,6 +42,7 @@ class ReadBandwidth:
         self.size = max(_MIN_BUFFER, 4 * (last_level_cache_bytes() or 0))
         self._buffer = torch.ones(self.size // 4, dtype=torch.float32)
         self.best_seconds = float("inf")
+        self.worst_seconds = 0.0  # the slowest read: with the fastest, how far the bandwidth drifted
         self.reads = 0
         self._timed_read()  # pages touched before timing
 
@@ -60,12 +61,26 @@ class ReadBandwidth:
     def measure(self, reads: int = 1) -> None:
         """`reads` timed reads; the fastest so far is the bandwidth."""
         for _ in range(reads):
-            self.best_seconds = min(self.best_seconds, self._timed_read())
-            self.reads += 1
+            self.read()
+
+    def read(self) -> float:
+        """One timed read, counted with the others: its bytes/s."""
+        seconds = self._timed_read()
+        self.best_seconds = min(self.best_seconds, seconds)
+        self.worst_seconds = max(self.worst_seconds, seconds)
+        self.reads += 1
+        return self.size / seconds
 
     @property
     def bytes_per_second(self) -> float:
         return self.size / self.best_seconds
+
+    @property
+    def slowest_bytes_per_second(self) -> float:
+        """The slowest read's rate. Why print it: on a shared machine the bandwidth switches between
+        levels (about 32 and 50 GB/s on this project's) for seconds at a time, and batch-1 decode's
+        fixed costs do not shrink with it, so its fraction of the bound is higher in the slow level."""
+        return self.size / self.worst_seconds if self.worst_seconds > 0 else float("nan")
 
 
 def read_bandwidth(threads: int = 2, rounds: int = 5) -> tuple[float, int]:

@@ -1,7 +1,8 @@
 """`inferplane bench cpu`: decode and prefill speed of cpu-int8 against our float32 engine, HF
 transformers' float32 `generate` and (with `--peer llama.cpp`) llama.cpp on the same GGUF file,
 plus load time and perplexity, in one run; and batch-1 decode as a fraction of the physical bound
-(weight bytes read per token against the machine's measured read bandwidth, bench/bandwidth.py).
+(weight bytes read per token against the machine's measured read bandwidth, bench/bandwidth.py),
+its target judged with each timing paired with the bandwidth of its moment (bench/bound.py).
 
 Decode tokens/s is measured the same way for all: generate 1 token and G tokens for the same batch
 of prompts, and divide the B*(G-1) extra tokens by the extra time, so prefill cancels out. Prefill
@@ -374,16 +375,25 @@ def main(argv: list[str]) -> int:
         from inferplane.bench.bandwidth import describe
 
         bandwidth = reader.bytes_per_second
-        reads = f"; fastest of {reader.reads} reads, {READS_PER_ROUND} in each round of the batch-1 timings"
+        reads = (f"; fastest of {reader.reads} reads, {READS_PER_ROUND} in each round of the batch-1 timings, "
+                 f"the slowest {reader.slowest_bytes_per_second / 1e9:.1f} GB/s")
         print(f"\n{describe(bandwidth, reader.size, threads, reads)}")
+        from inferplane.bench.bound import paired_fractions
+
         for name, llm in variants.items():
             per_token = bytes_read_per_token(llm)
             bound = bandwidth / per_token
-            fraction = rates[(name, 1)] / bound
-            ok[name] &= fraction >= TARGET_FRACTION_OF_BOUND
-            met = "met" if fraction >= TARGET_FRACTION_OF_BOUND else "MISSED"
             print(f"  {name:20} batch  1: {rates[(name, 1)]:.1f} tokens/s x {per_token / 1e6:.1f} MB per token = "
-                  f"{fraction:.2f} of the bound {bound:.0f} tokens/s (>= {TARGET_FRACTION_OF_BOUND}: {met})")
+                  f"{rates[(name, 1)] / bound:.2f} of the bound {bound:.0f} tokens/s (the fastest decode over the "
+                  "fastest read)")
+            paired = paired_fractions(_ours(llm, _prompts(tokens, 1, args.prompt_len)), reader, per_token,
+                                      args.new_tokens, args.repeats)
+            # The target is judged on the median round, a typical moment, not the luckiest one.
+            ok[name] &= paired.median >= TARGET_FRACTION_OF_BOUND
+            met = "met" if paired.median >= TARGET_FRACTION_OF_BOUND else "MISSED"
+            print(f"  {name:20} batch  1, each timing over the faster read just before and after it: median "
+                  f"{paired.median:.2f} (best {paired.best:.2f}) of the bound in {args.repeats} rounds "
+                  f"(median >= {TARGET_FRACTION_OF_BOUND}: {met})")
         for name, peer in {**peers, **measured}.items():
             per_token = peer.weight_bytes()
             if per_token:
