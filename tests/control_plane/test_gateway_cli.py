@@ -138,5 +138,6 @@ def test_the_keep_alive_is_the_gateways_unless_set(monkeypatch: pytest.MonkeyPat
     assert cli.gateway_settings(parse("--keep-alive-seconds", "120")).keep_alive_seconds == 120
     monkeypatch.setenv("INFERPLANE_KEEP_ALIVE_SECONDS", "90")
     assert cli.gateway_settings(parse()).keep_alive_seconds == 90
-    with pytest.raises(cli.UsageError, match="--keep-alive-seconds"):
-        cli.gateway_settings(parse("--keep-alive-seconds", "0"))
+    for refused in ("0", "-1", "nan", "inf"):
+        with pytest.raises(cli.UsageError, match="--keep-alive-seconds"):
+            cli.gateway_settings(parse("--keep-alive-seconds", refused))

@@ -12,6 +12,7 @@ configure() stays import-light (argparse only): the top-level CLI calls it to bu
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -200,9 +201,9 @@ def gateway_settings(args: argparse.Namespace) -> Any:
         raise UsageError("--resync-interval and --endpoint-interval must be positive")
     if args.drain_grace_seconds < 0:
         raise UsageError("--drain-grace-seconds must not be negative")
-    if args.keep_alive_seconds is not None and float(args.keep_alive_seconds) <= 0:
-        raise UsageError("--keep-alive-seconds must be positive")
-    keep_alive = {} if args.keep_alive_seconds is None else {"keep_alive_seconds": float(args.keep_alive_seconds)}
+    if args.keep_alive_seconds is not None and not 0 < args.keep_alive_seconds < math.inf:
+        raise UsageError("--keep-alive-seconds must be a positive number of seconds")
+    keep_alive = {} if args.keep_alive_seconds is None else {"keep_alive_seconds": args.keep_alive_seconds}
     if args.alert_retry_base_seconds <= 0 or args.alert_max_attempts < 1:
         raise UsageError("--alert-retry-base-seconds must be positive and --alert-max-attempts at least 1")
     from inferplane.control_plane.outbound import OutboundPolicy
