@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--runtime", default="paged")
     parser.add_argument("--float-head", action="store_true", help="cpu-int8: keep the output head float32")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's dtype (auto: the compute dtype)")
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs (the 'before')")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cuda = torch.cuda.is_available()
@@ -39,6 +40,8 @@ def main() -> None:
         source, vocab = "smollm2-135m", 49152
     extra = {"quantize_head": False} if args.float_head else {}
     extra["kv_cache_dtype"] = args.kv_cache_dtype
+    if cuda:
+        extra["enforce_eager"] = args.enforce_eager
     llm = LLM(source, runtime=args.runtime, device=str(device), **extra)
     prompts = _prompts(args.batch, args.prompt, vocab)
     engine = llm.engine
@@ -62,6 +65,7 @@ def main() -> None:
     per_step = (time.perf_counter() - start) / args.steps
     print(f"{args.batch} sequences, {per_step * 1000:.2f} ms per decode step, "
           f"{args.batch / per_step:.0f} tokens/s")
+    _print_split(engine, args.steps, sync)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(args.steps):
@@ -71,6 +75,41 @@ def main() -> None:
     print(prof.key_averages().table(sort_by=sort, row_limit=30))
     if cuda:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def _timed(owner, name: str, spent: dict) -> None:
+    """Wraps owner.name so that its wall time adds up in spent[name]."""
+    original = getattr(owner, name)
+
+    def wrapper(*a, **k):
+        began = time.perf_counter()
+        try:
+            return original(*a, **k)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - began
+
+    setattr(owner, name, wrapper)
+
+
+def _print_split(engine, steps: int, sync) -> None:
+    """Where a step's wall time goes: scheduling, input preparation, the forward and sampling (which
+    waits for the device: the sampled ids come back to the host), and the bookkeeping after."""
+    spent: dict[str, float] = {}
+    runner = engine.runner
+    for owner, name in ((engine.scheduler, "schedule"), (runner, "prepare"), (runner, "execute")):
+        _timed(owner, name, spent)
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    total = (time.perf_counter() - start) / steps * 1000
+    ms = {k: v / steps * 1000 for k, v in spent.items()}
+    print(f"step {total:.2f} ms = schedule {ms['schedule']:.2f} + prepare {ms['prepare']:.2f} + forward and "
+          f"sampling {ms['execute'] - ms['prepare']:.2f} + after {total - ms['schedule'] - ms['execute']:.2f} "
+          f"(graph replays so far: {engine.stats()['cuda_graph_steps']})")
+    for owner, name in ((engine.scheduler, "schedule"), (runner, "prepare"), (runner, "execute")):
+        delattr(owner, name)
 
 
 if __name__ == "__main__":

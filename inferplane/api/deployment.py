@@ -166,6 +166,10 @@ class EngineConfig(Section):
         "time); rows of different adapters and of the base share each batch. 0: no adapters."))
     max_lora_rank: int = Field(16, ge=1, le=512, description=(
         "The largest adapter rank a slot holds; an adapter of a higher rank is refused."))
+    enforce_eager: bool = Field(False, description=(
+        "GPU only. Run decode steps kernel by kernel instead of replaying CUDA graphs (one captured "
+        "per batch-size bucket up to maxNumSeqs); the graphs' memory is counted before the KV pool "
+        "is sized. For debugging and for comparing."))
 
 
 class Serving(Section):
@@ -389,6 +393,9 @@ RULES: tuple[Rule, ...] = (
          lambda s: not (_is_embedding(s) and (s.workload.multi_turn or s.workload.shared_prefix or s.workload.agent)),
          cel="self.kind != 'embedding' || !(self.workload.multiTurn || self.workload.sharedPrefix || "
              "self.workload.agent)"),
+    Rule("", "engine.enforceEager", "engine.enforceEager turns off CUDA graphs: it needs a GPU (resources.gpus > 0)",
+         lambda s: not (s.engine.enforce_eager and s.resources.gpus == 0),
+         cel="!(self.engine.enforceEager && self.resources.gpus == 0)"),
     Rule("", "engine.dtype", "float16 needs a GPU (resources.gpus > 0); use float32 or bfloat16",
          lambda s: not (s.resources.gpus == 0 and s.engine.dtype == "float16"),
          cel="!(self.resources.gpus == 0 && self.engine.dtype == 'float16')"),

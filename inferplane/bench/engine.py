@@ -6,7 +6,9 @@ tokens/s counts generated tokens over wall time, so the figures compare like wit
 
 CPU default: SmolLM2-135M (fp32) from its GGUF, 64 requests of 128 prompt + 128 new tokens.
 `--tinyllama`: a random-weight Llama of TinyLlama's shape (1.1B, bf16 on CUDA), 256 x (128 + 256),
-with the fraction of the memory-bandwidth bound our engine reached.
+with the fraction of the memory-bandwidth bound our engine reached. On CUDA the same engine also runs
+batches of 1 and 16 (`--batches`), each with its fraction of the bound, and, with `--compare-eager`,
+the full batch again without CUDA graphs (enforce_eager), the before and after of the graphs.
 """
 
 from __future__ import annotations
@@ -55,8 +57,15 @@ def run_ours(model: str, prompts, new_tokens: int, device: str, dtype: str, **op
     from inferplane import LLM, SamplingParams
 
     llm = LLM(model, device=device, dtype=dtype, **options)
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    return measure_ours(llm, prompts, new_tokens)
+
+
+def measure_ours(llm, prompts, new_tokens: int) -> dict:
+    """One timed generate of `prompts` on an engine already warmed up."""
+    from inferplane import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     steps = 0
     original_step = llm.engine.step
 
@@ -68,8 +77,11 @@ def run_ours(model: str, prompts, new_tokens: int, device: str, dtype: str, **op
     llm.engine.step = counted_step
     _sync(llm.engine.device)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    _sync(llm.engine.device)
+    try:
+        outs = llm.generate(prompts, params)
+        _sync(llm.engine.device)
+    finally:
+        del llm.engine.step
     elapsed = time.perf_counter() - start
     generated = sum(len(o.token_ids) for o in outs)
     return {"elapsed": elapsed, "generated": generated, "steps": steps, "llm": llm, "outputs": outs}
@@ -149,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="peers to leave out")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 16],
+                        help="CUDA: smaller batches the same engine also runs, each with its fraction of the bound")
+    parser.add_argument("--compare-eager", action="store_true",
+                        help="CUDA: run the full batch again without CUDA graphs (enforce_eager)")
     parser.add_argument("--structured", action="store_true",
                         help="instead: JSON-schema constrained against free generation, batch 1 and 64")
     args = parser.parse_args(argv)
@@ -180,15 +196,41 @@ def main(argv: list[str] | None = None) -> int:
           f"prompt={args.prompt} new={new} threads={torch.get_num_threads()}", flush=True)
 
     results: dict[str, dict] = {}
+    cuda = device.type == "cuda"
     ours = run_ours(source, prompts, new, str(device), dtype_name, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=batched)
     results["inferplane paged"] = ours
-    print(f"inferplane paged        {ours['generated'] / ours['elapsed']:10.1f} tokens/s "
+    label = "inferplane paged" + (" (graphs)" if cuda else "")
+    print(f"{label:<24}{ours['generated'] / ours['elapsed']:10.1f} tokens/s "
           f"({ours['elapsed']:.1f} s, {ours['steps']} steps, preemptions={ours['llm'].stats()['preemptions']})",
           flush=True)
     bandwidth = measured_bandwidth(device)
     fraction = bandwidth_fraction(ours, args.prompt, new, bandwidth)
-    ours.pop("llm")
+    fractions = {requests: fraction}
+    if cuda:
+        for batch in sorted(b for b in args.batches if 0 < b < requests):
+            small = measure_ours(ours["llm"], prompts[:batch], new)
+            fractions[batch] = bandwidth_fraction(small, args.prompt, new, bandwidth)
+            print(f"  batch {batch:<4} {small['generated'] / small['elapsed']:10.1f} tokens/s "
+                  f"({small['elapsed'] / small['steps'] * 1000:.2f} ms a step), "
+                  f"{fractions[batch] * 100:.1f}% of the bound", flush=True)
+    llm = ours.pop("llm")
+    ours.pop("outputs")
+    del llm
+    if cuda and args.compare_eager:
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        eager = run_ours(source, prompts, new, str(device), dtype_name, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=batched, enforce_eager=True)
+        eager_fraction = bandwidth_fraction(eager, args.prompt, new, bandwidth)
+        del eager["llm"], eager["outputs"]
+        results["inferplane paged (eager)"] = eager
+        print(f"inferplane paged (eager){eager['generated'] / eager['elapsed']:10.1f} tokens/s "
+              f"({eager['elapsed']:.1f} s, {eager_fraction * 100:.1f}% of the bound)", flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
 
     if {"generate_batch", "generate"} - set(args.skip):
         hf = _hf_model(source, device, dtype)
@@ -207,7 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for name, r in results.items():
         if name != "inferplane paged":
-            print(f"ratio inferplane / {name}: {ours_tps / (r['generated'] / r['elapsed']):.2f}x")
+            print(f"ratio {label.strip()} / {name}: {ours_tps / (r['generated'] / r['elapsed']):.2f}x")
     print(f"memory bandwidth measured: {bandwidth / 1e9:.1f} GB/s; inferplane reached "
           f"{fraction * 100:.1f}% of the bandwidth bound (weights + KV read per step)")
+    if len(fractions) > 1:
+        shares = ", ".join(f"{b}: {f * 100:.1f}%" for b, f in sorted(fractions.items()))
+        print(f"fraction of the bound by batch: {shares}")
     return 0

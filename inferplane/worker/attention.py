@@ -1,20 +1,23 @@
 """Attention over the paged KV cache.
 
 On the CPU, in float32, decodes run in a C kernel that reads each sequence's KV blocks where they
-lie in the cache (worker/native; 3x faster than gather + SDPA at ~140 tokens of context). The
-portable path gathers each sequence's blocks into a contiguous view and runs PyTorch's
-scaled_dot_product_attention: it works on any device. Decodes are batched into one SDPA call (the
-query heads of a KV group are laid out as a short query axis, so grouped-query attention needs no
-repeat). Prefill chunks that start a sequence (nothing cached yet) and have similar lengths run
-as one padded SDPA call with a causal, per-sequence mask: a burst of short prompts (many clients
-each sending a few dozen tokens) would otherwise cost a handful of kernel launches per sequence per
-layer. Chunks that continue a cached sequence, and long ones, run one sequence each.
+lie in the cache (worker/native; 3x faster than gather + SDPA at ~140 tokens of context). On CUDA,
+decodes run in a Triton kernel that does the same (gpu_attention.py): a decode step copies no
+context and launches the same kernels whatever the lengths (what a CUDA graph needs). The portable
+path gathers each sequence's blocks into a contiguous view and runs PyTorch's
+scaled_dot_product_attention: it works on any device, and serves prefill over a cached prefix.
+Decodes are batched into one SDPA call there (the query heads of a KV group are laid out as a short
+query axis, so grouped-query attention needs no repeat). Prefill chunks that start a sequence
+(nothing cached yet) and have similar lengths run as one padded SDPA call with a causal,
+per-sequence mask: a burst of short prompts (many clients each sending a few dozen tokens) would
+otherwise cost a handful of kernel launches per sequence per layer. Chunks that continue a cached
+sequence, and long ones, run one sequence each.
 
 Sliding-window layers (Gemma, Mistral, Phi-3) pass `window`: a query at position p sees keys at
 positions p - window < k <= p, the rule transformers applies; the masks below add that bound, and
 the C decode kernel reads only each context's last `window` positions. Gemma 2's soft-capped scores
 (`softcap`) run through an explicit softmax in PyTorch, since its fused attention has no such option;
-the C decode kernel caps them itself.
+the C and Triton decode kernels cap them themselves.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from inferplane.worker import native
+from inferplane.worker import gpu_attention, native
 
 
 @dataclass
@@ -137,20 +140,27 @@ class PagedKVCache:
 
     Layers listed in `window_layers` (sliding-window layers whose window is shorter than the
     context) keep theirs in a second tensor, `window_data`, of `num_window_blocks` blocks, addressed
-    by each sequence's window table (kv/window.py); `data` then holds the other layers only."""
+    by each sequence's window table (kv/window.py); `data` then holds the other layers only.
+
+    With `scratch_block`, each tensor has one block more than its pool hands out: the rows a CUDA
+    graph pads a decode batch with write their KV there (decode_graphs.py), never into a sequence's."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, window_layers: frozenset[int] = frozenset(),
-                 num_window_blocks: int = 0):
+                 num_window_blocks: int = 0, scratch_block: bool = False):
         self.full_layers = [i for i in range(num_layers) if i not in window_layers]
         self.window_layers = sorted(window_layers)
         # where each layer's K and V live: (windowed, index in its tensor)
         self._where = {layer: (False, i) for i, layer in enumerate(self.full_layers)}
         self._where.update({layer: (True, i) for i, layer in enumerate(self.window_layers)})
         tail = (block_size, num_kv_heads, head_dim)
-        self.data = torch.zeros((len(self.full_layers), 2, num_blocks, *tail), dtype=dtype, device=device)
-        self.window_data = (torch.zeros((len(self.window_layers), 2, num_window_blocks, *tail), dtype=dtype,
+        spare = int(scratch_block)
+        self.data = torch.zeros((len(self.full_layers), 2, num_blocks + spare, *tail), dtype=dtype, device=device)
+        self.window_data = (torch.zeros((len(self.window_layers), 2, num_window_blocks + spare, *tail), dtype=dtype,
                                         device=device) if self.window_layers else None)
+        # the index of the scratch block in each tensor (None: no scratch block)
+        self.scratch = num_blocks if scratch_block else None
+        self.window_scratch = num_window_blocks if scratch_block else None
         self.num_blocks = num_blocks
         self.block_size = block_size
 
@@ -241,6 +251,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             and kernels.decode_attention_applies(q, k_cache, batch.decode_block_tables, batch.decode_context_lens)):
         out[:nd] = kernels.paged_decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables,
                                                   batch.decode_context_lens, scale, window, softcap)
+    elif nd and gpu_attention.applies(q, k_cache):
+        out[:nd] = gpu_attention.paged_decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables,
+                                                        batch.decode_context_lens, scale, window, softcap)
     elif nd:
         max_len = batch.decode_max_len
         keys = _gather(k_cache, batch.decode_block_tables, max_len).to(q.dtype).transpose(1, 2)  # [B, kvh, L, d]

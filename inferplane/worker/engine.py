@@ -17,6 +17,7 @@ import torch
 from inferplane.api.priority import BANDS, band_rank
 from inferplane.api.tokenizer import IncrementalDetokenizer
 from inferplane.worker.attention import PagedKVCache
+from inferplane.worker.decode_graphs import DecodeGraphs, activation_bytes
 from inferplane.worker.kv.paged import blocks_for
 from inferplane.worker.kv.window import WindowBlocks, window_pool_blocks
 from inferplane.worker.model.loader import LoadedModel
@@ -77,9 +78,13 @@ class Engine:
                                  config.max_position_embeddings)
         self.block_size = options.block_size
         self.window_layers, self.window = self._window_layers()
+        self.uses_graphs = self._uses_graphs()
+        # what the graphs' pool will hold, taken from the KV budget before the pool is sized
+        self.graph_reserve = (activation_bytes(loaded.model, self._cache_shape(), options.max_num_seqs)
+                              if self.uses_graphs else 0)
         num_blocks, num_window_blocks = self._num_blocks()
-        self.cache = PagedKVCache(config.num_layers, num_blocks, self.block_size, config.num_kv_heads,
-                                  config.head_dim, self.kv_dtype, device, self.window_layers, num_window_blocks)
+        self.cache = PagedKVCache(num_blocks=num_blocks, num_window_blocks=num_window_blocks,
+                                  scratch_block=self.uses_graphs, **self._cache_shape())
         windows = WindowBlocks(num_window_blocks, self.block_size, self.window) if self.window_layers else None
         self.kv = build_kv_manager(options, num_blocks, windows)
         self.scheduler = build_scheduler(options, self.kv)
@@ -94,11 +99,29 @@ class Engine:
                                   window=self.window if self.window_layers else None)
         self.adapters = self._adapter_slots()
         self.scheduler.adapters = self.runner.adapters = self.adapters
+        if self.uses_graphs:
+            self.runner.graphs = DecodeGraphs(loaded.model, self.cache, options.max_num_seqs, self.max_model_len,
+                                              self.window if self.window_layers else None)
         self.requests: dict[str, Sequence] = {}  # by each sequence's own id
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its choices (n > 1), unfinished
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.counters = EngineCounters()
+
+    def _uses_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs (decode_graphs.py) on a GPU unless enforce_eager asks
+        not to, or the model has parts whose work depends on the data: LoRA adapters (rows tagged
+        per step) and Mixture-of-Experts layers (rows grouped by the experts chosen) run eagerly."""
+        config = self.loaded.config
+        return (self.device.type == "cuda" and not self.options.enforce_eager and not self.options.max_loras
+                and not any(config.is_moe_layer(i) for i in range(config.num_layers)))
+
+    def _cache_shape(self) -> dict:
+        """PagedKVCache's arguments but the block counts."""
+        config = self.loaded.config
+        return dict(num_layers=config.num_layers, block_size=self.block_size, num_kv_heads=config.num_kv_heads,
+                    head_dim=config.head_dim, dtype=self.kv_dtype, device=self.device,
+                    window_layers=self.window_layers)
 
     def _adapter_slots(self):
         """The LoRA adapter slots (options.max_loras of them) with every served projection wrapped,
@@ -149,7 +172,7 @@ class Engine:
             if self.device.type != "cuda":
                 raise ValueError("kv_cache_memory: a fraction of free memory needs a GPU; give bytes (e.g. 1GiB)")
             free, _ = torch.cuda.mem_get_info(self.device)
-            amount = int(free * amount)
+            amount = int(free * amount) - self.graph_reserve
         if not num_window:
             return max(1, min(amount // per_full, cap)), 0
         if not per_full:  # every layer slides: the main pool only counts blocks, it holds nothing
@@ -452,6 +475,7 @@ class Engine:
             fork_fallbacks=self.counters.fork_fallbacks,
             blocks_allocated_total=self.kv.pool.allocations,
             kv_cache_bytes=self.cache.nbytes(),
+            cuda_graph_steps=self.runner.graphs.replays if self.runner.graphs is not None else 0,
             fair_share_preemptions=self.scheduler.fair.preemptions,
         )
         # Per tenant and band: what flow control is doing (worker/metrics.py labels these).

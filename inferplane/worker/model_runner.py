@@ -25,6 +25,7 @@ class ModelRunner:
         self.window = window  # the sliding layers' window where their KV has its own pool (kv/window.py)
         self.device = device
         self.adapters = None  # lora.AdapterSlots where the engine serves adapters: rows are tagged per step
+        self.graphs = None  # decode_graphs.DecodeGraphs where decode steps replay CUDA graphs
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
@@ -110,21 +111,35 @@ class ModelRunner:
             given = seq.prompt_token_ids[first + 1:first + 1 + count]
             seq.prompt_logprobs.extend(given_token_logprobs(logits, given, seq.params.prompt_logprobs or 0))
 
+    def _forward(self, batch: list[ScheduledSequence], input_ids: torch.Tensor, positions: torch.Tensor,
+                 attn: AttentionBatch) -> torch.Tensor:
+        """The eager forward: final hidden states of every row."""
+        if self.adapters is not None:
+            self.adapters.begin([item.seq.adapter_slot for item in batch for _ in range(item.num_new_tokens)])
+        try:
+            return self.model(input_ids, positions, self.cache, attn)
+        finally:
+            if self.adapters is not None:
+                self.adapters.end()
+
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSequence]) -> Sampled:
         """The sampled token (and logprobs) for each sequence that completed its tokens, in batch order."""
         input_ids, positions, attn, sample_rows = self.prepare(batch)
-        if self.adapters is not None:
-            self.adapters.begin([item.seq.adapter_slot for item in batch for _ in range(item.num_new_tokens)])
-        try:
-            hidden = self.model(input_ids, positions, self.cache, attn)
-        finally:
-            if self.adapters is not None:
-                self.adapters.end()
-        self._score_prompts(batch, hidden)
-        if not sample_rows:
-            return Sampled([])
-        logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])
+        if self.graphs is not None and attn.num_decodes == len(batch) and self.graphs.fits(len(batch)):
+            # a decode-shaped step: replayed from the CUDA graph of its bucket, logits of every row
+            hidden, logits = self.graphs.run(input_ids, positions, attn)
+            self._score_prompts(batch, hidden)
+            if not sample_rows:
+                return Sampled([])
+            if len(sample_rows) < len(batch):  # a one-token prefill chunk that is not its prompt's last
+                logits = logits[self._to_device(sample_rows)]
+        else:
+            hidden = self._forward(batch, input_ids, positions, attn)
+            self._score_prompts(batch, hidden)
+            if not sample_rows:
+                return Sampled([])
+            logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])
         sampling = [i.seq for i in batch if i.seq.num_computed_tokens + i.num_new_tokens == i.seq.num_tokens]
         want_logprobs = any(s.params.logprobs for s in sampling)
         histories = None

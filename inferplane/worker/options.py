@@ -100,6 +100,8 @@ class EngineOptions:
     max_loras: int = option(spec_default("max_loras"), "LoRA adapter slots (adapters served in one batch with the "
                                                         "base, loaded least recently used at request time); 0: none")
     max_lora_rank: int = option(spec_default("max_lora_rank"), "the largest LoRA rank an adapter slot holds")
+    enforce_eager: bool = option(spec_default("enforce_eager"), "CUDA: run decode steps kernel by kernel instead of "
+                                                                "replaying CUDA graphs")
     # Test hook: scales multiplied by this make a deliberately wrong quantization the gate must catch.
     quant_scale_multiplier: float = option(1.0, "cpu-int8 test hook: != 1 stores wrong scales", hidden=True)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferplane.api.model_config import ModelConfig, ModelLoadError
-from inferplane.worker import native
+from inferplane.worker import gpu_kernels, native
 from inferplane.worker.attention import AttentionBatch, PagedKVCache, paged_attention, store_kv
 from inferplane.worker.model.structure import WatchedModule
 
@@ -28,17 +28,22 @@ class RMSNorm(WatchedModule):
         kernels = native.kernels()
         if kernels is not None and x.dim() == 2 and native.float32_rows(x, self.weight):
             return kernels.rms_norm(x, self.weight, self.eps)
+        if x.dim() == 2 and x.dtype == self.weight.dtype and gpu_kernels.serves(x, self.weight):
+            return gpu_kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, its norm): the residual add and the next norm, one pass on the CPU. Updates x
-        in place there; x is the layer's own running sum, which nothing else reads."""
+        """(x + delta, its norm): the residual add and the next norm, one pass on the CPU and on the
+        GPU. Updates x in place there; x is the layer's own running sum, which nothing else reads."""
         kernels = native.kernels()
         if kernels is not None and x.dim() == 2 and native.float32_rows(x, delta, self.weight):
             return x, kernels.rms_norm(x, self.weight, self.eps, delta=delta)
+        if (x.dim() == 2 and x.dtype == delta.dtype == self.weight.dtype
+                and gpu_kernels.serves(x, delta, self.weight)):
+            return x, gpu_kernels.rms_norm(x, self.weight, self.eps, delta=delta)
         x = x + delta
         return x, self(x)
 
@@ -159,9 +164,13 @@ class Attention(WatchedModule):
             batch = batch.window
         if self.qkv_proj is None:
             q, k = self._head_norms(self.q_proj(x).view(t, heads, hd), self.k_proj(x).view(t, kv_heads, hd))
-            q, k = rope(q, *rope_tables), rope(k, *rope_tables)
             v = self.v_proj(x).view(t, kv_heads, hd)
-            store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+            if gpu_kernels.rope_store_applies(q, k, v, *rope_tables, k_cache, v_cache):
+                # rotation and the KV write in one kernel (q and k rotated in place)
+                gpu_kernels.rope_store(q, k, v, *rope_tables, batch.slot_mapping, k_cache, v_cache)
+            else:
+                q, k = rope(q, *rope_tables), rope(k, *rope_tables)
+                store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
             return self.o_proj(self._attend(q, k, v, k_cache, v_cache, batch).reshape(t, -1))
         qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, hd)  # q and k adjacent: one rotation for both
         if self.q_norm is not None:  # normed in place, before the rotation (as the fused decode does)
@@ -207,4 +216,7 @@ class MLP(WatchedModule):
                 return self.down_proj(kernels.gelu_mul(gate_up) if self.gelu else kernels.silu_mul(gate_up))
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(self._act(gate) * up)
-        return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if not self.gelu and gpu_kernels.serves(gate, up) and gate.dtype == up.dtype:
+            return self.down_proj(gpu_kernels.silu_mul(gate, up))
+        return self.down_proj(self._act(gate) * up)
