@@ -201,9 +201,10 @@ def main(argv: list[str] | None = None) -> int:
                     max_num_batched_tokens=batched)
     results["inferplane paged"] = ours
     label = "inferplane paged" + (" (graphs)" if cuda else "")
+    stats = ours["llm"].stats()
     print(f"{label:<24}{ours['generated'] / ours['elapsed']:10.1f} tokens/s "
-          f"({ours['elapsed']:.1f} s, {ours['steps']} steps, preemptions={ours['llm'].stats()['preemptions']})",
-          flush=True)
+          f"({ours['elapsed']:.1f} s, {ours['steps']} steps, preemptions={stats['preemptions']}"
+          + (f", graphs' pool {stats['cuda_graph_reserve_bytes'] / 2**20:.0f} MiB" if cuda else "") + ")", flush=True)
     bandwidth = measured_bandwidth(device)
     fraction = bandwidth_fraction(ours, args.prompt, new, bandwidth)
     fractions = {requests: fraction}

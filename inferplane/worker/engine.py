@@ -476,6 +476,7 @@ class Engine:
             blocks_allocated_total=self.kv.pool.allocations,
             kv_cache_bytes=self.cache.nbytes(),
             cuda_graph_steps=self.runner.graphs.replays if self.runner.graphs is not None else 0,
+            cuda_graph_reserve_bytes=self.graph_reserve,  # taken from the KV budget for the graphs' pool
             fair_share_preemptions=self.scheduler.fair.preemptions,
         )
         # Per tenant and band: what flow control is doing (worker/metrics.py labels these).

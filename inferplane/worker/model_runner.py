@@ -37,8 +37,12 @@ class ModelRunner:
         for item in batch:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
-            input_ids.extend(seq.token_slice(start, start + n))
-            positions.extend(range(start, start + n))
+            if n == 1:  # a decode (the common row): no slices or ranges to build
+                input_ids.append(seq.token_at(start))
+                positions.append(start)
+            else:
+                input_ids.extend(seq.token_slice(start, start + n))
+                positions.extend(range(start, start + n))
             if start + n == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
         attn = self._attention_batch(batch, lambda seq: seq.block_table, None)
@@ -60,12 +64,13 @@ class ModelRunner:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             table = table_of(seq)
-            slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, start + n))
             first = first_kept_block(start, window, bs) if window is not None else 0
             if n == 1:
-                decode_tables.append(table[first:])
+                slots.append(table[start // bs] * bs + start % bs)
+                decode_tables.append(table[first:] if first else table)  # read below, not kept
                 decode_lens.append(start + 1 - first * bs)
             else:
+                slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, start + n))
                 ctx = start + n
                 prefills.append(PrefillSegment(
                     start=row, length=n, context_len=ctx, key_offset=first * bs,

@@ -88,6 +88,13 @@ class Sequence:
             return self.output_token_ids[start - prompt_len : end - prompt_len]
         return self.all_token_ids[start:end]
 
+    def token_at(self, position: int) -> int:
+        """The token at `position` (what a decode feeds the model), without building a slice."""
+        prompt_len = len(self.prompt_token_ids)
+        if position < prompt_len:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - prompt_len]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

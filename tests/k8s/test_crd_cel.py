@@ -69,6 +69,9 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "adapters: preloading them needs engine.maxLoras at least the number listed": (
         {"adapters": [{"name": "bot"}], "engine": {"maxLoras": 1}},
         {"adapters": [{"name": "bot"}, {"name": "helper"}], "engine": {"maxLoras": 1}}),
+    "engine.enforceEager turns off CUDA graphs: it needs a GPU (resources.gpus > 0)": (
+        {"runtime": "paged", "resources": {"gpus": 1}, "engine": {"enforceEager": True}},
+        {"runtime": "paged", "engine": {"enforceEager": True}}),
     "autoscaling.panicWindowSeconds must be shorter than autoscaling.stableWindowSeconds": (
         {"autoscaling": {"panicWindowSeconds": 10, "stableWindowSeconds": 30}},
         {"autoscaling": {"panicWindowSeconds": 61}}),  # against the default stable window, 60
