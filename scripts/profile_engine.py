@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from contextlib import ExitStack
 
 import torch
 
 from inferplane import LLM, SamplingParams
 from inferplane.bench.engine import _prompts, _tinyllama_folder
+from inferplane.bench.step_split import timed_attribute
 
 
 def main() -> None:
@@ -77,39 +79,24 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
-def _timed(owner, name: str, spent: dict) -> None:
-    """Wraps owner.name so that its wall time adds up in spent[name]."""
-    original = getattr(owner, name)
-
-    def wrapper(*a, **k):
-        began = time.perf_counter()
-        try:
-            return original(*a, **k)
-        finally:
-            spent[name] = spent.get(name, 0.0) + time.perf_counter() - began
-
-    setattr(owner, name, wrapper)
-
-
 def _print_split(engine, steps: int, sync) -> None:
     """Where a step's wall time goes: scheduling, input preparation, the forward and sampling (which
     waits for the device: the sampled ids come back to the host), and the bookkeeping after."""
-    spent: dict[str, float] = {}
+    spent = {name: [0.0] for name in ("schedule", "prepare", "execute")}
     runner = engine.runner
-    for owner, name in ((engine.scheduler, "schedule"), (runner, "prepare"), (runner, "execute")):
-        _timed(owner, name, spent)
-    sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync()
+    with ExitStack() as stack:
+        for owner, name in ((engine.scheduler, "schedule"), (runner, "prepare"), (runner, "execute")):
+            stack.enter_context(timed_attribute(owner, name, spent[name]))
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
     total = (time.perf_counter() - start) / steps * 1000
-    ms = {k: v / steps * 1000 for k, v in spent.items()}
+    ms = {name: value[0] / steps * 1000 for name, value in spent.items()}
     print(f"step {total:.2f} ms = schedule {ms['schedule']:.2f} + prepare {ms['prepare']:.2f} + forward and "
           f"sampling {ms['execute'] - ms['prepare']:.2f} + after {total - ms['schedule'] - ms['execute']:.2f} "
           f"(graph replays so far: {engine.stats()['cuda_graph_steps']})")
-    for owner, name in ((engine.scheduler, "schedule"), (runner, "prepare"), (runner, "execute")):
-        delattr(owner, name)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,9 @@ class StepSplit:
 
 
 @contextmanager
-def _timed_attribute(owner, name: str, spent: list[float]):
-    """owner.name wrapped to add its wall time to spent[0]; restored on exit."""
+def timed_attribute(owner, name: str, spent: list[float]):
+    """owner.name wrapped to add its wall time to spent[0]; restored on exit (also
+    scripts/profile_engine.py's step split)."""
     real = getattr(owner, name)
 
     def timed(*args, **kwargs):
@@ -66,7 +67,7 @@ def step_split(llm, prompt: list[int], new_tokens: int) -> StepSplit | None:
         llm.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
         return time.perf_counter() - start, layers[0], head_time[0]
 
-    with _timed_attribute(kernels, "decode_layers", layers), _timed_attribute(head, "forward", head_time):
+    with timed_attribute(kernels, "decode_layers", layers), timed_attribute(head, "forward", head_time):
         run(new_tokens + 1)  # warm
         # The fastest of a few runs each: one disturbed run (a busy moment) made the difference of
         # two single runs meaningless (a step of 0.85 ms with "the rest" at -8 ms, at 2,000 tokens).

@@ -19,9 +19,12 @@ PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprob
 def _llm(path, **options):
     from inferplane.worker.llm import LLM
 
-    # paged: a radix cache would serve a second run's prompts from the first run's KV
+    # paged: a radix cache would serve a second run's prompts from the first run's KV. step_target_ms=0:
+    # prefill chunks sized by the budget alone, not by measured step times, so both runs of a test
+    # batch the same rows together: the rows a step holds pick the kernels (float GEMM from a
+    # crossover), and under load a timed budget cut them differently (a logprob 0.009 apart).
     return LLM(path, runtime="cpu-int8", device="cpu", num_kv_blocks=64, skip_quality_gate=True, kv_manager="paged",
-               **options)
+               **{"step_target_ms": 0, **options})
 
 
 def _record_calls(kernels, monkeypatch) -> list[tuple[int, int]]:
@@ -95,9 +98,7 @@ def tiny_phi3(tmp_path_factory) -> str:
 def test_longrope_decodes_fused_inside_and_past_the_original_context(tiny_phi3, isa_kernels, monkeypatch):  # noqa: F811
     """Rows at positions on both sides of Phi-3's original context (256) decode in one call, each
     rotated by its own position's factors, as the layers op by op rotate them."""
-    # Prefill chunks sized by a fixed budget, not by measured step time: the chunks a step mixes with
-    # decode rows pick the kernels (float GEMM from a crossover), so both runs must cut them alike.
-    llm = _llm(tiny_phi3, step_target_ms=0, max_num_batched_tokens=1024)
+    llm = _llm(tiny_phi3, max_num_batched_tokens=1024)
     prompts = prompts_of_lengths([250, 5, 300], 320, seed=3)  # the first crosses 256 while it decodes
     calls = _record_calls(isa_kernels, monkeypatch)
     fused = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, PARAMS)]
