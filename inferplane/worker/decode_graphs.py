@@ -119,7 +119,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        self._pad(0, self.max_rows)  # what capture runs touches only the scratch block
+        # every row is padding until a step loads its own: what capture runs touches only the scratch block
         for rows in reversed(self.sizes):
             # warm-up on a side stream, outside the capture: Triton compiles, cuBLAS picks its kernels
             stream = torch.cuda.Stream()

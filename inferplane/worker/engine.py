@@ -95,13 +95,13 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         # The same EOS set that ends a request is what min_tokens holds back.
-        self.runner = ModelRunner(loaded.model, self.cache, device, eos_ids=frozenset(self.eos_ids),
-                                  window=self.window if self.window_layers else None)
+        pool_window = self.window if self.window_layers else None  # the window pool's window, if there is one
+        self.runner = ModelRunner(loaded.model, self.cache, device, eos_ids=frozenset(self.eos_ids), window=pool_window)
         self.adapters = self._adapter_slots()
         self.scheduler.adapters = self.runner.adapters = self.adapters
         if self.uses_graphs:
             self.runner.graphs = DecodeGraphs(loaded.model, self.cache, options.max_num_seqs, self.max_model_len,
-                                              self.window if self.window_layers else None)
+                                              pool_window)
         self.requests: dict[str, Sequence] = {}  # by each sequence's own id
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its choices (n > 1), unfinished
         self._detok: dict[str, IncrementalDetokenizer] = {}

@@ -32,17 +32,13 @@ import torch
 from inferplane.worker import gpu_kernels
 
 _TILE = 64  # positions per loop step
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @functools.cache
 def _triton():
-    """The triton module and the compiled kernel, or None where Triton is not installed."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+    """The triton module and the kernels (callers check `applies` first: Triton is installed)."""
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def paged_decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_acc_ptr, part_stats_ptr,
@@ -136,10 +132,7 @@ def _triton():
 def applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernel serves this decode: a CUDA device (or Triton's interpreter, for tests),
     a dtype it reads, a contiguous pool and a head size of at most 256."""
-    if q.device.type != "cuda" and not gpu_kernels.interpreting():
-        return False
-    return (q.dtype in _DTYPES and k_cache.dtype in _DTYPES and k_cache.is_contiguous()
-            and q.shape[-1] <= 256 and _triton() is not None)
+    return q.dtype in gpu_kernels.DTYPES and q.shape[-1] <= 256 and gpu_kernels.serves(k_cache)
 
 
 def _splits(rows: int, kv_heads: int, device: torch.device) -> int:

@@ -24,7 +24,7 @@ import os
 
 import torch
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton kernels read
 
 
 def interpreting() -> bool:
@@ -44,7 +44,7 @@ def triton_installed() -> bool:
 def serves(*tensors: torch.Tensor) -> bool:
     """Whether these kernels serve these tensors: contiguous, of a dtype they read, on a CUDA device
     (or under the interpreter), with Triton installed."""
-    return (all(t.is_contiguous() and t.dtype in _DTYPES and (t.device.type == "cuda" or interpreting())
+    return (all(t.is_contiguous() and t.dtype in DTYPES and (t.device.type == "cuda" or interpreting())
                 for t in tensors) and triton_installed())
 
 

@@ -131,20 +131,19 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSequence]) -> Sampled:
         """The sampled token (and logprobs) for each sequence that completed its tokens, in batch order."""
         input_ids, positions, attn, sample_rows = self.prepare(batch)
+        logits = None  # of every row, where a graph computed them
         if self.graphs is not None and attn.num_decodes == len(batch) and self.graphs.fits(len(batch)):
-            # a decode-shaped step: replayed from the CUDA graph of its bucket, logits of every row
+            # a decode-shaped step: replayed from the CUDA graph of its bucket
             hidden, logits = self.graphs.run(input_ids, positions, attn)
-            self._score_prompts(batch, hidden)
-            if not sample_rows:
-                return Sampled([])
-            if len(sample_rows) < len(batch):  # a one-token prefill chunk that is not its prompt's last
-                logits = logits[self._to_device(sample_rows)]
         else:
             hidden = self._forward(batch, input_ids, positions, attn)
-            self._score_prompts(batch, hidden)
-            if not sample_rows:
-                return Sampled([])
+        self._score_prompts(batch, hidden)
+        if not sample_rows:
+            return Sampled([])
+        if logits is None:
             logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])
+        elif len(sample_rows) < len(batch):  # a one-token prefill chunk that is not its prompt's last
+            logits = logits[self._to_device(sample_rows)]
         sampling = [i.seq for i in batch if i.seq.num_computed_tokens + i.num_new_tokens == i.seq.num_tokens]
         want_logprobs = any(s.params.logprobs for s in sampling)
         histories = None
