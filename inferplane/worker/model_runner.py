@@ -117,12 +117,13 @@ class ModelRunner:
             seq.prompt_logprobs.extend(given_token_logprobs(logits, given, seq.params.prompt_logprobs or 0))
 
     def _forward(self, batch: list[ScheduledSequence], input_ids: torch.Tensor, positions: torch.Tensor,
-                 attn: AttentionBatch) -> torch.Tensor:
-        """The eager forward: final hidden states of every row."""
+                 attn: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The eager forward: final hidden states of every row, and the logits of every row where the
+        model's fused decode computed them (else None)."""
         if self.adapters is not None:
             self.adapters.begin([item.seq.adapter_slot for item in batch for _ in range(item.num_new_tokens)])
         try:
-            return self.model(input_ids, positions, self.cache, attn)
+            return self.model.forward_and_logits(input_ids, positions, self.cache, attn)
         finally:
             if self.adapters is not None:
                 self.adapters.end()
@@ -131,12 +132,11 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSequence]) -> Sampled:
         """The sampled token (and logprobs) for each sequence that completed its tokens, in batch order."""
         input_ids, positions, attn, sample_rows = self.prepare(batch)
-        logits = None  # of every row, where a graph computed them
         if self.graphs is not None and attn.num_decodes == len(batch) and self.graphs.fits(len(batch)):
             # a decode-shaped step: replayed from the CUDA graph of its bucket
             hidden, logits = self.graphs.run(input_ids, positions, attn)
-        else:
-            hidden = self._forward(batch, input_ids, positions, attn)
+        else:  # logits of every row where the fused CPU decode's C call ran the head, else None
+            hidden, logits = self._forward(batch, input_ids, positions, attn)
         self._score_prompts(batch, hidden)
         if not sample_rows:
             return Sampled([])

@@ -47,10 +47,10 @@ def assert_same_answers(fused, op_by_op) -> None:
         assert a == pytest.approx(b, abs=1e-5)
 
 
-def _op_by_op(llm, prompts, monkeypatch):
+def _op_by_op(llm, prompts, monkeypatch, params=PARAMS):
     with monkeypatch.context() as patch:
         patch.setattr(fused_decode.FusedDecode, "forward", lambda *a, **k: None)
-        return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, PARAMS)]
+        return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +149,56 @@ def test_a_swapped_layer_rebuilds_the_plan_and_a_layer_off_its_kernel_runs_op_by
     assert {layers for rows, layers in calls if rows == 1} <= {3}  # below the crossover: all three fused
     assert max(rows for rows, _ in calls) == len(prompts)
     assert_same_answers(fused, _op_by_op(llm, prompts, monkeypatch))
+
+
+def _record_tails(kernels, monkeypatch) -> list[tuple[int, bool, bool]]:
+    """(rows, final norm in the call, head in the call) of every ip_decode_layers call from here on."""
+    tails = []
+    real = kernels.decode_layers
+
+    def recorded(x, layers, *args, tail=None, **kwargs):
+        tails.append((x.shape[0], tail is not None and bool(tail.norm), tail is not None and bool(tail.head.w)))
+        return real(x, layers, *args, tail=tail, **kwargs)
+
+    monkeypatch.setattr(kernels, "decode_layers", recorded)
+    return tails
+
+
+@pytest.mark.parametrize("head", ["quantized", "float32 on its C kernel", "float32 on PyTorch's GEMM"])
+def test_the_final_norm_and_the_head_run_in_the_steps_one_call(head, tiny_llama, isa_kernels, monkeypatch):  # noqa: F811
+    """A decode step's C call ends with the final norm and, where compute_logits would run a C
+    kernel for the head (quantized, or float32 below its measured crossover), the head: no head
+    is computed after it. Where PyTorch's GEMM is the head's path, only the norm joins the call.
+    Either way the answers are those of every op run on its own."""
+    from inferplane.worker.native.choice import NEVER
+
+    llm = _llm(tiny_llama, quantize_head=head == "quantized")
+    model = llm.engine.loaded.model
+    if head != "quantized":
+        model.head_torch_from_rows = NEVER if head == "float32 on its C kernel" else 1
+    prompts = prompts_of_lengths([3, 17, 40, 9], 320, seed=11)
+    params = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=True)] + [PARAMS] * 3
+    tails = _record_tails(isa_kernels, monkeypatch)
+    head_rows = []
+    real_logits = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda hidden: (head_rows.append(hidden.shape[0]),
+                                                                 real_logits(hidden))[1])
+    fused = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+    head_in_c = head != "float32 on PyTorch's GEMM"
+    assert {rows for rows, _, _ in tails} == {1, 4}  # the longer answer's last steps alone
+    assert all(norm and head_fused == head_in_c for _, norm, head_fused in tails)
+    # each prompt's first token comes from its prefill, outside the fused call: one head row each
+    assert sum(head_rows) == len(prompts) + (0 if head_in_c else sum(rows for rows, _, _ in tails))
+    monkeypatch.undo()
+    assert_same_answers(fused, _op_by_op(llm, prompts, monkeypatch, params))
+
+
+def test_a_soft_capped_head_runs_after_the_call(tiny_gemma2, isa_kernels, monkeypatch):  # noqa: F811
+    """Gemma 2 soft-caps its logits after the head: the call takes the final norm, and the head
+    and the cap run in compute_logits, as every other step runs them."""
+    llm = _llm(tiny_gemma2)
+    tails = _record_tails(isa_kernels, monkeypatch)
+    fused = [(o.token_ids, o.logprobs) for o in llm.generate(prompts_of_lengths([3, 20], 320, seed=12), PARAMS)]
+    assert tails and all(norm and not head_fused for _, norm, head_fused in tails)
+    monkeypatch.undo()
+    assert_same_answers(fused, _op_by_op(llm, prompts_of_lengths([3, 20], 320, seed=12), monkeypatch))

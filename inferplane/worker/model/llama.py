@@ -19,7 +19,7 @@ from inferplane.api.model_config import FULL, SLIDING, ModelConfig
 from inferplane.worker import native
 from inferplane.worker.attention import AttentionBatch, PagedKVCache
 from inferplane.worker.model.decoder import DecoderLayer
-from inferplane.worker.model.fused_decode import FusedDecode
+from inferplane.worker.model.fused_decode import FusedDecode, linear_operands
 from inferplane.worker.model.gemma import SandwichDecoderLayer
 from inferplane.worker.model.layers import RMSNorm, Rotary
 from inferplane.worker.model.structure import WatchedModule
@@ -65,22 +65,44 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                 batch: AttentionBatch) -> torch.Tensor:
         """Returns final hidden states [T, hidden]; logits are computed only for sampled rows."""
+        return self.forward_and_logits(input_ids, positions, cache, batch)[0]
+
+    def forward_and_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                           batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final hidden states [T, hidden] and, where a decode step's C call ran the head too (the
+        fused decode), the logits of every row, as compute_logits gives them; else None (the caller
+        computes the sampled rows' logits)."""
         x = self.model.embed_tokens(input_ids)
         if self.config.embedding_multiplier is not None:  # Gemma: the scale rounded to the compute dtype
             x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
         tables = {FULL: self.rotary(positions, x.dtype)}
         if self.rotary_local is not None:
             tables[SLIDING] = self.rotary_local(positions, x.dtype)
-        fused = None
         # The fused decode runs the base weights only: a step with adapter rows runs layer by layer.
         adapter_rows = self.adapters is not None and self.adapters.batch is not None
         if x.device.type == "cpu" and self.config.fused_decode_block and not adapter_rows:
-            fused = self.fused_decode.forward(x, tables, cache, batch)
-        if fused is not None:
-            return self.model.norm(fused)
+            fused = self.fused_decode.forward(x, tables, cache, batch, self.fused_head)
+            if fused is not None:
+                return fused
         for layer in self.model.layers:
             x = layer(x, tables[layer.rope_kind], cache, batch)
-        return self.model.norm(x)
+        return self.model.norm(x), None
+
+    def fused_head(self, rows: int) -> tuple | None:
+        """The head's operands (fused_decode.linear_operands' shape) for the fused decode's C call,
+        where compute_logits would run that same C kernel on `rows` rows and nothing follows it (no
+        soft-cap); None otherwise: the head then runs here, after the call."""
+        head = self.lm_head
+        if self.config.final_logit_softcap is not None:
+            return None
+        if type(head) is nn.Linear:  # float32: _head_logits' C kernel below its measured crossover
+            kernels = native.kernels()
+            if kernels is None or rows >= self.head_torch_from_rows or not kernels.f32_weight_applies(head.weight):
+                return None
+            return head.weight, None, native.FLOAT32_BITS, head.bias, head.out_features
+        if not hasattr(head, "float_rows") or rows >= head.float_rows():  # below it: head() runs its C kernel
+            return None
+        return linear_operands(head)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self._head_logits(hidden)

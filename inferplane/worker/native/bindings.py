@@ -54,6 +54,13 @@ class LayerWeights(ctypes.Structure):
                 ("moe", _P)]
 
 
+class DecodeTail(ctypes.Structure):
+    """kernels.c's ip_decode_tail: the final norm's weight (NULL: none) and eps, and the head (its w
+    NULL: none) with the logits buffer it writes."""
+
+    _fields_ = [("norm", _P), ("eps", ctypes.c_float), ("head", LinearOperands), ("logits", _P)]
+
+
 class AttnView(ctypes.Structure):
     """kernels.c's ip_attn_view: one pool's slots, block tables and context lengths for a step."""
 
@@ -101,7 +108,7 @@ class NativeKernels:
         lib.ip_rope_store_kv.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, ctypes.c_int]
         lib.ip_rope_store_kv.restype = ctypes.c_int
         lib.ip_decode_layers.argtypes = [_P, _I, _I, _P, _I, ctypes.c_float, _I, _I, _I, _I, _P, _P, _I,
-                                         ctypes.c_float, ctypes.c_int, ctypes.c_int]
+                                         ctypes.c_float, ctypes.c_int, ctypes.c_int, _P]
         lib.ip_decode_layers.restype = ctypes.c_int
         features = lib.ip_features()
         self.has_int8_linear = bool(features & _FEATURE_INT8_LINEAR)
@@ -253,13 +260,15 @@ class NativeKernels:
     def decode_layers(self, x: torch.Tensor, layers: ctypes.Array, eps: float, shape: tuple[int, int, int, int],
                       ropes: list[tuple[torch.Tensor, torch.Tensor]],
                       views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block_size: int, scale: float,
-                      kv_half: bool = False, gelu: bool = False) -> None:
+                      kv_half: bool = False, gelu: bool = False, tail: DecodeTail | None = None) -> None:
         """Consecutive decoder layers for decode rows in one call (ip_decode_layers), x [B, hidden]
         updated in place. `layers`: a ctypes array of LayerWeights (the caller keeps the tensors
         they point to alive); `shape`: (heads, kv_heads, head_dim, intermediate); `ropes`: the
         model's (cos, signed sin) and the sliding layers' own; `views`: (slots, block tables,
         context lengths) of the main pool and of the window pool (the layers' `rope` and `view`
-        pick one of each); `kv_half`: the caches hold float16; `gelu`: the MLP is GeGLU."""
+        pick one of each); `kv_half`: the caches hold float16; `gelu`: the MLP is GeGLU; `tail`: the
+        final norm (x normed in place) and the head after the last layer (the caller keeps its
+        weights and logits buffer alive)."""
         b, hidden = x.shape
         heads, kv_heads, d, inter = shape
         rope_array = (RopeTables * 2)(*(RopeTables(c.data_ptr(), s.data_ptr()) for c, s in ropes))
@@ -267,7 +276,8 @@ class NativeKernels:
                                       for slots, tables, lens in views))
         rc = self._lib.ip_decode_layers(
             x.data_ptr(), b, hidden, ctypes.addressof(layers), len(layers), eps, heads, kv_heads, d, inter,
-            ctypes.addressof(rope_array), ctypes.addressof(view_array), block_size, scale, int(kv_half), int(gelu))
+            ctypes.addressof(rope_array), ctypes.addressof(view_array), block_size, scale, int(kv_half), int(gelu),
+            None if tail is None else ctypes.addressof(tail))
         _check(rc, "ip_decode_layers")
 
     def reads_kv_cache(self, cache: torch.Tensor) -> bool:

@@ -1669,14 +1669,28 @@ static int decode_layer(float *x, int64_t b, int64_t hidden, const ip_layer_weig
     return rc;
 }
 
+/* What may follow the last layer in the same call (model/llama.py's final norm and head, as
+ * forward_and_logits runs them op by op): x normed in place by `norm` (NULL: left as the last layer's
+ * output), then, where head.w is set, logits [b, head.n] = x @ head (the kernel head.s/bits name). */
+typedef struct {
+    const float *norm;
+    float eps;
+    ip_linear head;
+    float *logits;
+} ip_decode_tail;
+
 /* n_layers consecutive decoder layers for b decode rows, one call per decode step instead of ~10 per
  * layer: from Python each call cost tens of microseconds of argument handling, which for SmolLM2 at
  * batch 1 was a third of the step. Every layer reads the step's rope tables and attention view its
  * entry names (ropes[2], views[2]: the model's and the sliding layers'). `gelu`: the MLP is GeGLU
- * (tanh), else SwiGLU. Returns 0, -1 where this build has no int8 kernel, -2 when out of memory. */
+ * (tanh), else SwiGLU. `tail` (or NULL): the final norm and head after the last layer; each PyTorch
+ * op between two C calls ran with caches the weights had just swept (SmolLM2's final norm took
+ * 0.15 ms after the layers, 0.02 ms warm), so the step's ends run here too. Returns 0, -1 where this
+ * build has no int8 kernel, -2 when out of memory. */
 int ip_decode_layers(float *x, int64_t b, int64_t hidden, const ip_layer_weights *layers, int64_t n_layers,
                      float eps, int64_t heads, int64_t kv_heads, int64_t d, int64_t inter, const ip_rope *ropes,
-                     const ip_attn_view *views, int64_t block_size, float scale, int half, int gelu) {
+                     const ip_attn_view *views, int64_t block_size, float scale, int half, int gelu,
+                     const ip_decode_tail *tail) {
     if (!(ip_features() & IP_FEATURE_INT8_LINEAR)) return -1;
     const int64_t qkv_width = (heads + 2 * kv_heads) * d;
     const int64_t widest = qkv_width > 2 * inter ? qkv_width : 2 * inter;
@@ -1689,5 +1703,7 @@ int ip_decode_layers(float *x, int64_t b, int64_t hidden, const ip_layer_weights
         rc = decode_layer(x, b, hidden, layers + l, eps, heads, kv_heads, d, inter, ropes, views, block_size, scale,
                           half, gelu, h, wide, narrow, delta);
     free(h); free(wide); free(narrow); free(delta);
+    if (rc == 0 && tail && tail->norm) ip_rms_norm(x, NULL, b, hidden, tail->norm, tail->eps, x);
+    if (rc == 0 && tail && tail->head.w) rc = run_linear(x, b, hidden, &tail->head, tail->logits);
     return rc;
 }
