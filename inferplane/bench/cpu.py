@@ -404,8 +404,7 @@ def main(argv: list[str]) -> int:
         for name, llm in variants.items():
             split = step_split(llm, _prompts(tokens, 1, args.prompt_len)[0], args.new_tokens)
             if split is not None:
-                print(f"  {name:20} batch-1 step {split.total:.2f} ms: fused decoder layers {split.layers:.2f}, "
-                      f"head {split.head:.2f}, the rest (engine, embedding, sampling) {split.rest:.2f}")
+                print(f"  {name:20} {split.describe()}")
 
     for name, llm in variants.items():
         report = llm.weight_report

@@ -1,4 +1,5 @@
-"""Where a batch-1 decode step's time goes: the fused decoder layers (one C call), the output head,
+"""Where a batch-1 decode step's time goes: the fused decoder layers (one C call, which runs the final
+norm and the output head too where their kernels are C's), the head where it runs after that call,
 and the rest (the engine's Python, embedding, sampling).
 
 Why: the bound fraction says how far batch-1 decode is from the memory bandwidth, not why; this
@@ -21,8 +22,16 @@ class StepSplit:
     """Milliseconds per decode token."""
 
     layers: float
-    head: float
+    head: float  # 0.0 where the head ran inside the layers' call (head_in_call)
     rest: float
+    head_in_call: bool = False
+
+    def describe(self) -> str:
+        layers = "fused decoder layers, final norm and head (one C call)" if self.head_in_call else \
+            "fused decoder layers"
+        head = "" if self.head_in_call else f", head {self.head:.2f}"
+        return (f"batch-1 step {self.total:.2f} ms: {layers} {self.layers:.2f}{head}, the rest (engine, embedding, "
+                f"sampling) {self.rest:.2f}")
 
     @property
     def total(self) -> float:
@@ -76,4 +85,6 @@ def step_split(llm, prompt: list[int], new_tokens: int) -> StepSplit | None:
     if full[1] == 0.0:
         return None
     total, fused, head_spent = ((f - b) * 1e3 / new_tokens for f, b in zip(full, base, strict=True))
-    return StepSplit(layers=fused, head=head_spent, rest=total - fused - head_spent)
+    in_call = llm.engine.loaded.model.fused_head(1) is not None
+    head_spent = 0.0 if in_call else head_spent  # the prefill's head alone, which `base` holds too
+    return StepSplit(layers=fused, head=head_spent, rest=total - fused - head_spent, head_in_call=in_call)
