@@ -96,8 +96,7 @@ class LlamaForCausalLM(nn.Module):
         if self.config.final_logit_softcap is not None:
             return None
         if type(head) is nn.Linear:  # float32: _head_logits' C kernel below its measured crossover
-            kernels = native.kernels()
-            if kernels is None or rows >= self.head_torch_from_rows or not kernels.f32_weight_applies(head.weight):
+            if self._float_head_kernel(rows) is None:
                 return None
             return head.weight, None, native.FLOAT32_BITS, head.bias, head.out_features
         if not hasattr(head, "float_rows") or rows >= head.float_rows():  # below it: head() runs its C kernel
@@ -117,12 +116,20 @@ class LlamaForCausalLM(nn.Module):
             # The head is the biggest weight and sampled rows are few: the C kernel reads the tall
             # weight in place (2.2x PyTorch's speed for one row of SmolLM2's head on AVX-512), up to
             # the row count where PyTorch measured faster at start-up (measure_head_kernel).
-            kernels = native.kernels()
-            if (kernels is not None and hidden.shape[0] < self.head_torch_from_rows
-                    and kernels.f32_linear_applies(hidden, head.weight)):
+            kernels = self._float_head_kernel(hidden.shape[0]) if hidden.dtype == torch.float32 else None
+            if kernels is not None:
                 return kernels.f32_linear(hidden, head.weight, head.bias)
             return self._torch_logits(hidden)
         return head(hidden).float()
+
+    def _float_head_kernel(self, rows: int) -> native.NativeKernels | None:
+        """The C kernel that runs the float32 head (an nn.Linear) for `rows` float32 CPU rows: below
+        the crossover measured at start-up and where it reads the weight; None: PyTorch's product.
+        The one rule for _head_logits and for the fused decode's call (fused_head)."""
+        kernels = native.kernels()
+        if kernels is None or rows >= self.head_torch_from_rows or not kernels.f32_weight_applies(self.lm_head.weight):
+            return None
+        return kernels
 
     def _torch_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
