@@ -377,7 +377,7 @@ def main(argv: list[str]) -> int:
         bandwidth = reader.bytes_per_second
         reads = (f"; fastest of {reader.reads} reads, {READS_PER_ROUND} in each round of the batch-1 timings, "
                  f"the slowest {reader.slowest_bytes_per_second / 1e9:.1f} GB/s")
-        print(f"\n{describe(bandwidth, reader.size, threads, reads)}")
+        print(f"\n{describe(bandwidth, reader.size, threads, reads, reader.huge_page_bytes)}")
         from inferplane.bench.bound import paired_fractions
 
         for name, llm in variants.items():

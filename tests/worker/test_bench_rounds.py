@@ -29,8 +29,13 @@ def test_the_bandwidth_read_takes_a_turn_in_every_round_after_the_contenders():
 
 
 def test_read_bandwidth_keeps_the_fastest_read_of_a_buffer_larger_than_the_cache():
+    """The buffer is read from memory of the weights' kind (a weight arena: 2 MiB-aligned, advised
+    for huge pages), and how much of it the kernel backed with huge pages is reported."""
     reader = ReadBandwidth(threads=2)
     assert reader.size >= 512 * 2**20 and reader.reads == 0
+    assert reader._buffer.data_ptr() == reader._arena.address and reader._arena.address % (2 * 2**20) == 0
+    assert reader._buffer.nbytes == reader.size and bool(reader._buffer.eq(1.0).all())
+    assert 0 <= reader.huge_page_bytes <= reader.size
     reader.measure()
     reader.measure(reads=2)
     assert reader.reads == 3 and 0 < reader.best_seconds < float("inf")
