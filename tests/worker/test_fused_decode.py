@@ -11,7 +11,7 @@ from inferplane.worker.native.choice import NEVER
 from inferplane.worker.quant.block_linear import BlockLinear, quantize_blocks
 from inferplane.worker.quant.int8_linear import Int8Linear
 from inferplane.worker.sampling import SamplingParams
-from tests.worker.conftest import prompts_of_lengths
+from tests.worker.conftest import one_kernel_for_every_row_count, prompts_of_lengths
 from tests.worker.test_native import isa_kernels  # noqa: F401 (the fixture: every ISA build here)
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True)
@@ -24,21 +24,13 @@ def _llm(path, **options):
     # prefill chunks sized by the budget alone, not by measured step times, so both runs of a test
     # batch the same rows together: the rows a step holds pick the kernels (float GEMM from a
     # crossover), and under load a timed budget cut them differently (a logprob 0.009 apart).
-    llm = LLM(path, runtime="cpu-int8", device="cpu", num_kv_blocks=64, skip_quality_gate=True, kv_manager="paged",
-              **{"step_target_ms": 0, **options})
-    _packed_kernels_throughout(llm)
-    return llm
-
-
-def _packed_kernels_throughout(llm) -> None:
-    """Every packed layer on its C kernel at every row count, whatever the start-up timing chose. The
-    float-GEMM crossover is timed: on a quiet machine it fell past these tests' prefills, under load
-    at 16 rows, so which kernels a prefill ran (and so the bits compared) depended on the machine's
-    load. A test sets its own crossover after this where it wants the float path."""
-    dispatch = next((m.dispatch for m in llm.engine.loaded.model.modules() if hasattr(m, "dispatch")), None)
-    if dispatch is not None:
-        for in_features, out_features, kind in list(dispatch.float_from):
-            dispatch.set_float_from(in_features, out_features, NEVER, kind)
+    # one_kernel_for_every_row_count: the float-GEMM crossover is timed at start-up (past these
+    # prefills on a quiet machine, at 16 rows under load), so without the pin which kernels a
+    # prefill ran, and so the bits compared, depended on the machine's load. A test sets its own
+    # crossover after this where it wants the float path.
+    return one_kernel_for_every_row_count(
+        LLM(path, runtime="cpu-int8", device="cpu", num_kv_blocks=64, skip_quality_gate=True, kv_manager="paged",
+            **{"step_target_ms": 0, **options}))
 
 
 def _record_calls(kernels, monkeypatch) -> list[tuple[int, int]]:
@@ -55,7 +47,7 @@ def assert_same_answers(fused, op_by_op) -> None:
     logprob, which comes from a prefill step (the same op-by-op code in both runs, before any fused
     decode), differed by 2e-7 between the two runs in some test orders and not in others; PyTorch's
     float GEMM does not promise the same bits from call to call. With one ISA's build for both runs
-    and the packed kernels pinned (_packed_kernels_throughout) they came out equal here. Issue 32
+    and one kernel for every row count (one_kernel_for_every_row_count) they came out equal here. Issue 32
     asked for tests that hold on every CPU.
 
     Two runs on different builds are not comparable this way: an AVX2 run against an AVX-512 one
