@@ -5,6 +5,7 @@ layer's modules change, and runs of fusable layers around one that must run op b
 from __future__ import annotations
 
 import pytest
+import torch
 
 from inferplane.worker.model import fused_decode
 from inferplane.worker.native.choice import NEVER
@@ -214,3 +215,78 @@ def test_a_soft_capped_head_runs_after_the_call(tiny_gemma2, isa_kernels, monkey
         fused = [(o.token_ids, o.logprobs) for o in llm.generate(prompts_of_lengths([3, 20], 320, seed=12), PARAMS)]
     assert tails and all(norm and not head_fused for _, norm, head_fused in tails)
     assert_same_answers(fused, _op_by_op(llm, prompts_of_lengths([3, 20], 320, seed=12), monkeypatch))
+
+
+def _record_inputs(kernels, monkeypatch) -> list:
+    """The lookups (native.DecodeInputs or None) every ip_decode_layers call got from here on."""
+    seen = []
+    real = kernels.decode_layers
+
+    def recorded(*args, inputs=None, **kwargs):
+        seen.append(inputs)
+        return real(*args, inputs=inputs, **kwargs)
+
+    monkeypatch.setattr(kernels, "decode_layers", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_gemma3"])
+def test_the_call_looks_up_the_embedding_and_the_rope_rows_itself(model, request, isa_kernels, monkeypatch):  # noqa: F811
+    """Every decode step's C call gets the token ids and positions and looks up x (Gemma: times its
+    multiplier) and each rope's rows itself (Gemma 3: the sliding layers' own tables), and answers
+    as the same steps with the lookups made in PyTorch, and as the layers op by op."""
+    from inferplane.worker.model.step_inputs import StepInputs
+
+    llm = _llm(request.getfixturevalue(model))
+    config = llm.engine.loaded.model.config
+    prompts = prompts_of_lengths([3, 17, 40, 9], 320, seed=13)
+    with monkeypatch.context() as patch:
+        seen = _record_inputs(isa_kernels, patch)
+        fused = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, PARAMS)]
+    assert seen and all(inputs is not None for inputs in seen)
+    gemma = config.embedding_multiplier is not None
+    assert {inputs.scale for inputs in seen} == {float(torch.tensor(config.embedding_multiplier)) if gemma else 0.0}
+    assert {inputs.vocab for inputs in seen} == {config.vocab_size}
+    assert all((inputs.cos[0] != inputs.cos[1]) == gemma for inputs in seen)  # the sliding layers' own rope
+    with monkeypatch.context() as patch:
+        patch.setattr(StepInputs, "lookups", lambda self: None)
+        seen = _record_inputs(isa_kernels, patch)
+        in_python = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, PARAMS)]
+    assert seen and all(inputs is None for inputs in seen)
+    assert_same_answers(fused, in_python)
+    assert_same_answers(fused, _op_by_op(llm, prompts, monkeypatch))
+
+
+def _lookup_only(kernels, step, x: torch.Tensor) -> None:
+    """x as a call with no layers leaves it: the lookup alone."""
+    from inferplane.worker import native
+
+    rows = torch.zeros(step.rows, 1, dtype=torch.int64)
+    views = [(rows[:, 0].contiguous(), rows, rows[:, 0].contiguous())] * 2
+    kernels.decode_layers(x, (native.LayerWeights * 0)(), 1e-6, (1, 1, 16, 16), None, views, 16, 1.0,
+                          inputs=step.lookups())
+
+
+def test_the_lookup_is_the_embedding_times_its_multiplier_and_refuses_ids_outside_it(tiny_gemma3, isa_kernels):  # noqa: F811
+    """The C lookup writes exactly what StepInputs.x() computes in PyTorch (Gemma's multiplier
+    rounded to float32); a token id or position outside its table is an IndexError, as PyTorch's
+    embedding raises, with x left as it was."""
+    from inferplane.api.model_config import FULL, SLIDING
+    from inferplane.worker.model.step_inputs import StepInputs
+
+    model = _llm(tiny_gemma3).engine.loaded.model
+    hidden, vocab, positions = model.config.hidden_size, model.config.vocab_size, model.rotary.cos.shape[0]
+
+    def step(ids, at):
+        return StepInputs(torch.tensor(ids), torch.tensor(at), model.model.embed_tokens,
+                          model.config.embedding_multiplier, {FULL: model.rotary, SLIDING: model.rotary_local})
+
+    good = step([5, vocab - 1, 0], [0, 3, positions - 1])
+    x = torch.full((3, hidden), -7.0)
+    _lookup_only(isa_kernels, good, x)
+    assert torch.equal(x, good.x())
+    for ids, at in (([5, vocab], [0, 1]), ([-1], [0]), ([5], [positions]), ([5], [-1])):
+        x = torch.full((len(ids), hidden), -7.0)
+        with pytest.raises(IndexError, match="outside"):
+            _lookup_only(isa_kernels, step(ids, at), x)
+        assert (x == -7.0).all()

@@ -29,6 +29,7 @@ from inferplane.worker import native
 from inferplane.worker.attention import AttentionBatch, PagedKVCache
 from inferplane.worker.model import structure
 from inferplane.worker.model.layers import RMSNorm
+from inferplane.worker.model.step_inputs import StepInputs
 
 Segment = tuple[int, int, object]  # (first layer, end, ctypes array of LayerWeights or None: op by op)
 
@@ -127,26 +128,31 @@ class FusedDecode:
             self._segments[key] = found
         return found
 
-    def forward(self, x: torch.Tensor, rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                cache: PagedKVCache, batch: AttentionBatch,
+    def forward(self, step: StepInputs, cache: PagedKVCache, batch: AttentionBatch,
                 head: Callable[[int], tuple | None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(x after every decoder layer and the final norm, the logits of every row or None): fused
         runs in C and the rest op by op; None where the step is not decode rows only or the C kernels
-        do not apply (the caller then runs every layer). `rope_tables`: by rope kind (FULL, and
-        SLIDING where the sliding layers have their own). `head(rows)`: the head's operands where
-        the model would run the same C kernel for that many rows (else None). Where the last run of
-        layers is fused, the final norm and that head run in its C call: a PyTorch op right after
-        the layers ran with the caches their weights had swept (the final norm: 0.15 ms against
-        0.02 ms warm, on SmolLM2's batch-1 step), so the step's end moves into C with them."""
-        rows = x.shape[0]
+        do not apply (the caller then runs every layer). Where the first run of layers is fused and
+        the step's sources allow it (StepInputs.lookups), its C call looks up x and the rope rows
+        itself. `head(rows)`: the head's operands where the model would run the same C kernel for
+        that many rows (else None). Where the last run of layers is fused, the final norm and that
+        head run in its C call: a PyTorch op right after the layers ran with the caches their weights
+        had just swept (the final norm: 0.15 ms against 0.02 ms warm, on SmolLM2's batch-1 step), so
+        the step's end moves into C with them."""
+        rows = step.rows
         kernels = native.kernels()
+        if batch.num_decodes != rows or batch.prefills or kernels is None or not kernels.has_int8_linear:
+            return None
+        lookups = step.lookups()
+        config = self.config
+        # x (a buffer the C call fills, or the embedded rows) stands in for q: what is checked is
+        # the caches' and the tables' dtypes and layout
+        x = torch.empty(rows, config.hidden_size, dtype=torch.float32) if lookups is not None else step.x()
         pools = [(cache.data, batch)]
         if cache.window_data is not None:
             pools.append((cache.window_data, batch.window))
-        if (batch.num_decodes != rows or batch.prefills or x.dim() != 2 or kernels is None
-                or not kernels.has_int8_linear or not native.float32_rows(x, *(t for ts in rope_tables.values()
-                                                                                 for t in ts))
-                # x stands in for q: what is checked is the caches' and the tables' dtypes and layout
+        if (x.dim() != 2 or (lookups is None and not native.float32_rows(x, *(t for ts in step.tables().values()
+                                                                            for t in ts)))
                 or not all(view is not None and kernels.decode_attention_applies(
                     x.view(rows, 1, -1), data, view.decode_block_tables, view.decode_context_lens)
                     for data, view in pools)):
@@ -158,23 +164,28 @@ class FusedDecode:
         segments = self._segments_for(rows)
         if len(segments) == 1 and segments[0][2] is None:
             return None
-        config = self.config
+        if segments[0][2] is None and lookups is not None:  # the first layers run op by op, from x
+            lookups, x = None, step.x()
         shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size)
-        ropes = [rope_tables[FULL], rope_tables.get(SLIDING, rope_tables[FULL])]
         views = [(view.slot_mapping, view.decode_block_tables, view.decode_context_lens) for _, view in pools]
         views.append(views[0])  # no window pool: no layer names view 1
         tail = logits = None
         for start, end, weights in segments:
             if weights is None:
                 for layer in self.layers[start:end]:
-                    x = layer(x, rope_tables[layer.rope_kind], cache, batch)
+                    x = layer(x, step.tables()[layer.rope_kind], cache, batch)
                 continue
             x = x.contiguous()
             if end == len(self.layers):
                 tail, logits = self._tail(x, head)
+            ropes = None
+            if start > 0 or lookups is None:
+                tables = step.tables()
+                ropes = [tables[FULL], tables.get(SLIDING, tables[FULL])]
             kernels.decode_layers(x, weights, config.rms_norm_eps, shape, ropes, views[:2], cache.block_size,
                                   config.attention_scale, kv_half=cache.data.dtype == torch.float16,
-                                  gelu=config.hidden_act == "gelu_tanh", tail=tail)
+                                  gelu=config.hidden_act == "gelu_tanh", tail=tail,
+                                  inputs=lookups if start == 0 else None)
         if tail is None:
             return self.body.norm(x), None
         return x, logits

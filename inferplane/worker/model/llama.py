@@ -22,6 +22,7 @@ from inferplane.worker.model.decoder import DecoderLayer
 from inferplane.worker.model.fused_decode import FusedDecode, linear_operands
 from inferplane.worker.model.gemma import SandwichDecoderLayer
 from inferplane.worker.model.layers import RMSNorm, Rotary
+from inferplane.worker.model.step_inputs import StepInputs
 from inferplane.worker.model.structure import WatchedModule
 from inferplane.worker.native.choice import NEVER, crossover
 
@@ -72,18 +73,17 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states [T, hidden] and, where a decode step's C call ran the head too (the
         fused decode), the logits of every row, as compute_logits gives them; else None (the caller
         computes the sampled rows' logits)."""
-        x = self.model.embed_tokens(input_ids)
-        if self.config.embedding_multiplier is not None:  # Gemma: the scale rounded to the compute dtype
-            x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
-        tables = {FULL: self.rotary(positions, x.dtype)}
+        rotaries = {FULL: self.rotary}
         if self.rotary_local is not None:
-            tables[SLIDING] = self.rotary_local(positions, x.dtype)
+            rotaries[SLIDING] = self.rotary_local
+        step = StepInputs(input_ids, positions, self.model.embed_tokens, self.config.embedding_multiplier, rotaries)
         # The fused decode runs the base weights only: a step with adapter rows runs layer by layer.
         adapter_rows = self.adapters is not None and self.adapters.batch is not None
-        if x.device.type == "cpu" and self.config.fused_decode_block and not adapter_rows:
-            fused = self.fused_decode.forward(x, tables, cache, batch, self.fused_head)
+        if step.device.type == "cpu" and self.config.fused_decode_block and not adapter_rows:
+            fused = self.fused_decode.forward(step, cache, batch, self.fused_head)
             if fused is not None:
                 return fused
+        x, tables = step.x(), step.tables()
         for layer in self.model.layers:
             x = layer(x, tables[layer.rope_kind], cache, batch)
         return self.model.norm(x), None

@@ -7,6 +7,7 @@ choice.py measures where PyTorch's own path wins. Callers use the names below.
 from inferplane.worker.native.bindings import (
     FLOAT32_BITS,
     KERNEL_NAMES,
+    DecodeInputs,
     DecodeTail,
     LayerWeights,
     LinearOperands,
@@ -36,8 +37,8 @@ from inferplane.worker.native.packing import (
     unpack_int8_weight,
 )
 
-__all__ = ["BLOCK", "BLOCK_KINDS", "FLOAT32_BITS", "ISA_BUILDS", "KERNEL_NAMES", "Q8_MIN", "DecodeTail", "LayerWeights",
-           "LinearOperands", "MoeWeights", "NativeKernels",
+__all__ = ["BLOCK", "BLOCK_KINDS", "FLOAT32_BITS", "ISA_BUILDS", "KERNEL_NAMES", "Q8_MIN", "DecodeInputs", "DecodeTail",
+           "LayerWeights", "LinearOperands", "MoeWeights", "NativeKernels",
            "block_group_bytes", "block_shape_supported", "chosen_isa", "cpu_flags", "float32_rows",
            "int8_shape_supported", "kernel_isas", "kernels", "kernels_for", "pack_blocks", "pack_int8_weight",
            "supported_isas", "unpack_blocks", "unpack_int8_weight"]

@@ -61,6 +61,15 @@ class DecodeTail(ctypes.Structure):
     _fields_ = [("norm", _P), ("eps", ctypes.c_float), ("head", LinearOperands), ("logits", _P)]
 
 
+class DecodeInputs(ctypes.Structure):
+    """kernels.c's ip_decode_inputs: each row's token id and position, the embedding table and its
+    multiplier (0.0: none), the whole cos and signed-sin tables of the model's rope and of the sliding
+    layers' own, and the tables' row counts, from which the call looks up x and the rope rows itself."""
+
+    _fields_ = [("token_ids", _P), ("positions", _P), ("embedding", _P), ("scale", ctypes.c_float),
+                ("cos", _P * 2), ("signed_sin", _P * 2), ("vocab", _I), ("max_positions", _I)]
+
+
 class AttnView(ctypes.Structure):
     """kernels.c's ip_attn_view: one pool's slots, block tables and context lengths for a step."""
 
@@ -108,7 +117,7 @@ class NativeKernels:
         lib.ip_rope_store_kv.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, ctypes.c_int]
         lib.ip_rope_store_kv.restype = ctypes.c_int
         lib.ip_decode_layers.argtypes = [_P, _I, _I, _P, _I, ctypes.c_float, _I, _I, _I, _I, _P, _P, _I,
-                                         ctypes.c_float, ctypes.c_int, ctypes.c_int, _P]
+                                         ctypes.c_float, ctypes.c_int, ctypes.c_int, _P, _P]
         lib.ip_decode_layers.restype = ctypes.c_int
         features = lib.ip_features()
         self.has_int8_linear = bool(features & _FEATURE_INT8_LINEAR)
@@ -258,9 +267,10 @@ class NativeKernels:
         return out
 
     def decode_layers(self, x: torch.Tensor, layers: ctypes.Array, eps: float, shape: tuple[int, int, int, int],
-                      ropes: list[tuple[torch.Tensor, torch.Tensor]],
+                      ropes: list[tuple[torch.Tensor, torch.Tensor]] | None,
                       views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block_size: int, scale: float,
-                      kv_half: bool = False, gelu: bool = False, tail: DecodeTail | None = None) -> None:
+                      kv_half: bool = False, gelu: bool = False, tail: DecodeTail | None = None,
+                      inputs: DecodeInputs | None = None) -> None:
         """Consecutive decoder layers for decode rows in one call (ip_decode_layers), x [B, hidden]
         updated in place. `layers`: a ctypes array of LayerWeights (the caller keeps the tensors
         they point to alive); `shape`: (heads, kv_heads, head_dim, intermediate); `ropes`: the
@@ -268,16 +278,17 @@ class NativeKernels:
         context lengths) of the main pool and of the window pool (the layers' `rope` and `view`
         pick one of each); `kv_half`: the caches hold float16; `gelu`: the MLP is GeGLU; `tail`: the
         final norm (x normed in place) and the head after the last layer (the caller keeps its
-        weights and logits buffer alive)."""
+        weights and logits buffer alive); `inputs`: x (written here) and the rope rows are looked
+        up in the call (`ropes` None; the caller keeps what it points to alive)."""
         b, hidden = x.shape
         heads, kv_heads, d, inter = shape
-        rope_array = (RopeTables * 2)(*(RopeTables(c.data_ptr(), s.data_ptr()) for c, s in ropes))
+        rope_array = (RopeTables * 2)(*(RopeTables(c.data_ptr(), s.data_ptr()) for c, s in ropes or ()))
         view_array = (AttnView * 2)(*(AttnView(slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1])
                                       for slots, tables, lens in views))
         rc = self._lib.ip_decode_layers(
             x.data_ptr(), b, hidden, ctypes.addressof(layers), len(layers), eps, heads, kv_heads, d, inter,
             ctypes.addressof(rope_array), ctypes.addressof(view_array), block_size, scale, int(kv_half), int(gelu),
-            None if tail is None else ctypes.addressof(tail))
+            None if tail is None else ctypes.addressof(tail), None if inputs is None else ctypes.addressof(inputs))
         _check(rc, "ip_decode_layers")
 
     def reads_kv_cache(self, cache: torch.Tensor) -> bool:
@@ -312,5 +323,7 @@ def _is_half(cache: torch.Tensor) -> int:
 def _check(rc: int, name: str) -> None:
     if rc == -2:
         raise MemoryError(f"{name}: out of memory for its scratch buffers")
+    if rc == -3:  # as PyTorch's embedding and indexing refuse it
+        raise IndexError(f"{name}: a token id or position is outside the embedding or rope table")
     if rc != 0:
         raise RuntimeError(f"{name} returned {rc}")

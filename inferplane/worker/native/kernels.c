@@ -1735,18 +1735,34 @@ typedef struct {
     float *logits;
 } ip_decode_tail;
 
+/* What the first layer reads, looked up inside the call where `inputs` is given: each row's token
+ * embedding (times `scale` where it is not 0, Gemma's multiplier as float32) into x, and each rope's
+ * rows for the step's positions from its whole tables [max_positions, d]. Why: done in PyTorch
+ * before the call, the three lookups (an embedding and two indexings) ran with caches the last
+ * step's weights had swept, about 0.09 ms of SmolLM2's batch-1 step and 0.2 ms of Gemma 3's; the
+ * copies are the same values. */
+typedef struct {
+    const int64_t *token_ids, *positions;
+    const float *embedding; /* [vocab, hidden] */
+    float scale;
+    const float *cos[2], *signed_sin[2]; /* the model's rope, then the sliding layers' own (or again the model's) */
+    int64_t vocab, max_positions;        /* the tables' rows: an id or position outside them is refused (-3) */
+} ip_decode_inputs;
+
 /* n_layers consecutive decoder layers for b decode rows, one call per decode step instead of ~10 per
  * layer: from Python each call cost tens of microseconds of argument handling, which for SmolLM2 at
  * batch 1 was a third of the step. Every layer reads the step's rope tables and attention view its
  * entry names (ropes[2], views[2]: the model's and the sliding layers'). `gelu`: the MLP is GeGLU
  * (tanh), else SwiGLU. `tail` (or NULL): the final norm and head after the last layer; each PyTorch
  * op between two C calls ran with caches the weights had just swept (SmolLM2's final norm took
- * 0.15 ms after the layers, 0.02 ms warm), so the step's ends run here too. Returns 0, -1 where this
- * build has no int8 kernel, -2 when out of memory. */
+ * 0.15 ms after the layers, 0.02 ms warm), so the step's ends run here too. `inputs` (or NULL):
+ * x and the rope rows are looked up here (ropes is then not read). Returns 0, -1 where this build has
+ * no int8 kernel, -2 when out of memory, -3 where a token id or position is outside its table (x and
+ * the caches untouched). */
 int ip_decode_layers(float *x, int64_t b, int64_t hidden, const ip_layer_weights *layers, int64_t n_layers,
                      float eps, int64_t heads, int64_t kv_heads, int64_t d, int64_t inter, const ip_rope *ropes,
                      const ip_attn_view *views, int64_t block_size, float scale, int half, int gelu,
-                     const ip_decode_tail *tail) {
+                     const ip_decode_tail *tail, const ip_decode_inputs *inputs) {
     if (!(ip_features() & IP_FEATURE_INT8_LINEAR)) return -1;
     const int64_t qkv_width = (heads + 2 * kv_heads) * d;
     const int64_t widest = qkv_width > 2 * inter ? qkv_width : 2 * inter;
@@ -1754,11 +1770,37 @@ int ip_decode_layers(float *x, int64_t b, int64_t hidden, const ip_layer_weights
     float *wide = (float *)malloc(sizeof(float) * (size_t)(b * widest));
     float *narrow = (float *)malloc(sizeof(float) * (size_t)(b * (inter > heads * d ? inter : heads * d)));
     float *delta = (float *)malloc(sizeof(float) * (size_t)(b * hidden));
-    int rc = (!h || !wide || !narrow || !delta) ? -2 : 0;
+    float *rows = inputs ? (float *)malloc(sizeof(float) * (size_t)(4 * b * d)) : NULL; /* the ropes' rows */
+    int rc = (!h || !wide || !narrow || !delta || (inputs && !rows)) ? -2 : 0;
+    ip_rope looked_up[2];
+    for (int64_t r = 0; rc == 0 && inputs && r < b; r++)
+        if (inputs->token_ids[r] < 0 || inputs->token_ids[r] >= inputs->vocab || inputs->positions[r] < 0
+            || inputs->positions[r] >= inputs->max_positions)
+            rc = -3;
+    if (rc == 0 && inputs) {
+        for (int64_t r = 0; r < b; r++) {
+            const float *e = inputs->embedding + inputs->token_ids[r] * hidden;
+            float *xr = x + r * hidden;
+            if (inputs->scale != 0.0f)
+                for (int64_t j = 0; j < hidden; j++) xr[j] = e[j] * inputs->scale;
+            else
+                memcpy(xr, e, sizeof(float) * (size_t)hidden);
+        }
+        for (int rope = 0; rope < 2; rope++) {
+            float *cos = rows + 2 * rope * b * d, *sin = cos + b * d;
+            for (int64_t r = 0; r < b; r++) {
+                memcpy(cos + r * d, inputs->cos[rope] + inputs->positions[r] * d, sizeof(float) * (size_t)d);
+                memcpy(sin + r * d, inputs->signed_sin[rope] + inputs->positions[r] * d, sizeof(float) * (size_t)d);
+            }
+            looked_up[rope].cos = cos;
+            looked_up[rope].signed_sin = sin;
+        }
+        ropes = looked_up;
+    }
     for (int64_t l = 0; rc == 0 && l < n_layers; l++)
         rc = decode_layer(x, b, hidden, layers + l, eps, heads, kv_heads, d, inter, ropes, views, block_size, scale,
                           half, gelu, h, wide, narrow, delta);
-    free(h); free(wide); free(narrow); free(delta);
+    free(h); free(wide); free(narrow); free(delta); free(rows);
     if (rc == 0 && tail && tail->norm) ip_rms_norm(x, NULL, b, hidden, tail->norm, tail->eps, x);
     if (rc == 0 && tail && tail->head.w) rc = run_linear(x, b, hidden, &tail->head, tail->logits);
     return rc;
