@@ -1343,67 +1343,85 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
  * one row, where the arithmetic takes one or two). Rows are independent; threads only from 8 rows. */
 
 /* x += delta (the residual add) where delta is given, then out = x / sqrt(mean(x^2) + eps) * weight. */
-void ip_rms_norm(float *x, const float *delta, int64_t m, int64_t k, const float *weight, float eps, float *out) {
-#pragma omp parallel for schedule(static) if (m >= 8)
-    for (int64_t i = 0; i < m; i++) {
-        float *xr = x + i * k;
-        float *o = out + i * k;
-        if (delta) {
-            const float *dr = delta + i * k;
+static inline void rms_norm_row(float *x, const float *delta, int64_t k, const float *weight, float eps, float *out, int64_t i) {
+    float *xr = x + i * k;
+    float *o = out + i * k;
+    if (delta) {
+        const float *dr = delta + i * k;
 #pragma omp simd
-            for (int64_t j = 0; j < k; j++) xr[j] += dr[j];
-        }
-        float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t j = 0; j < k; j++) squares += xr[j] * xr[j];
-        const float inv = 1.0f / sqrtf(squares / (float)k + eps);
-#pragma omp simd
-        for (int64_t j = 0; j < k; j++) o[j] = weight[j] * (xr[j] * inv);
+        for (int64_t j = 0; j < k; j++) xr[j] += dr[j];
     }
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t j = 0; j < k; j++) squares += xr[j] * xr[j];
+    const float inv = 1.0f / sqrtf(squares / (float)k + eps);
+#pragma omp simd
+    for (int64_t j = 0; j < k; j++) o[j] = weight[j] * (xr[j] * inv);
+}
+
+void ip_rms_norm(float *x, const float *delta, int64_t m, int64_t k, const float *weight, float eps, float *out) {
+    if (m < 8) { /* serial: no OpenMP region at all (entering one cost about 0.4 us) */
+        for (int64_t i = 0; i < m; i++) rms_norm_row(x, delta, k, weight, eps, out, i);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < m; i++) rms_norm_row(x, delta, k, weight, eps, out, i);
 }
 
 /* gate_up [m, 2 * inter] (gate then up, as the fused projection lays them out) -> out [m, inter]:
  * silu(gate) * up. */
-void ip_silu_mul(const float *gate_up, int64_t m, int64_t inter, float *out) {
-#pragma omp parallel for schedule(static) if (m >= 8)
-    for (int64_t i = 0; i < m; i++) {
-        const float *g = gate_up + i * 2 * inter, *u = g + inter;
-        float *o = out + i * inter;
-        int64_t j = 0;
+static inline void silu_mul_row(const float *gate_up, int64_t inter, float *out, int64_t i) {
+    const float *g = gate_up + i * 2 * inter, *u = g + inter;
+    float *o = out + i * inter;
+    int64_t j = 0;
 #if IP_VECTOR
-        for (; j + VF_WIDTH <= inter; j += VF_WIDTH) {
-            const vf gv = vf_load(g + j);
-            const vf sig = vf_div(gv, vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), gv))));
-            vf_store(o + j, vf_mul(sig, vf_load(u + j)));
-        }
-#endif
-        for (; j < inter; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    for (; j + VF_WIDTH <= inter; j += VF_WIDTH) {
+        const vf gv = vf_load(g + j);
+        const vf sig = vf_div(gv, vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), gv))));
+        vf_store(o + j, vf_mul(sig, vf_load(u + j)));
     }
+#endif
+    for (; j < inter; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+}
+
+void ip_silu_mul(const float *gate_up, int64_t m, int64_t inter, float *out) {
+    if (m < 8) { /* serial: no OpenMP region at all (entering one cost about 0.4 us) */
+        for (int64_t i = 0; i < m; i++) silu_mul_row(gate_up, inter, out, i);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < m; i++) silu_mul_row(gate_up, inter, out, i);
 }
 
 /* gate_up [m, 2 * inter] -> out [m, inter]: gelu(gate) * up with the tanh approximation (Gemma's
  * GeGLU), written as gate * sigmoid(2z), z = sqrt(2/pi) (gate + 0.044715 gate^3), which equals
  * 0.5 gate (1 + tanh(z)) and shares silu's vector exp. */
-void ip_gelu_mul(const float *gate_up, int64_t m, int64_t inter, float *out) {
+static inline void gelu_mul_row(const float *gate_up, int64_t inter, float *out, int64_t i) {
     const float c = 0.7978845608028654f, a = 0.044715f;
-#pragma omp parallel for schedule(static) if (m >= 8)
-    for (int64_t i = 0; i < m; i++) {
-        const float *g = gate_up + i * 2 * inter, *u = g + inter;
-        float *o = out + i * inter;
-        int64_t j = 0;
+    const float *g = gate_up + i * 2 * inter, *u = g + inter;
+    float *o = out + i * inter;
+    int64_t j = 0;
 #if IP_VECTOR
-        for (; j + VF_WIDTH <= inter; j += VF_WIDTH) {
-            const vf gv = vf_load(g + j);
-            const vf z2 = vf_mul(vf_set1(-2.0f * c), vf_fmadd(vf_mul(vf_set1(a), gv), vf_mul(gv, gv), gv));
-            const vf gelu = vf_div(gv, vf_add(vf_set1(1.0f), vf_exp(z2)));
-            vf_store(o + j, vf_mul(gelu, vf_load(u + j)));
-        }
-#endif
-        for (; j < inter; j++) {
-            const float z = c * (g[j] + a * g[j] * g[j] * g[j]);
-            o[j] = g[j] / (1.0f + expf(-2.0f * z)) * u[j];
-        }
+    for (; j + VF_WIDTH <= inter; j += VF_WIDTH) {
+        const vf gv = vf_load(g + j);
+        const vf z2 = vf_mul(vf_set1(-2.0f * c), vf_fmadd(vf_mul(vf_set1(a), gv), vf_mul(gv, gv), gv));
+        const vf gelu = vf_div(gv, vf_add(vf_set1(1.0f), vf_exp(z2)));
+        vf_store(o + j, vf_mul(gelu, vf_load(u + j)));
     }
+#endif
+    for (; j < inter; j++) {
+        const float z = c * (g[j] + a * g[j] * g[j] * g[j]);
+        o[j] = g[j] / (1.0f + expf(-2.0f * z)) * u[j];
+    }
+}
+
+void ip_gelu_mul(const float *gate_up, int64_t m, int64_t inter, float *out) {
+    if (m < 8) { /* serial: no OpenMP region at all (entering one cost about 0.4 us) */
+        for (int64_t i = 0; i < m; i++) gelu_mul_row(gate_up, inter, out, i);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < m; i++) gelu_mul_row(gate_up, inter, out, i);
 }
 
 /* A Mixture-of-Experts router's choice for each of m rows of logits [m, e]: softmax over the e
@@ -1453,86 +1471,100 @@ int ip_moe_route(const float *logits, int64_t m, int64_t e, int64_t k, int norma
  * as largest). Greedy decoding takes one per sampled row: PyTorch's CPU argmax took 0.7 ms for 16
  * rows of a 49,152-token vocabulary, a max pass 0.04 ms. One vector pass finds the maximum and
  * notes NaNs, a second stops at the first lane equal to it. */
-void ip_argmax_rows(const float *x, int64_t m, int64_t n, int64_t ldx, int64_t *out) {
-#pragma omp parallel for schedule(static) if (m >= 4)
-    for (int64_t i = 0; i < m; i++) {
-        const float *row = x + i * ldx;
-        float top = -INFINITY;
-        int nan = 0;
-        int64_t j = 0;
+static void argmax_row(const float *x, int64_t n, int64_t ldx, int64_t *out, int64_t i) {
+    const float *row = x + i * ldx;
+    float top = -INFINITY;
+    int nan = 0;
+    int64_t j = 0;
 #if IP_AVX512
-        __m512 acc = _mm512_set1_ps(-INFINITY);
-        __mmask16 unordered = 0;
-        for (; j + 16 <= n; j += 16) {
-            const __m512 v = _mm512_loadu_ps(row + j);
-            acc = _mm512_max_ps(acc, v);
-            unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        }
-        top = _mm512_reduce_max_ps(acc);
-        nan = unordered != 0;
-#elif IP_AVX2
-        __m256 acc = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
-        for (; j + 8 <= n; j += 8) {
-            const __m256 v = _mm256_loadu_ps(row + j);
-            acc = _mm256_max_ps(acc, v);
-            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, acc);
-        for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;
-        nan = _mm256_movemask_ps(unordered) != 0;
-#endif
-        for (; j < n; j++) {
-            if (row[j] != row[j]) nan = 1;
-            else if (row[j] > top) top = row[j];
-        }
-        int64_t found = 0;
-        if (nan) {
-            while (row[found] == row[found]) found++;
-        } else {
-            j = 0;
-#if IP_AVX512
-            const __m512 want = _mm512_set1_ps(top);
-            for (; j + 16 <= n; j += 16) {
-                const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), want, _CMP_EQ_OQ);
-                if (hit) break;
-            }
-#elif IP_AVX2
-            const __m256 want = _mm256_set1_ps(top);
-            for (; j + 8 <= n; j += 8)
-                if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), want, _CMP_EQ_OQ))) break;
-#endif
-            while (row[j] != top) j++;  /* the maximum is in this vector or the tail */
-            found = j;
-        }
-        out[i] = found;
+    __m512 acc = _mm512_set1_ps(-INFINITY);
+    __mmask16 unordered = 0;
+    for (; j + 16 <= n; j += 16) {
+        const __m512 v = _mm512_loadu_ps(row + j);
+        acc = _mm512_max_ps(acc, v);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     }
+    top = _mm512_reduce_max_ps(acc);
+    nan = unordered != 0;
+#elif IP_AVX2
+    __m256 acc = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(row + j);
+        acc = _mm256_max_ps(acc, v);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;
+    nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+    for (; j < n; j++) {
+        if (row[j] != row[j]) nan = 1;
+        else if (row[j] > top) top = row[j];
+    }
+    int64_t found = 0;
+    if (nan) {
+        while (row[found] == row[found]) found++;
+    } else {
+        j = 0;
+#if IP_AVX512
+        const __m512 want = _mm512_set1_ps(top);
+        for (; j + 16 <= n; j += 16) {
+            const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), want, _CMP_EQ_OQ);
+            if (hit) break;
+        }
+#elif IP_AVX2
+        const __m256 want = _mm256_set1_ps(top);
+        for (; j + 8 <= n; j += 8)
+            if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), want, _CMP_EQ_OQ))) break;
+#endif
+        while (row[j] != top) j++;  /* the maximum is in this vector or the tail */
+        found = j;
+    }
+    out[i] = found;
+}
+
+void ip_argmax_rows(const float *x, int64_t m, int64_t n, int64_t ldx, int64_t *out) {
+    if (m < 4) { /* serial: no OpenMP region at all (entering one cost about 0.4 us) */
+        for (int64_t i = 0; i < m; i++) argmax_row(x, n, ldx, out, i);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < m; i++) argmax_row(x, n, ldx, out, i);
 }
 
 /* qkv [t, heads + 2 * kv_heads, d], fused q|k|v rows: rotates q and k in place (x * cos + roll(x, d/2)
  * * signed_sin, the tables already looked up for each row's position: [t, d]) and copies k and v
  * into the caches [blocks, block_size, kv_heads, d] (float32, or float16 where f16) at flat slot
  * slots[r]. Returns 0, -1 for a float16 cache on a build without F16C. */
+static inline void rope_store_row(float *qkv, int64_t heads, int64_t kv_heads, int64_t d, const float *cos,
+                                  const float *signed_sin, const int64_t *slots, void *k_cache, void *v_cache, int f16,
+                                  int64_t r) {
+    const int64_t width = (heads + 2 * kv_heads) * d, half = d / 2;
+    float *row = qkv + r * width;
+    const float *c = cos + r * d, *sn = signed_sin + r * d;
+    for (int64_t h = 0; h < heads + kv_heads; h++) {
+        float *x = row + h * d;
+        float rotated[512];
+        for (int64_t j = 0; j < half; j++) {
+            rotated[j] = x[j] * c[j] + x[j + half] * sn[j];
+            rotated[j + half] = x[j + half] * c[j + half] + x[j] * sn[j + half];
+        }
+        memcpy(x, rotated, sizeof(float) * (size_t)d);
+    }
+    kv_put(k_cache, slots[r] * kv_heads * d, row + heads * d, kv_heads * d, f16);
+    kv_put(v_cache, slots[r] * kv_heads * d, row + (heads + kv_heads) * d, kv_heads * d, f16);
+}
+
 int ip_rope_store_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, const float *cos,
                      const float *signed_sin, const int64_t *slots, void *k_cache, void *v_cache, int f16) {
     if (f16 && !IP_HALF_KV) return -1;
-    const int64_t width = (heads + 2 * kv_heads) * d, half = d / 2;
-#pragma omp parallel for schedule(static) if (t >= 8)
-    for (int64_t r = 0; r < t; r++) {
-        float *row = qkv + r * width;
-        const float *c = cos + r * d, *sn = signed_sin + r * d;
-        for (int64_t h = 0; h < heads + kv_heads; h++) {
-            float *x = row + h * d;
-            float rotated[512];
-            for (int64_t j = 0; j < half; j++) {
-                rotated[j] = x[j] * c[j] + x[j + half] * sn[j];
-                rotated[j + half] = x[j + half] * c[j + half] + x[j] * sn[j + half];
-            }
-            memcpy(x, rotated, sizeof(float) * (size_t)d);
-        }
-        kv_put(k_cache, slots[r] * kv_heads * d, row + heads * d, kv_heads * d, f16);
-        kv_put(v_cache, slots[r] * kv_heads * d, row + (heads + kv_heads) * d, kv_heads * d, f16);
+    if (t < 8) { /* serial: no OpenMP region at all (entering one cost about 0.4 us) */
+        for (int64_t r = 0; r < t; r++) rope_store_row(qkv, heads, kv_heads, d, cos, signed_sin, slots, k_cache, v_cache, f16, r);
+        return 0;
     }
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < t; r++) rope_store_row(qkv, heads, kv_heads, d, cos, signed_sin, slots, k_cache, v_cache, f16, r);
     return 0;
 }
 
