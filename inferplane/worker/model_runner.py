@@ -117,9 +117,9 @@ class ModelRunner:
             seq.prompt_logprobs.extend(given_token_logprobs(logits, given, seq.params.prompt_logprobs or 0))
 
     def _forward(self, batch: list[ScheduledSequence], input_ids: torch.Tensor, positions: torch.Tensor,
-                 attn: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The eager forward: final hidden states of every row, and the logits of every row where the
-        model's fused decode computed them (else None)."""
+                 attn: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The eager forward: final hidden states of every row, and the logits of every row and their
+        argmax where the model's fused decode computed them (else None, None)."""
         if self.adapters is not None:
             self.adapters.begin([item.seq.adapter_slot for item in batch for _ in range(item.num_new_tokens)])
         try:
@@ -135,15 +135,16 @@ class ModelRunner:
         if self.graphs is not None and attn.num_decodes == len(batch) and self.graphs.fits(len(batch)):
             # a decode-shaped step: replayed from the CUDA graph of its bucket
             hidden, logits = self.graphs.run(input_ids, positions, attn)
-        else:  # logits of every row where the fused CPU decode's C call ran the head, else None
-            hidden, logits = self._forward(batch, input_ids, positions, attn)
+            argmax = None
+        else:  # logits of every row (and their argmax) where the fused CPU decode's C call ran the head
+            hidden, logits, argmax = self._forward(batch, input_ids, positions, attn)
         self._score_prompts(batch, hidden)
         if not sample_rows:
             return Sampled([])
         if logits is None:
             logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])
         elif len(sample_rows) < len(batch):  # a one-token prefill chunk that is not its prompt's last
-            logits = logits[self._to_device(sample_rows)]
+            logits, argmax = logits[self._to_device(sample_rows)], None
         sampling = [i.seq for i in batch if i.seq.num_computed_tokens + i.num_new_tokens == i.seq.num_tokens]
         want_logprobs = any(s.params.logprobs for s in sampling)
         histories = None
@@ -151,4 +152,4 @@ class ModelRunner:
             histories = [History(s.prompt_token_ids, s.output_token_ids, self._stop_ids(s.params)) for s in sampling]
         grammars = [s.grammar for s in sampling] if any(s.grammar is not None for s in sampling) else None
         return sample(logits, [s.params for s in sampling], [s.generator for s in sampling], want_logprobs, histories,
-                      grammars)
+                      grammars, argmax)

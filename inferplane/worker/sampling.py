@@ -197,9 +197,11 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
            want_logprobs: bool, histories: list[History] | None = None,
-           grammars: Sequence[Any] | None = None) -> Sampled:
+           grammars: Sequence[Any] | None = None, argmax: torch.Tensor | None = None) -> Sampled:
     """logits: [S, V] float32, one row per sequence that samples this step. `grammars`: per row a
-    structured-output state (or None), whose disallowed tokens are masked after the adjustments."""
+    structured-output state (or None), whose disallowed tokens are masked after the adjustments.
+    `argmax`: each row's argmax of these logits where it is known already (the fused CPU decode
+    computes it in its C call); used where nothing adjusts or masks them, and written over."""
     raw = None
     if want_logprobs:
         raw = logits.log_softmax(dim=-1)
@@ -213,7 +215,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         from inferplane.worker.structured import apply_masks
 
         apply_masks(logits, grammars)
-    chosen = argmax_rows(logits)
+    chosen = argmax if argmax is not None and not (adjusting or masking) else argmax_rows(logits)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)

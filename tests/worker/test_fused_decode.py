@@ -290,3 +290,27 @@ def test_the_lookup_is_the_embedding_times_its_multiplier_and_refuses_ids_outsid
         with pytest.raises(IndexError, match="outside"):
             _lookup_only(isa_kernels, step(ids, at), x)
         assert (x == -7.0).all()
+
+
+def test_greedy_steps_take_the_argmax_the_call_computed(tiny_llama, monkeypatch):
+    """Where the head runs in the step's C call, the call also finds each row's argmax, and greedy
+    sampling takes it instead of reading the logits again; where penalties change the logits,
+    sampling finds the argmax of the changed logits itself. Either way the tokens are those of the
+    layers op by op."""
+    from inferplane.worker import sampling
+
+    llm = _llm(tiny_llama, quantize_head=True)
+    prompts = prompts_of_lengths([3, 17], 320, seed=14)
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    penalised = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    for params, recomputed in ((plain, False), (penalised, True)):
+        with monkeypatch.context() as patch:
+            searched = []
+            real = sampling.argmax_rows
+            patch.setattr(sampling, "argmax_rows",
+                          lambda x, searched=searched, real=real: (searched.append(x.shape[0]), real(x))[1])
+            fused = [o.token_ids for o in llm.generate(prompts, params)]
+        # rows searched in Python: each prompt's first token (from its prefill) either way, and
+        # the 7 decode steps' tokens of both only where penalties changed the logits
+        assert sum(searched) == (2 + 2 * 7 if recomputed else 2)
+        assert fused == [tokens for tokens, _ in _op_by_op(llm, prompts, monkeypatch, params)]

@@ -129,8 +129,10 @@ class FusedDecode:
         return found
 
     def forward(self, step: StepInputs, cache: PagedKVCache, batch: AttentionBatch,
-                head: Callable[[int], tuple | None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(x after every decoder layer and the final norm, the logits of every row or None): fused
+                head: Callable[[int], tuple | None] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """(x after every decoder layer and the final norm, the logits of every row or None, each
+        row's argmax of them or None): fused
         runs in C and the rest op by op; None where the step is not decode rows only or the C kernels
         do not apply (the caller then runs every layer). Where the first run of layers is fused and
         the step's sources allow it (StepInputs.lookups), its C call looks up x and the rope rows
@@ -169,7 +171,7 @@ class FusedDecode:
         shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size)
         views = [(view.slot_mapping, view.decode_block_tables, view.decode_context_lens) for _, view in pools]
         views.append(views[0])  # no window pool: no layer names view 1
-        tail = logits = None
+        tail = logits = argmax = None
         for start, end, weights in segments:
             if weights is None:
                 for layer in self.layers[start:end]:
@@ -177,7 +179,7 @@ class FusedDecode:
                 continue
             x = x.contiguous()
             if end == len(self.layers):
-                tail, logits = self._tail(x, head)
+                tail, logits, argmax = self._tail(x, head)
             ropes = None
             if start > 0 or lookups is None:
                 tables = step.tables()
@@ -187,24 +189,26 @@ class FusedDecode:
                                   gelu=config.hidden_act == "gelu_tanh", tail=tail,
                                   inputs=lookups if start == 0 else None)
         if tail is None:
-            return self.body.norm(x), None
-        return x, logits
+            return self.body.norm(x), None, None
+        return x, logits, argmax
 
     def _tail(self, x: torch.Tensor, head: Callable[[int], tuple | None] | None
-              ) -> tuple[native.DecodeTail | None, torch.Tensor | None]:
+              ) -> tuple[native.DecodeTail | None, torch.Tensor | None, torch.Tensor | None]:
         """The final norm and head for the last fused run's C call, with the logits buffer the head
-        writes (None: no head there); (None, None) where the final norm is not the plain RMSNorm
-        on float32 rows (then the norm, and the head, run op by op as before)."""
+        writes and the buffer of each row's argmax (None, None: no head there); (None, None, None)
+        where the final norm is not the plain RMSNorm on float32 rows (then the norm, and the head,
+        run op by op as before)."""
         norm = self.body.norm
         if type(norm) is not RMSNorm or not native.float32_rows(norm.weight):
-            return None, None
+            return None, None, None
         tail = native.DecodeTail(norm=norm.weight.data_ptr(), eps=norm.eps)
         operands = None if head is None else head(x.shape[0])
         if operands is None:
-            return tail, None
+            return tail, None, None
         logits = torch.empty(x.shape[0], operands[4], dtype=torch.float32)
-        tail.head, tail.logits = _linear(operands), logits.data_ptr()
-        return tail, logits
+        argmax = torch.empty(x.shape[0], dtype=torch.int64)
+        tail.head, tail.logits, tail.argmax = _linear(operands), logits.data_ptr(), argmax.data_ptr()
+        return tail, logits, argmax
 
 
 def linear_operands(lin: torch.nn.Module) -> tuple | None:

@@ -69,10 +69,11 @@ class LlamaForCausalLM(nn.Module):
         return self.forward_and_logits(input_ids, positions, cache, batch)[0]
 
     def forward_and_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                           batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Final hidden states [T, hidden] and, where a decode step's C call ran the head too (the
-        fused decode), the logits of every row, as compute_logits gives them; else None (the caller
-        computes the sampled rows' logits)."""
+        fused decode), the logits of every row, as compute_logits gives them, and each row's argmax
+        of them (what greedy sampling takes); else None, None (the caller computes the sampled rows'
+        logits)."""
         rotaries = {FULL: self.rotary}
         if self.rotary_local is not None:
             rotaries[SLIDING] = self.rotary_local
@@ -86,7 +87,7 @@ class LlamaForCausalLM(nn.Module):
         x, tables = step.x(), step.tables()
         for layer in self.model.layers:
             x = layer(x, tables[layer.rope_kind], cache, batch)
-        return self.model.norm(x), None
+        return self.model.norm(x), None, None
 
     def fused_head(self, rows: int) -> tuple | None:
         """The head's operands (fused_decode.linear_operands' shape) for the fused decode's C call,

@@ -56,9 +56,9 @@ class LayerWeights(ctypes.Structure):
 
 class DecodeTail(ctypes.Structure):
     """kernels.c's ip_decode_tail: the final norm's weight (NULL: none) and eps, and the head (its w
-    NULL: none) with the logits buffer it writes."""
+    NULL: none) with the logits buffer it writes and the buffer of each row's argmax (NULL: none)."""
 
-    _fields_ = [("norm", _P), ("eps", ctypes.c_float), ("head", LinearOperands), ("logits", _P)]
+    _fields_ = [("norm", _P), ("eps", ctypes.c_float), ("head", LinearOperands), ("logits", _P), ("argmax", _P)]
 
 
 class DecodeInputs(ctypes.Structure):

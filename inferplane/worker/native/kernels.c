@@ -1870,12 +1870,15 @@ static int decode_layer(float *x, int64_t b, int64_t hidden, const ip_layer_weig
 
 /* What may follow the last layer in the same call (model/llama.py's final norm and head, as
  * forward_and_logits runs them op by op): x normed in place by `norm` (NULL: left as the last layer's
- * output), then, where head.w is set, logits [b, head.n] = x @ head (the kernel head.s/bits name). */
+ * output), then, where head.w is set, logits [b, head.n] = x @ head (the kernel head.s/bits name)
+ * and, where argmax is set, each row's argmax of them (ip_argmax_rows: what greedy sampling takes,
+ * read while the logits are still in cache; Gemma 3's are 1 MB a row). */
 typedef struct {
     const float *norm;
     float eps;
     ip_linear head;
     float *logits;
+    int64_t *argmax;
 } ip_decode_tail;
 
 /* What the first layer reads, looked up inside the call where `inputs` is given: each row's token
@@ -1946,5 +1949,7 @@ int ip_decode_layers(float *x, int64_t b, int64_t hidden, const ip_layer_weights
     free(h); free(wide); free(narrow); free(delta); free(rows);
     if (rc == 0 && tail && tail->norm) ip_rms_norm(x, NULL, b, hidden, tail->norm, tail->eps, x);
     if (rc == 0 && tail && tail->head.w) rc = run_linear(x, b, hidden, &tail->head, tail->logits);
+    if (rc == 0 && tail && tail->head.w && tail->argmax)
+        ip_argmax_rows(tail->logits, b, tail->head.n, tail->head.n, tail->argmax);
     return rc;
 }
