@@ -28,7 +28,9 @@ class ModelRunner:
         self.graphs = None  # decode_graphs.DecodeGraphs where decode steps replay CUDA graphs
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+        found = torch.tensor(values, dtype=torch.long)
+        # on the CPU the tensor is where it goes: .to() would only add a call (a step makes five)
+        return found if self.device.type == "cpu" else found.to(self.device, non_blocking=True)
 
     def prepare(self, batch: list[ScheduledSequence]):
         input_ids: list[int] = []
