@@ -422,6 +422,17 @@ static row_scratch *thread_scratch(int64_t m, int64_t k) {
     s->values = (s->q && s->scale && s->sum && s->sums) ? values : 0;
     return s->values ? s : NULL;
 }
+
+/* Inside a kernel's parallel region: this thread's scratch for m rows of k, or NULL with *failed set
+ * (the call then returns -2). */
+static row_scratch *own_rows(int64_t m, int64_t k, int *failed) {
+    row_scratch *own = thread_scratch(m, k);
+    if (!own) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    return own;
+}
 #endif
 
 /* x [m, k] float32 (rows ldx apart) -> out [m, n] float32 (rows ldo apart).
@@ -452,18 +463,12 @@ int ip_int8_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const uint
         const int8_t *tq = q;
         const float *tscale = xscale;
         const int32_t *tcomp = xcomp;
-        int ready = 1;
-        if (few) {
-            row_scratch *own = thread_scratch(m, k);
-            ready = own != NULL;
-            if (ready) {
-                for (int64_t i = 0; i < m; i++) quantize_row(x + i * ldx, k, own->q + i * k, own->scale + i, own->sums + i);
-                tq = own->q, tscale = own->scale, tcomp = own->sums;
-            } else {
-#pragma omp atomic write
-                failed = 1;
-            }
-        } else {
+        row_scratch *own = few ? own_rows(m, k, &failed) : NULL;
+        const int ready = !few || own;
+        if (own) {
+            for (int64_t i = 0; i < m; i++) quantize_row(x + i * ldx, k, own->q + i * k, own->scale + i, own->sums + i);
+            tq = own->q, tscale = own->scale, tcomp = own->sums;
+        } else if (!few) {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < m; i++) quantize_row(x + i * ldx, k, q + i * k, xscale + i, xcomp + i);
         }
@@ -656,6 +661,15 @@ static inline vq vq_bits_at4(vq v, int from, int mask) {
  * row spreads its steps over several independent chains, summed once per block. */
 #define QB_CHAINS(mr) ((mr) == 1 ? 4 : (mr) == 2 ? 2 : 1)
 
+/* The tile's MR rows of vector c's channels into out: each row's accumulator plus the bias (or
+ * nothing). */
+static inline __attribute__((always_inline)) void store_tile(const vf *facc, int mr, const float *bias, int c,
+                                                             float *out, int64_t ldo) {
+    const vf bv = bias ? vf_load(bias + c * Q4_LANES) : vf_zero();
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) vf_store(out + r * ldo + c * Q4_LANES, vf_add(facc[r], bv));
+}
+
 /* Q4_LANES channels (vector `c` of a 16-channel group) for MR quantized input rows; `bits` 4, 5 or 8
  * (a constant where inlined, so each case compiles to its own loop). */
 static inline __attribute__((always_inline)) void qb_tile(
@@ -755,9 +769,7 @@ static inline __attribute__((always_inline)) void qb_tile(
             facc[r] = vf_add(facc[r], block);
         }
     }
-    const vf bv = bias ? vf_load(bias + c * Q4_LANES) : vf_zero();
-#pragma GCC unroll 4
-    for (int r = 0; r < mr; r++) vf_store(out + r * ldo + c * Q4_LANES, vf_add(facc[r], bv));
+    store_tile(facc, mr, bias, c, out, ldo);
 }
 
 #if !QB_INT16_SUMS
@@ -804,9 +816,7 @@ static inline __attribute__((always_inline)) void q4_tile(
             facc[r] = vf_add(facc[r], block);
         }
     }
-    const vf bv = bias ? vf_load(bias + c * Q4_LANES) : vf_zero();
-#pragma GCC unroll 4
-    for (int r = 0; r < mr; r++) vf_store(out + r * ldo + c * Q4_LANES, vf_add(facc[r], bv));
+    store_tile(facc, mr, bias, c, out, ldo);
 }
 #endif
 
@@ -852,9 +862,7 @@ static inline __attribute__((always_inline)) void q6_tile(
             }
         }
     }
-    const vf bv = bias ? vf_load(bias + c * Q4_LANES) : vf_zero();
-#pragma GCC unroll 4
-    for (int r = 0; r < mr; r++) vf_store(out + r * ldo + c * Q4_LANES, vf_add(facc[r], bv));
+    store_tile(facc, mr, bias, c, out, ldo);
 }
 
 /* One row group of `mr` rows (a constant where inlined, to keep the accumulators in registers). */
@@ -923,18 +931,12 @@ int ip_block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const uin
         const int8_t *tq = q;
         const float *tdx = dx, *tsx = sx;
         const int32_t *ts16 = s16;
-        int ready = 1;
-        if (few) {
-            row_scratch *own = thread_scratch(m, k);
-            ready = own != NULL;
-            if (ready) {
-                quantize_rows_blocks(x, 0, m, k, ldx, own->q, own->scale, own->sum, bits == 6 ? own->sums : NULL);
-                tq = own->q, tdx = own->scale, tsx = own->sum, ts16 = bits == 6 ? own->sums : NULL;
-            } else {
-#pragma omp atomic write
-                failed = 1;
-            }
-        } else {
+        row_scratch *own = few ? own_rows(m, k, &failed) : NULL;
+        const int ready = !few || own;
+        if (own) {
+            quantize_rows_blocks(x, 0, m, k, ldx, own->q, own->scale, own->sum, bits == 6 ? own->sums : NULL);
+            tq = own->q, tdx = own->scale, tsx = own->sum, ts16 = bits == 6 ? own->sums : NULL;
+        } else if (!few) {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < m; i++) quantize_rows_blocks(x, i, i + 1, k, ldx, q, dx, sx, s16);
         }
@@ -1450,6 +1452,19 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
 
 /* ---------------------------------------------------------------- the small ops between the matmuls */
 
+/* Rows i in [0, m) through `row_call` (a call naming i): serially below `threshold` rows, with no
+ * OpenMP region at all (entering one cost about 0.4 us even where an if() clause made it serial: a
+ * batch-1 step makes 4 to 8 of these calls per layer), else split statically over the threads. */
+#define FOR_ROWS(m, threshold, row_call)                  \
+    do {                                                  \
+        if ((m) < (threshold)) {                          \
+            for (int64_t i = 0; i < (m); i++) row_call;   \
+        } else {                                          \
+            _Pragma("omp parallel for schedule(static)")  \
+            for (int64_t i = 0; i < (m); i++) row_call;   \
+        }                                                 \
+    } while (0)
+
 /* Each of these replaces several eager PyTorch ops (RMSNorm alone was eight, about 45 us per call at
  * one row, where the arithmetic takes one or two). Rows are independent; threads only from 8 rows. */
 
@@ -1471,12 +1486,7 @@ static inline void rms_norm_row(float *x, const float *delta, int64_t k, const f
 }
 
 void ip_rms_norm(float *x, const float *delta, int64_t m, int64_t k, const float *weight, float eps, float *out) {
-    if (m < 8) { /* serial: no OpenMP region at all (entering one cost about 0.4 us) */
-        for (int64_t i = 0; i < m; i++) rms_norm_row(x, delta, k, weight, eps, out, i);
-        return;
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < m; i++) rms_norm_row(x, delta, k, weight, eps, out, i);
+    FOR_ROWS(m, 8, rms_norm_row(x, delta, k, weight, eps, out, i));
 }
 
 /* gate_up [m, 2 * inter] (gate then up, as the fused projection lays them out) -> out [m, inter]:
@@ -1496,12 +1506,7 @@ static inline void silu_mul_row(const float *gate_up, int64_t inter, float *out,
 }
 
 void ip_silu_mul(const float *gate_up, int64_t m, int64_t inter, float *out) {
-    if (m < 8) { /* serial: no OpenMP region at all (entering one cost about 0.4 us) */
-        for (int64_t i = 0; i < m; i++) silu_mul_row(gate_up, inter, out, i);
-        return;
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < m; i++) silu_mul_row(gate_up, inter, out, i);
+    FOR_ROWS(m, 8, silu_mul_row(gate_up, inter, out, i));
 }
 
 /* gate_up [m, 2 * inter] -> out [m, inter]: gelu(gate) * up with the tanh approximation (Gemma's
@@ -1527,12 +1532,7 @@ static inline void gelu_mul_row(const float *gate_up, int64_t inter, float *out,
 }
 
 void ip_gelu_mul(const float *gate_up, int64_t m, int64_t inter, float *out) {
-    if (m < 8) { /* serial: no OpenMP region at all (entering one cost about 0.4 us) */
-        for (int64_t i = 0; i < m; i++) gelu_mul_row(gate_up, inter, out, i);
-        return;
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < m; i++) gelu_mul_row(gate_up, inter, out, i);
+    FOR_ROWS(m, 8, gelu_mul_row(gate_up, inter, out, i));
 }
 
 /* A Mixture-of-Experts router's choice for each of m rows of logits [m, e]: softmax over the e
@@ -1636,12 +1636,7 @@ static void argmax_row(const float *x, int64_t n, int64_t ldx, int64_t *out, int
 }
 
 void ip_argmax_rows(const float *x, int64_t m, int64_t n, int64_t ldx, int64_t *out) {
-    if (m < 4) { /* serial: no OpenMP region at all (entering one cost about 0.4 us) */
-        for (int64_t i = 0; i < m; i++) argmax_row(x, n, ldx, out, i);
-        return;
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < m; i++) argmax_row(x, n, ldx, out, i);
+    FOR_ROWS(m, 4, argmax_row(x, n, ldx, out, i));
 }
 
 /* qkv [t, heads + 2 * kv_heads, d], fused q|k|v rows: rotates q and k in place (x * cos + roll(x, d/2)
@@ -1670,12 +1665,7 @@ static inline void rope_store_row(float *qkv, int64_t heads, int64_t kv_heads, i
 int ip_rope_store_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, const float *cos,
                      const float *signed_sin, const int64_t *slots, void *k_cache, void *v_cache, int f16) {
     if (f16 && !IP_HALF_KV) return -1;
-    if (t < 8) { /* serial: no OpenMP region at all (entering one cost about 0.4 us) */
-        for (int64_t r = 0; r < t; r++) rope_store_row(qkv, heads, kv_heads, d, cos, signed_sin, slots, k_cache, v_cache, f16, r);
-        return 0;
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < t; r++) rope_store_row(qkv, heads, kv_heads, d, cos, signed_sin, slots, k_cache, v_cache, f16, r);
+    FOR_ROWS(t, 8, rope_store_row(qkv, heads, kv_heads, d, cos, signed_sin, slots, k_cache, v_cache, f16, i));
     return 0;
 }
 
