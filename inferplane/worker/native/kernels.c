@@ -377,7 +377,7 @@ static void int8_column_group(const int8_t *q, int64_t m, int64_t k, const float
  * into its own scratch (below), so the matmul starts without waiting at a barrier for one thread's
  * quantize, and nothing is allocated per call. Why: a batch-1 decode step makes about 120 such calls,
  * each reading only 0.1-0.6 MB per thread; on cache-resident SmolLM2 linears this took a call from
- * 5.46 to 5.21 us. */
+ * 5.47 to 5.16 us. */
 #define FEW_ROWS 4
 
 #if IP_INT8
@@ -881,10 +881,6 @@ static inline __attribute__((always_inline)) void qb_rows(
 
 #endif /* IP_INT8 */
 
-/* x [m, k] float32 (rows ldx apart) @ W.T -> out [m, n] (rows ldo apart), W [n, k] as blocks of
- * `bits` (4, 5, 6 or 8) in the repacked layout above (pack_blocks in Python), bias [n] or NULL. Needs
- * k % 32 == 0, n % 16 == 0. Returns 0, -1 where this build has no such kernel (or bits is none of
- * those), -2 when out of memory. */
 #if IP_INT8
 /* Rows [0, m) of x quantized as the block kernel reads them: q, dx and sx per block of 32, and for
  * 6-bit weights (s16 not NULL) each half-block's sum. */
@@ -902,7 +898,10 @@ static void quantize_rows_blocks(const float *x, int64_t m0, int64_t m, int64_t 
 }
 #endif
 
-
+/* x [m, k] float32 (rows ldx apart) @ W.T -> out [m, n] (rows ldo apart), W [n, k] as blocks of
+ * `bits` (4, 5, 6 or 8) in the repacked layout above (pack_blocks in Python), bias [n] or NULL. Needs
+ * k % 32 == 0, n % 16 == 0. Returns 0, -1 where this build has no such kernel (or bits is none of
+ * those), -2 when out of memory. */
 int ip_block_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w, int bits,
                     const float *bias, int64_t n, float *out, int64_t ldo) {
 #if IP_INT8
@@ -1885,6 +1884,35 @@ typedef struct {
     int64_t vocab, max_positions;        /* the tables' rows: an id or position outside them is refused (-3) */
 } ip_decode_inputs;
 
+/* x [b, hidden] and each rope's rows [b, d] (into rows [4, b, d]: cos and signed sin of the model's
+ * rope, then of the sliding layers') as `inputs` names them; -3 (nothing written) where a token id or
+ * position is outside its table, else 0. */
+static int look_up_inputs(const ip_decode_inputs *inputs, int64_t b, int64_t hidden, int64_t d, float *x, float *rows,
+                          ip_rope looked_up[2]) {
+    for (int64_t r = 0; r < b; r++)
+        if (inputs->token_ids[r] < 0 || inputs->token_ids[r] >= inputs->vocab || inputs->positions[r] < 0
+            || inputs->positions[r] >= inputs->max_positions)
+            return -3;
+    for (int64_t r = 0; r < b; r++) {
+        const float *e = inputs->embedding + inputs->token_ids[r] * hidden;
+        float *xr = x + r * hidden;
+        if (inputs->scale != 0.0f)
+            for (int64_t j = 0; j < hidden; j++) xr[j] = e[j] * inputs->scale;
+        else
+            memcpy(xr, e, sizeof(float) * (size_t)hidden);
+    }
+    for (int rope = 0; rope < 2; rope++) {
+        float *cos = rows + 2 * rope * b * d, *sin = cos + b * d;
+        for (int64_t r = 0; r < b; r++) {
+            memcpy(cos + r * d, inputs->cos[rope] + inputs->positions[r] * d, sizeof(float) * (size_t)d);
+            memcpy(sin + r * d, inputs->signed_sin[rope] + inputs->positions[r] * d, sizeof(float) * (size_t)d);
+        }
+        looked_up[rope].cos = cos;
+        looked_up[rope].signed_sin = sin;
+    }
+    return 0;
+}
+
 /* n_layers consecutive decoder layers for b decode rows, one call per decode step instead of ~10 per
  * layer: from Python each call cost tens of microseconds of argument handling, which for SmolLM2 at
  * batch 1 was a third of the step. Every layer reads the step's rope tables and attention view its
@@ -1909,28 +1937,8 @@ int ip_decode_layers(float *x, int64_t b, int64_t hidden, const ip_layer_weights
     float *rows = inputs ? (float *)malloc(sizeof(float) * (size_t)(4 * b * d)) : NULL; /* the ropes' rows */
     int rc = (!h || !wide || !narrow || !delta || (inputs && !rows)) ? -2 : 0;
     ip_rope looked_up[2];
-    for (int64_t r = 0; rc == 0 && inputs && r < b; r++)
-        if (inputs->token_ids[r] < 0 || inputs->token_ids[r] >= inputs->vocab || inputs->positions[r] < 0
-            || inputs->positions[r] >= inputs->max_positions)
-            rc = -3;
     if (rc == 0 && inputs) {
-        for (int64_t r = 0; r < b; r++) {
-            const float *e = inputs->embedding + inputs->token_ids[r] * hidden;
-            float *xr = x + r * hidden;
-            if (inputs->scale != 0.0f)
-                for (int64_t j = 0; j < hidden; j++) xr[j] = e[j] * inputs->scale;
-            else
-                memcpy(xr, e, sizeof(float) * (size_t)hidden);
-        }
-        for (int rope = 0; rope < 2; rope++) {
-            float *cos = rows + 2 * rope * b * d, *sin = cos + b * d;
-            for (int64_t r = 0; r < b; r++) {
-                memcpy(cos + r * d, inputs->cos[rope] + inputs->positions[r] * d, sizeof(float) * (size_t)d);
-                memcpy(sin + r * d, inputs->signed_sin[rope] + inputs->positions[r] * d, sizeof(float) * (size_t)d);
-            }
-            looked_up[rope].cos = cos;
-            looked_up[rope].signed_sin = sin;
-        }
+        rc = look_up_inputs(inputs, b, hidden, d, x, rows, looked_up);
         ropes = looked_up;
     }
     for (int64_t l = 0; rc == 0 && l < n_layers; l++)
