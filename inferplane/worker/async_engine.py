@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from inferplane.worker.engine import Engine, StepOutput
 from inferplane.worker.sampling import SamplingParams
 
@@ -192,6 +194,11 @@ class AsyncEngine:
             return submits, aborts
 
     def _run(self) -> None:
+        # Entered once for every step this thread runs: ModelRunner.execute then skips its own entry.
+        with torch.inference_mode():
+            self._loop()
+
+    def _loop(self) -> None:
         while True:
             submits, aborts = self._take_inbox()
             if self._stopped:

@@ -6,6 +6,8 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from inferplane.worker.engine import Engine
 from inferplane.worker.model.loader import load_model
 from inferplane.worker.options import EngineOptions
@@ -85,8 +87,9 @@ class LLM:
                 self.engine.abort(seq.request_id)
             raise
         choices = [self.engine.group(seq.request_id) for seq in seqs]  # n > 1: n outputs per prompt, in order
-        while self.engine.has_unfinished():
-            self.engine.step()
+        with torch.inference_mode():  # once for every step (ModelRunner.execute)
+            while self.engine.has_unfinished():
+                self.engine.step()
         return [self._result(s) for group in choices for s in group]
 
     def _adapters_for(self, lora_request, count: int) -> list:

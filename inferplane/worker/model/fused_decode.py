@@ -49,12 +49,19 @@ class FusedDecode:
         self._structs: list = []  # the MoE layers' ctypes structures the entries point to
         self._segments: dict[tuple, list[Segment]] = {}
         self._dispatches: list = []
+        self._caches_read = False  # the plan's KV pools are what the attention kernels read
+        self._final_norm: RMSNorm | None = None  # the final norm where the C call can run it
+        self._head: tuple = (None, None)  # the head's operands (held) and the LinearOperands made of them
 
-    def _build(self, cache: PagedKVCache, key: tuple) -> None:
+    def _build(self, cache: PagedKVCache, key: tuple, kernels: native.NativeKernels) -> None:
         self._key, self._segments, self._keep, self._structs = key, {}, [], []
         self._linears, self._weights, dispatches = [], [], {}
         self.builds += 1
         self.layers = self.body.layers
+        self._caches_read = all(
+            kernels.reads_kv_cache(data) for data in (cache.data, cache.window_data) if data is not None)
+        norm = self.body.norm
+        self._final_norm = norm if type(norm) is RMSNorm and native.float32_rows(norm.weight) else None
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             experts = getattr(mlp, "experts", None)  # moe.SparseMoE: its router, then every expert's two
@@ -145,31 +152,29 @@ class FusedDecode:
         kernels = native.kernels()
         if batch.num_decodes != rows or batch.prefills or kernels is None or not kernels.has_int8_linear:
             return None
-        lookups = step.lookups()
-        config = self.config
-        # x (a buffer the C call fills, or the embedded rows) stands in for q: what is checked is
-        # the caches' and the tables' dtypes and layout
-        x = torch.empty(rows, config.hidden_size, dtype=torch.float32) if lookups is not None else step.x()
-        pools = [(cache.data, batch)]
-        if cache.window_data is not None:
-            pools.append((cache.window_data, batch.window))
-        if (x.dim() != 2 or (lookups is None and not native.float32_rows(x, *(t for ts in step.tables().values()
-                                                                            for t in ts)))
-                or not all(view is not None and kernels.decode_attention_applies(
-                    x.view(rows, 1, -1), data, view.decode_block_tables, view.decode_context_lens)
-                    for data, view in pools)):
-            return None
-        key = (structure.version(), id(cache), cache.data.data_ptr(),
+        # the kernels build too: whether it reads the caches (float16 ones: F16C) is checked per plan
+        key = (structure.version(), kernels, id(cache), cache.data.data_ptr(),
                None if cache.window_data is None else cache.window_data.data_ptr())
         if key != self._key:
-            self._build(cache, key)
+            self._build(cache, key, kernels)
+        views = [_decode_view(batch)]
+        if cache.window_data is not None:
+            views.append(_decode_view(batch.window))
+        if not self._caches_read or any(view is None for view in views):
+            return None
+        lookups = step.lookups()
+        # x: a buffer the C call fills, or the embedded rows, which must then be float32 rows
+        x = torch.empty(rows, self.config.hidden_size, dtype=torch.float32) if lookups is not None else step.x()
+        if lookups is None and (x.dim() != 2 or not native.float32_rows(
+                x, *(t for ts in step.tables().values() for t in ts))):
+            return None
         segments = self._segments_for(rows)
         if len(segments) == 1 and segments[0][2] is None:
             return None
         if segments[0][2] is None and lookups is not None:  # the first layers run op by op, from x
             lookups, x = None, step.x()
+        config = self.config
         shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size)
-        views = [(view.slot_mapping, view.decode_block_tables, view.decode_context_lens) for _, view in pools]
         views.append(views[0])  # no window pool: no layer names view 1
         tail = logits = argmax = None
         for start, end, weights in segments:
@@ -198,16 +203,18 @@ class FusedDecode:
         writes and the buffer of each row's argmax (None, None: no head there); (None, None, None)
         where the final norm is not the plain RMSNorm on float32 rows (then the norm, and the head,
         run op by op as before)."""
-        norm = self.body.norm
-        if type(norm) is not RMSNorm or not native.float32_rows(norm.weight):
+        norm = self._final_norm
+        if norm is None:
             return None, None, None
         tail = native.DecodeTail(norm=norm.weight.data_ptr(), eps=norm.eps)
         operands = None if head is None else head(x.shape[0])
         if operands is None:
             return tail, None, None
+        if operands is not self._head[0]:  # the head's struct, made again only for another answer
+            self._head = (operands, _linear(operands))
         logits = torch.empty(x.shape[0], operands[4], dtype=torch.float32)
         argmax = torch.empty(x.shape[0], dtype=torch.int64)
-        tail.head, tail.logits, tail.argmax = _linear(operands), logits.data_ptr(), argmax.data_ptr()
+        tail.head, tail.logits, tail.argmax = self._head[1], logits.data_ptr(), argmax.data_ptr()
         return tail, logits, argmax
 
 
@@ -231,6 +238,19 @@ def _router_operands(gate: torch.nn.Module) -> tuple | None:
     if kernels is None or not kernels.f32_weight_applies(gate.weight):
         return None
     return gate.weight, None, native.FLOAT32_BITS, gate.bias, gate.out_features
+
+
+def _decode_view(view: AttentionBatch | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A pool's (slots, block tables, context lengths) for the C call, or None where the attention
+    kernel does not read them (int64, contiguous): checked here rather than through
+    decode_attention_applies, whose other checks (the caches, the query rows) hold for the whole plan."""
+    if view is None:
+        return None
+    tables, lens = view.decode_block_tables, view.decode_context_lens
+    if (tables is None or lens is None or tables.dtype is not torch.int64 or lens.dtype is not torch.int64
+            or not tables.is_contiguous() or not lens.is_contiguous()):
+        return None
+    return view.slot_mapping, tables, lens
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:

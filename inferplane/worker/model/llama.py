@@ -18,6 +18,7 @@ from torch import nn
 from inferplane.api.model_config import FULL, SLIDING, ModelConfig
 from inferplane.worker import native
 from inferplane.worker.attention import AttentionBatch, PagedKVCache
+from inferplane.worker.model import structure
 from inferplane.worker.model.decoder import DecoderLayer
 from inferplane.worker.model.fused_decode import FusedDecode, linear_operands
 from inferplane.worker.model.gemma import SandwichDecoderLayer
@@ -62,6 +63,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_torch_from_rows = NEVER  # set by measure_head_kernel: PyTorch's head from here on
         self.fused_decode = FusedDecode(config, self.model)  # decode steps in one C call, where they can
         self.adapters = None  # lora.AdapterSlots once lora.install wrapped the projections
+        self._fused_head: tuple = (None, None, None)  # (what fused_head's answer depends on, it, what is held)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                 batch: AttentionBatch) -> torch.Tensor:
@@ -92,7 +94,20 @@ class LlamaForCausalLM(nn.Module):
     def fused_head(self, rows: int) -> tuple | None:
         """The head's operands (fused_decode.linear_operands' shape) for the fused decode's C call,
         where compute_logits would run that same C kernel on `rows` rows and nothing follows it (no
-        soft-cap); None otherwise: the head then runs here, after the call."""
+        soft-cap); None otherwise: the head then runs here, after the call. The same tuple while
+        nothing it depends on changes (the fused decode then reuses what it made of it): worked out
+        each step, it was 20 us of a batch-1 decode step run with caches the weights had swept."""
+        head = self.lm_head
+        dispatch = getattr(head, "dispatch", None)
+        held = (head, getattr(head, "weight", None), getattr(head, "bias", None), native.kernels())
+        # by identity (the objects are held with the answer, so no id is reused while it is kept)
+        key = (rows, *map(id, held), self.head_torch_from_rows, None if dispatch is None else dispatch.version,
+               structure.version())
+        if self._fused_head[0] != key:
+            self._fused_head = (key, self._head_operands(rows), held)
+        return self._fused_head[1]
+
+    def _head_operands(self, rows: int) -> tuple | None:
         head = self.lm_head
         if self.config.final_logit_softcap is not None:
             return None

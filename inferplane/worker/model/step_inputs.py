@@ -11,6 +11,8 @@ rounded to float32, Gemma's) and the rope tables' rows of the positions.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -59,25 +61,48 @@ class StepInputs:
     def lookups(self) -> native.DecodeInputs | None:
         """The C call's own lookups of these rows, where the sources are what it reads (a plain
         float32 embedding table, int64 ids and positions, float32 rope tables, all contiguous on the
-        CPU); None otherwise. The caller keeps this object alive while the call runs."""
-        emb = self.embedding
-        if type(emb) is not nn.Embedding or emb.max_norm is not None:
-            return None
-        full = self.rotaries[FULL]
-        local = self.rotaries.get(SLIDING, full)
-        tables = (full.cos, full.sin, local.cos, local.sin)
+        CPU); None otherwise. The caller keeps this object alive while the call runs. The tables are
+        checked once for each set of them (_table_lookups); a step checks its ids and positions."""
         ids, positions = self.input_ids, self.positions
-        if (ids.dtype != torch.int64 or positions.dtype != torch.int64 or not ids.is_contiguous()
-                or not positions.is_contiguous() or ids.device.type != "cpu" or positions.device.type != "cpu"
-                or not native.float32_rows(emb.weight, *tables) or full.cos.shape != local.cos.shape):
+        if not (ids.dtype is torch.int64 and positions.dtype is torch.int64 and ids.is_cpu and positions.is_cpu
+                and ids.is_contiguous() and positions.is_contiguous()):
             return None
-        scale = 0.0
-        if self.multiplier is not None:
-            scale = float(torch.tensor(self.multiplier, dtype=torch.float32))
-            if scale == 0.0:  # 0.0 means "none" to the C side
-                return None
-        found = native.DecodeInputs(ids.data_ptr(), positions.data_ptr(), emb.weight.data_ptr(), scale)
+        tables = _table_lookups(self.embedding, self.multiplier, self.rotaries)
+        if tables is None:
+            return None
+        found = native.DecodeInputs.from_buffer_copy(tables)
+        found.token_ids, found.positions = ids.data_ptr(), positions.data_ptr()
+        return found
+
+
+# Per embedding module: (the tables its lookups were checked with, their DecodeInputs without ids
+# and positions, or None where the C call does not read them). Weak: a dropped model drops its entry.
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _table_lookups(embedding: nn.Module, multiplier: float | None,
+                   rotaries: dict[str, nn.Module]) -> native.DecodeInputs | None:
+    """DecodeInputs naming the embedding and rope tables (ids and positions unset), or None where the
+    C call does not read them; checked once for each set of tables (the same rotaries and multiplier
+    over the same storage: a reassigned tensor has another address and is checked again)."""
+    if type(embedding) is not nn.Embedding or embedding.max_norm is not None:
+        return None
+    full = rotaries[FULL]
+    local = rotaries.get(SLIDING, full)
+    weight = embedding.weight
+    tables = (full.cos, full.sin, local.cos, local.sin)
+    key = (full, local, multiplier, weight.data_ptr(), *(t.data_ptr() for t in tables))
+    checked = _CHECKED.get(embedding)
+    if checked is not None and checked[0] == key:
+        return checked[1]
+    found = None
+    scale = 0.0 if multiplier is None else float(torch.tensor(multiplier, dtype=torch.float32))
+    # a multiplier that rounds to 0.0 is not looked up in C: 0.0 means "none" to the C side
+    if (native.float32_rows(weight, *tables) and full.cos.shape == local.cos.shape
+            and (multiplier is None or scale != 0.0)):
+        found = native.DecodeInputs(None, None, weight.data_ptr(), scale)
         found.cos[0], found.signed_sin[0] = full.cos.data_ptr(), full.sin.data_ptr()
         found.cos[1], found.signed_sin[1] = local.cos.data_ptr(), local.sin.data_ptr()
-        found.vocab, found.max_positions = emb.weight.shape[0], full.cos.shape[0]
-        return found
+        found.vocab, found.max_positions = weight.shape[0], full.cos.shape[0]
+    _CHECKED[embedding] = (key, found)
+    return found
