@@ -314,3 +314,45 @@ def test_greedy_steps_take_the_argmax_the_call_computed(tiny_llama, monkeypatch)
         # the 7 decode steps' tokens of both only where penalties changed the logits
         assert sum(searched) == (2 + 2 * 7 if recomputed else 2)
         assert fused == [tokens for tokens, _ in _op_by_op(llm, prompts, monkeypatch, params)]
+
+
+def test_the_heads_operands_are_kept_until_its_crossover_moves(tiny_llama):
+    """fused_head gives the same answer (the same tuple: the fused decode reuses what it made of it)
+    from step to step, and another one as soon as what it depends on changes: the quantized head's
+    crossover in its dispatch, or, for a float32 head, the crossover measured at start-up."""
+    model = _llm(tiny_llama, quantize_head=True).engine.loaded.model
+    head = model.lm_head
+    kept = model.fused_head(1)
+    assert kept is not None and model.fused_head(1) is kept
+    kind = getattr(head, "kind", "int8")
+    head.dispatch.set_float_from(head.in_features, head.out_features, 1, kind)  # one row is float GEMM now
+    assert model.fused_head(1) is None
+    head.dispatch.set_float_from(head.in_features, head.out_features, NEVER, kind)
+    assert model.fused_head(1) is not None
+
+    model = _llm(tiny_llama, quantize_head=False).engine.loaded.model  # a float32 head on its C kernel
+    model.head_torch_from_rows = NEVER
+    assert model.fused_head(1) is not None
+    model.head_torch_from_rows = 1  # PyTorch's GEMM from one row on
+    assert model.fused_head(1) is None
+
+
+def test_a_reassigned_rope_table_is_checked_again(tiny_llama):
+    """The lookups' tables are checked once per set of tables, not once per model: a table put in
+    place of another (here one the C call cannot read) is checked again, and the C call is not
+    handed the old one."""
+    from inferplane.api.model_config import FULL
+    from inferplane.worker.model.step_inputs import StepInputs
+
+    model = _llm(tiny_llama).engine.loaded.model
+
+    def lookups():
+        return StepInputs(torch.tensor([3]), torch.tensor([5]), model.model.embed_tokens, None,
+                          {FULL: model.rotary}).lookups()
+
+    table = model.rotary.cos
+    assert lookups().cos[0] == table.data_ptr()
+    model.rotary.cos = table.double()
+    assert lookups() is None
+    model.rotary.cos = table.clone()
+    assert lookups().cos[0] == model.rotary.cos.data_ptr() != table.data_ptr()
