@@ -71,13 +71,14 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
         pack = _Pack()
         ids_at, positions_at = pack.add(input_ids), pack.add(positions)
-        finish = [self._attention_batch(batch, lambda seq: seq.block_table, None, pack)]
+        main = self._attention_batch(batch, lambda seq: seq.block_table, None, pack)
+        window = None
         if self.window is not None:
-            finish.append(self._attention_batch(batch, lambda seq: seq.window_table, self.window, pack))
+            window = self._attention_batch(batch, lambda seq: seq.window_table, self.window, pack)
         tensors = pack.tensors(self._to_device)
-        attn = finish[0](tensors)
-        if self.window is not None:
-            attn.window = finish[1](tensors)
+        attn = main(tensors)
+        if window is not None:
+            attn.window = window(tensors)
         return tensors[ids_at], tensors[positions_at], attn, sample_rows
 
     def _attention_batch(self, batch: list[ScheduledSequence], table_of, window: int | None,

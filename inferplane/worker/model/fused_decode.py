@@ -242,13 +242,12 @@ def _router_operands(gate: torch.nn.Module) -> tuple | None:
 
 def _decode_view(view: AttentionBatch | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """A pool's (slots, block tables, context lengths) for the C call, or None where the attention
-    kernel does not read them (int64, contiguous): checked here rather than through
-    decode_attention_applies, whose other checks (the caches, the query rows) hold for the whole plan."""
+    kernel does not read them (native.decode_views_read: the part of decode_attention_applies that
+    changes per step; the caches and the query rows are checked once per plan)."""
     if view is None:
         return None
     tables, lens = view.decode_block_tables, view.decode_context_lens
-    if (tables is None or lens is None or tables.dtype is not torch.int64 or lens.dtype is not torch.int64
-            or not tables.is_contiguous() or not lens.is_contiguous()):
+    if tables is None or lens is None or not native.decode_views_read(tables, lens):
         return None
     return view.slot_mapping, tables, lens
 

@@ -13,6 +13,7 @@ from inferplane.worker.native.bindings import (
     LinearOperands,
     MoeWeights,
     NativeKernels,
+    decode_views_read,
     float32_rows,
     kernel_isas,
 )
@@ -39,6 +40,6 @@ from inferplane.worker.native.packing import (
 
 __all__ = ["BLOCK", "BLOCK_KINDS", "FLOAT32_BITS", "ISA_BUILDS", "KERNEL_NAMES", "Q8_MIN", "DecodeInputs", "DecodeTail",
            "LayerWeights", "LinearOperands", "MoeWeights", "NativeKernels",
-           "block_group_bytes", "block_shape_supported", "chosen_isa", "cpu_flags", "float32_rows",
+           "block_group_bytes", "block_shape_supported", "chosen_isa", "cpu_flags", "decode_views_read", "float32_rows",
            "int8_shape_supported", "kernel_isas", "kernels", "kernels_for", "pack_blocks", "pack_int8_weight",
            "supported_isas", "unpack_blocks", "unpack_int8_weight"]

@@ -301,14 +301,19 @@ class NativeKernels:
                                  context_lens: torch.Tensor) -> bool:
         """Whether the tensors have the dtypes and layout the C kernel reads."""
         return (q.device.type == "cpu" and q.dtype == torch.float32 and self.reads_kv_cache(k_cache)
-                and q.stride(2) == 1 and q.stride(1) == q.shape[2]
-                and block_tables.dtype == torch.int64 and block_tables.is_contiguous()
-                and context_lens.dtype == torch.int64 and context_lens.is_contiguous())
+                and q.stride(2) == 1 and q.stride(1) == q.shape[2] and decode_views_read(block_tables, context_lens))
 
 
 def kernel_isas(loaded: NativeKernels | None) -> dict[str, str]:
     """Kernel name -> the ISA it runs on with `loaded` (build.kernels()); "torch" everywhere without."""
     return loaded.kernel_isas() if loaded is not None else dict.fromkeys(KERNEL_NAMES, "torch")
+
+
+def decode_views_read(block_tables: torch.Tensor, context_lens: torch.Tensor) -> bool:
+    """Whether the decode attention kernel reads these block tables and context lengths (int64,
+    contiguous): the part of decode_attention_applies that changes from step to step."""
+    return (block_tables.dtype is torch.int64 and context_lens.dtype is torch.int64
+            and block_tables.is_contiguous() and context_lens.is_contiguous())
 
 
 def float32_rows(*tensors: torch.Tensor) -> bool:
