@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import platform
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -17,8 +18,10 @@ from inferplane.worker.quant.int8_linear import Int8Linear
 KERNELS = native.kernels()
 HAS_TOOLCHAIN = platform.machine() == "x86_64" and shutil.which("cc") is not None
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler or not x86-64 here")
-# Every build this CPU runs; none (so the tests below are not collected) only without a toolchain.
-ISAS = native.supported_isas() if HAS_TOOLCHAIN else []
+# Every build this CPU runs, and the test builds that stand in for one it cannot (EMULATED_BUILDS:
+# AVX-VNNI's tiles on an AVX2 or AVX-512 CPU without it); none (so the tests below are not collected)
+# only without a toolchain.
+ISAS = native.supported_isas() + native.emulated_isas() if HAS_TOOLCHAIN else []
 
 
 @pytest.fixture(params=ISAS)
@@ -60,6 +63,42 @@ def test_the_isa_can_be_forced_and_an_unavailable_one_is_refused(monkeypatch, ca
         assert native.supported_isas(frozenset({"avx", "avx2", "fma"})) == []  # no BMI2/F16C: no build
     finally:
         native.kernels.cache_clear()
+
+
+def test_the_emulated_avx_vnni_build_stands_in_only_where_the_real_one_cannot_run(monkeypatch, caplog):
+    """The AVX-VNNI tiles run in these tests on every AVX2 CPU: emulated where the CPU lacks AVX-VNNI,
+    the real build where it has it. A worker never chooses the emulated build."""
+    v3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})
+    assert native.emulated_isas(v3) == ["avx2-vnni-emulated"]
+    assert native.emulated_isas(v3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}) == [
+        "avx2-vnni-emulated"]
+    assert native.emulated_isas(v3 | {"avx_vnni"}) == []  # the real avx2-vnni build is among the ISAs
+    assert native.emulated_isas(frozenset({"sse2"})) == []
+    if not HAS_TOOLCHAIN:
+        return
+    native.kernels.cache_clear()
+    try:
+        monkeypatch.setenv("INFERPLANE_NATIVE_ISA", "avx2-vnni-emulated")
+        with caplog.at_level(logging.WARNING, logger="inferplane.worker.native"):
+            assert native.kernels().isa == ISAS[0] != "avx2-vnni-emulated"
+        assert "INFERPLANE_NATIVE_ISA=avx2-vnni-emulated" in caplog.text
+    finally:
+        native.kernels.cache_clear()
+
+
+@pytest.mark.skipif(not HAS_TOOLCHAIN or shutil.which("objdump") is None, reason="no x86-64 C toolchain")
+def test_the_real_avx_vnni_build_compiles_to_the_instruction_the_emulation_stands_for(tmp_path):
+    """The emulated build runs the AVX-VNNI code; this checks the real build of that code compiles
+    on any machine and uses the VEX vpdpbusd (the emulation's stand-in is only in the test build)."""
+    from inferplane.worker.native import build
+
+    real, emulated = tmp_path / "real.so", tmp_path / "emulated.so"
+    build._build(build._compiler(), "avx2-vnni", real)
+    build._build(build._compiler(), "avx2-vnni-emulated", emulated)
+    code = {path: subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+            for path in (real, emulated)}
+    assert "{vex} vpdpbusd" in code[real]
+    assert "vpdpbusd" not in code[emulated]
 
 
 def test_pack_and_unpack_are_inverse():

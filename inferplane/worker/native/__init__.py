@@ -18,9 +18,11 @@ from inferplane.worker.native.bindings import (
     kernel_isas,
 )
 from inferplane.worker.native.build import (
+    EMULATED_BUILDS,
     ISA_BUILDS,
     chosen_isa,
     cpu_flags,
+    emulated_isas,
     kernels,
     kernels_for,
     supported_isas,
@@ -38,8 +40,8 @@ from inferplane.worker.native.packing import (
     unpack_int8_weight,
 )
 
-__all__ = ["BLOCK", "BLOCK_KINDS", "FLOAT32_BITS", "ISA_BUILDS", "KERNEL_NAMES", "Q8_MIN", "DecodeInputs", "DecodeTail",
-           "LayerWeights", "LinearOperands", "MoeWeights", "NativeKernels",
-           "block_group_bytes", "block_shape_supported", "chosen_isa", "cpu_flags", "decode_views_read", "float32_rows",
-           "int8_shape_supported", "kernel_isas", "kernels", "kernels_for", "pack_blocks", "pack_int8_weight",
-           "supported_isas", "unpack_blocks", "unpack_int8_weight"]
+__all__ = ["BLOCK", "BLOCK_KINDS", "EMULATED_BUILDS", "FLOAT32_BITS", "ISA_BUILDS", "KERNEL_NAMES", "Q8_MIN",
+           "DecodeInputs", "DecodeTail", "LayerWeights", "LinearOperands", "MoeWeights", "NativeKernels",
+           "block_group_bytes", "block_shape_supported", "chosen_isa", "cpu_flags", "decode_views_read",
+           "emulated_isas", "float32_rows", "int8_shape_supported", "kernel_isas", "kernels", "kernels_for",
+           "pack_blocks", "pack_int8_weight", "supported_isas", "unpack_blocks", "unpack_int8_weight"]

@@ -54,10 +54,31 @@
 #define IP_INT8 0
 #endif
 
-#if IP_AVX2 && defined(__AVXVNNI__)
+/* IP_EMULATE_AVX_VNNI (a test build, native/build.py EMULATED_BUILDS): the AVX-VNNI code on a CPU
+ * without AVX-VNNI, its one new instruction done by exact AVX2 operations (avx_dpbusd below). Why:
+ * the machines this project is built and tested on have AVX-512 VNNI or plain AVX2, and QEMU 7.2
+ * does not emulate the VEX vpdpbusd, so without it the AVX-VNNI build's tiles (the unsigned weight
+ * with its correction, the 4-bit high nibbles multiplied in place) never ran anywhere. */
+#if IP_AVX2 && (defined(__AVXVNNI__) || defined(IP_EMULATE_AVX_VNNI))
 #define IP_AVX2_VNNI 1
 #else
 #define IP_AVX2_VNNI 0
+#endif
+
+#if IP_AVX2_VNNI
+/* vpdpbusd: acc + the sum of each 32-bit lane's four unsigned-by-signed byte products, wrapping.
+ * Emulated: even and odd bytes widened to 16 bits (zero- and sign-extended) and multiplied in pairs
+ * by vpmaddwd, whose sums of two products (at most 2 * 255 * 128) are exact in 32 bits. */
+static inline __m256i avx_dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    const __m256i u_even = _mm256_and_si256(u, _mm256_set1_epi16(0x00FF)), u_odd = _mm256_srli_epi16(u, 8);
+    const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), s_odd = _mm256_srai_epi16(s, 8);
+    const __m256i even = _mm256_madd_epi16(u_even, s_even), odd = _mm256_madd_epi16(u_odd, s_odd);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(even, odd));
+#endif
+}
 #endif
 
 /* ---------------------------------------------------------------- the float vector layer */
@@ -318,7 +339,7 @@ static inline __attribute__((always_inline)) void int8_tile(
 #pragma GCC unroll 4
             for (int c = 0; c < nv; c++) {
 #if IP_AVX2_VNNI
-                acc[r][c] = _mm256_dpbusd_avx_epi32(acc[r][c], wv[c], xv);
+                acc[r][c] = avx_dpbusd(acc[r][c], wv[c], xv);
 #else
                 const __m256i pairs = _mm256_maddubs_epi16(aw[c], _mm256_sign_epi8(xv, wv[c]));
                 acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(pairs, ones));
@@ -629,7 +650,7 @@ static inline vq vq_shr16(vq v, int n) { return _mm256_srli_epi16(v, n); }
 static inline vq vq_and8(vq v, int mask) { return _mm256_and_si256(v, _mm256_set1_epi8((char)mask)); }
 static inline vq vq_dot(vq acc, vq u, vq s) {
 #if IP_AVX2_VNNI
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
+    return avx_dpbusd(acc, u, s);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
@@ -1681,6 +1702,8 @@ const char *ip_isa(void) {
     return "avx512-vnni";
 #elif IP_AVX512
     return "avx512";
+#elif IP_AVX2_VNNI && !defined(__AVXVNNI__)
+    return "avx2-vnni-emulated";
 #elif IP_AVX2_VNNI
     return "avx2-vnni";
 #elif IP_AVX2
