@@ -166,6 +166,11 @@ class EngineConfig(Section):
         "time); rows of different adapters and of the base share each batch. 0: no adapters."))
     max_lora_rank: int = Field(16, ge=1, le=512, description=(
         "The largest adapter rank a slot holds; an adapter of a higher rank is refused."))
+    decode_steps: Annotated[int, Field(ge=1, le=64)] | None = Field(None, description=(
+        "cpu-int8 only. Greedy decode steps run in one call while every running request decodes "
+        "greedily (no sampling, penalties, grammar or logprobs) and none waits to be admitted; tokens "
+        "stream in bursts of up to this many, and a request arriving meanwhile waits at most that many "
+        "steps. 1: one step per scheduling round. Unset: the runtime's preset (8 on cpu-int8)."))
     enforce_eager: bool = Field(False, description=(
         "GPU only. Run decode steps kernel by kernel instead of replaying CUDA graphs (one captured "
         "per batch-size bucket up to maxNumSeqs); the graphs' memory is counted before the KV pool "
@@ -354,6 +359,9 @@ RULES: tuple[Rule, ...] = (
     Rule("", "engine.quantizeHead", "engine.quantizeHead is a cpu-int8 option (runtime cpu-int8 or auto)",
          lambda s: not (s.engine.quantize_head is not None and s.runtime in ("paged", "radix")),
          cel="!(has(self.engine.quantizeHead) && self.runtime in ['paged', 'radix'])"),
+    Rule("", "engine.decodeSteps", "engine.decodeSteps is a cpu-int8 option (runtime cpu-int8 or auto)",
+         lambda s: not (s.engine.decode_steps is not None and s.runtime in ("paged", "radix")),
+         cel="!(has(self.engine.decodeSteps) && self.runtime in ['paged', 'radix'])"),
     Rule("", "engine.requantizeQ4", "engine.requantizeQ4 is a cpu-int8 option (runtime cpu-int8 or auto)",
          lambda s: not (s.engine.requantize_q4 and s.runtime in ("paged", "radix")),
          cel="!(self.engine.requantizeQ4 && self.runtime in ['paged', 'radix'])"),
@@ -380,6 +388,9 @@ RULES: tuple[Rule, ...] = (
          "engine.quantizeHead is a generation setting; an embedding model has no output head",
          lambda s: not (_is_embedding(s) and s.engine.quantize_head is not None),
          cel="self.kind != 'embedding' || !has(self.engine.quantizeHead)"),
+    Rule("", "engine.decodeSteps", "engine.decodeSteps is a generation setting; an embedding model does not decode",
+         lambda s: not (_is_embedding(s) and s.engine.decode_steps is not None),
+         cel="self.kind != 'embedding' || !has(self.engine.decodeSteps)"),
     Rule("", "engine.requantizeQ4", "engine.requantizeQ4 is a generation setting (cpu-int8's GGUF weights)",
          lambda s: not (_is_embedding(s) and s.engine.requantize_q4),
          cel="self.kind != 'embedding' || !self.engine.requantizeQ4"),

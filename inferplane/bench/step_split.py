@@ -76,7 +76,9 @@ def step_split(llm, prompt: list[int], new_tokens: int) -> StepSplit | None:
         llm.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
         return time.perf_counter() - start, layers[0], head_time[0]
 
-    with timed_attribute(kernels, "decode_layers", layers), timed_attribute(head, "forward", head_time):
+    # decode_steps: a burst of greedy steps in one call (Engine._burst_steps), the same layers
+    with timed_attribute(kernels, "decode_layers", layers), timed_attribute(kernels, "decode_steps", layers), \
+            timed_attribute(head, "forward", head_time):
         run(new_tokens + 1)  # warm
         # The fastest of a few runs each: one disturbed run (a busy moment) made the difference of
         # two single runs meaningless (a step of 0.85 ms with "the rest" at -8 ms, at 2,000 tokens).

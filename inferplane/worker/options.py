@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     import torch
 
 # The options a runtime's preset fills where they are left open (None).
-PRESET_DECIDED = ("dtype", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_cache_dtype")
+PRESET_DECIDED = ("dtype", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_cache_dtype",
+                  "decode_steps")
 
 
 def parse_memory(value: int | float | str) -> int | float:
@@ -100,6 +101,9 @@ class EngineOptions:
     max_loras: int = option(spec_default("max_loras"), "LoRA adapter slots (adapters served in one batch with the "
                                                         "base, loaded least recently used at request time); 0: none")
     max_lora_rank: int = option(spec_default("max_lora_rank"), "the largest LoRA rank an adapter slot holds")
+    decode_steps: int | None = option(spec_default("decode_steps"), "cpu-int8: greedy decode steps per call while "
+                                      "every running request decodes greedily and none waits (1: one step "
+                                      "per round); default: the runtime's preset (8 on cpu-int8)")
     enforce_eager: bool = option(spec_default("enforce_eager"), "CUDA: run decode steps kernel by kernel instead of "
                                                                 "replaying CUDA graphs")
     # Test hook: scales multiplied by this make a deliberately wrong quantization the gate must catch.
@@ -160,3 +164,5 @@ class EngineOptions:
             raise ValueError("max_loras: must be 0 (no adapters) or positive")
         if self.max_lora_rank < 1:
             raise ValueError("max_lora_rank: must be positive")
+        if self.decode_steps is not None and not 1 <= self.decode_steps <= 64:
+            raise ValueError("decode_steps: must be between 1 and 64")

@@ -143,6 +143,9 @@ class Sampled:
     tokens: list[int]
     logprobs: list[float] | None = None  # of each chosen token, when any row asked
     top: list[list[tuple[int, float]]] | None = None  # per row: (token, logprob), best first
+    # per row: the tokens of a burst of greedy decode steps (ModelRunner.execute's `steps`), the
+    # first of which is tokens[row]; None: one step ran
+    bursts: list[list[int]] | None = None
 
 
 @dataclass

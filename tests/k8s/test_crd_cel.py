@@ -35,6 +35,10 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "engine.quantizeHead is a cpu-int8 option (runtime cpu-int8 or auto)": (
         {"runtime": "auto", "engine": {"quantizeHead": False}},
         {"runtime": "paged", "engine": {"quantizeHead": False}}),
+    "engine.decodeSteps is a cpu-int8 option (runtime cpu-int8 or auto)": (
+        {"runtime": "cpu-int8", "engine": {"decodeSteps": 4}}, {"runtime": "radix", "engine": {"decodeSteps": 4}}),
+    "engine.decodeSteps is a generation setting; an embedding model does not decode": (
+        {"engine": {"decodeSteps": 1}}, {"kind": "embedding", "engine": {"decodeSteps": 1}}),
     "engine.requantizeQ4 is a cpu-int8 option (runtime cpu-int8 or auto)": (
         {"runtime": "cpu-int8", "engine": {"requantizeQ4": True}},
         {"runtime": "radix", "engine": {"requantizeQ4": True}}),

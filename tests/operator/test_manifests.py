@@ -130,6 +130,8 @@ def test_auto_selection(spec: dict, hints: dict, runtime: str) -> None:
     ({"model": {"name": "m"}, "runtime": "radix", "engine": {"quantizeHead": False}}, "engine.quantizeHead",
      "cpu-int8"),
     ({"model": {"name": "m"}, "engine": {"quantizeHead": "yes"}}, "engine.quantizeHead", "expected bool"),
+    ({"model": {"name": "m"}, "runtime": "paged", "engine": {"decodeSteps": 4}}, "engine.decodeSteps", "cpu-int8"),
+    ({"model": {"name": "m"}, "engine": {"decodeSteps": 65}}, "engine.decodeSteps", "64"),
     ({"model": {"name": "m"}, "autoscaling": {"panicWindowSeconds": 90}}, "autoscaling.panicWindowSeconds",
      "shorter than"),
     ({"model": {"name": "m"}, "autoscaling": {"idleSeconds": -5}}, "autoscaling.idleSeconds", "at least 0"),
@@ -140,6 +142,19 @@ def test_invalid_specs_name_the_field(spec: dict, field: str, words: str) -> Non
         InferenceDeploymentSpec.from_dict(spec)
     assert caught.value.field == field
     assert words in str(caught.value) and f"spec.{field}" in str(caught.value)
+
+
+@pytest.mark.parametrize(("spec", "steps"), [
+    ({"runtime": "cpu-int8"}, "8"),  # unset: the preset's
+    ({"runtime": "cpu-int8", "engine": {"decodeSteps": 1}}, "1"),
+    ({"runtime": "auto", "resources": {"gpus": 0}, "engine": {"decodeSteps": 3}}, "3"),  # auto picks cpu-int8
+    ({"runtime": "auto", "resources": {"gpus": 1}, "engine": {"decodeSteps": 3}}, "1"),  # ... or a GPU runtime
+    ({"runtime": "paged"}, "1"),
+])
+def test_decode_steps_reach_the_cpu_int8_worker_only(spec: dict, steps: str) -> None:
+    parsed = InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, **spec})
+    args = manifests.worker_invocation("edge", parsed, port=6000, host="127.0.0.1").args
+    assert args[args.index("--decode-steps") + 1] == steps
 
 
 @pytest.mark.parametrize(("spec", "passed"), [

@@ -119,6 +119,9 @@ class NativeKernels:
         lib.ip_decode_layers.argtypes = [_P, _I, _I, _P, _I, ctypes.c_float, _I, _I, _I, _I, _P, _P, _I,
                                          ctypes.c_float, ctypes.c_int, ctypes.c_int, _P, _P]
         lib.ip_decode_layers.restype = ctypes.c_int
+        lib.ip_decode_steps.argtypes = [_P, _I, _I, _P, _I, ctypes.c_float, _I, _I, _I, _I, _P, _I, ctypes.c_float,
+                                        ctypes.c_int, ctypes.c_int, _P, _P, _I, _P]
+        lib.ip_decode_steps.restype = ctypes.c_int
         features = lib.ip_features()
         self.has_int8_linear = bool(features & _FEATURE_INT8_LINEAR)
         self.has_f32_linear = bool(features & _FEATURE_F32_LINEAR)
@@ -283,13 +286,31 @@ class NativeKernels:
         b, hidden = x.shape
         heads, kv_heads, d, inter = shape
         rope_array = (RopeTables * 2)(*(RopeTables(c.data_ptr(), s.data_ptr()) for c, s in ropes or ()))
-        view_array = (AttnView * 2)(*(AttnView(slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1])
-                                      for slots, tables, lens in views))
+        view_array = _views(views)
         rc = self._lib.ip_decode_layers(
             x.data_ptr(), b, hidden, ctypes.addressof(layers), len(layers), eps, heads, kv_heads, d, inter,
             ctypes.addressof(rope_array), ctypes.addressof(view_array), block_size, scale, int(kv_half), int(gelu),
             None if tail is None else ctypes.addressof(tail), None if inputs is None else ctypes.addressof(inputs))
         _check(rc, "ip_decode_layers")
+
+    def decode_steps(self, x: torch.Tensor, layers: ctypes.Array, eps: float, shape: tuple[int, int, int, int],
+                     views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block_size: int, scale: float,
+                     kv_half: bool, gelu: bool, tail: DecodeTail, inputs: DecodeInputs, steps: int) -> torch.Tensor:
+        """`steps` greedy decode steps in one call (ip_decode_steps): decode_layers with the tail's
+        argmax fed back as each row's next token, at the next position and slot. The tail must
+        hold the head and an argmax buffer, `inputs` the lookups; every step's slot must lie in the
+        blocks the views' tables hold (else a RuntimeError, nothing past that step written). The
+        tensors in `views` are read, not changed. Returns each step's tokens [steps, B]."""
+        b, hidden = x.shape
+        heads, kv_heads, d, inter = shape
+        tokens = torch.empty(steps, b, dtype=torch.int64)
+        view_array = _views(views)
+        rc = self._lib.ip_decode_steps(
+            x.data_ptr(), b, hidden, ctypes.addressof(layers), len(layers), eps, heads, kv_heads, d, inter,
+            ctypes.addressof(view_array), block_size, scale, int(kv_half), int(gelu), ctypes.addressof(tail),
+            ctypes.addressof(inputs), steps, tokens.data_ptr())
+        _check(rc, "ip_decode_steps")
+        return tokens
 
     def reads_kv_cache(self, cache: torch.Tensor) -> bool:
         """Whether the attention and KV-store kernels read and write this cache: float32, or float16
@@ -325,10 +346,19 @@ def _is_half(cache: torch.Tensor) -> int:
     return int(cache.dtype == torch.float16)
 
 
+def _views(views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> ctypes.Array:
+    """The main pool's and the window pool's (slots, block tables, context lengths) as ip_attn_view."""
+    return (AttnView * 2)(*(AttnView(slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1])
+                            for slots, tables, lens in views))
+
+
 def _check(rc: int, name: str) -> None:
     if rc == -2:
         raise MemoryError(f"{name}: out of memory for its scratch buffers")
     if rc == -3:  # as PyTorch's embedding and indexing refuse it
         raise IndexError(f"{name}: a token id or position is outside the embedding or rope table")
+    if rc == -4:
+        raise RuntimeError(f"{name}: a step's slot is outside its row's block table, or no head or lookups to "
+                           "feed the next step")
     if rc != 0:
         raise RuntimeError(f"{name} returned {rc}")
