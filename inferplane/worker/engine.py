@@ -28,6 +28,7 @@ from inferplane.worker.sampling import SamplingParams
 from inferplane.worker.sequence import Sequence
 
 QUEUE_STAT_PREFIX = "queue:"  # stats key queue:<running|waiting>:<band>:<tenant> -> sequences
+_DECODE_SMOOTHING = 0.3  # weight of the newest decode step time in Engine.decode_step_s
 
 
 @dataclass
@@ -108,6 +109,7 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.counters = EngineCounters()
+        self.decode_step_s: float | None = None  # a decode-only step's seconds, a running average
 
     def _uses_graphs(self) -> bool:
         """Decode steps replay CUDA graphs (decode_graphs.py) on a GPU unless enforce_eager asks
@@ -305,9 +307,14 @@ class Engine:
         result = self.runner.execute(plan.scheduled, self._burst_steps(plan.scheduled))
         total = sum(item.num_new_tokens for item in plan.scheduled)
         prefill = sum(item.num_new_tokens for item in plan.scheduled if item.num_new_tokens > 1)
-        steps = len(result.bursts[0]) if result.bursts else 1  # the budget learns what one step costs
-        self.scheduler.step_budget.observe(prefill, total, (time.perf_counter() - started) / steps)
+        seconds = time.perf_counter() - started
+        self.scheduler.step_budget.observe(prefill, total, seconds)
+        steps = len(result.bursts[0]) if result.bursts else 1
         self.counters.burst_steps += steps - 1
+        if prefill == 0:  # what one decode step costs: how long a burst may hold the engine
+            per_step = seconds / steps
+            self.decode_step_s = per_step if self.decode_step_s is None else (
+                _DECODE_SMOOTHING * per_step + (1 - _DECODE_SMOOTHING) * self.decode_step_s)
         tokens, logprobs, top = result.tokens, result.logprobs, result.top
         outputs = []
         sampled = 0
@@ -343,12 +350,18 @@ class Engine:
         - no request waiting to be admitted (one arriving during a burst waits for its end, at
           most decode_steps steps);
         - each row's burst inside the block its next token goes to (no block is allocated or freed
-          in the call), within its max_tokens and the model's length.
+          in the call), within its max_tokens and the model's length;
+        - with step_target_ms, a burst takes no longer than a step is meant to (by the measured
+          decode step time; none before the first is measured), so a bigger model bursts less.
         Tokens after one that ends a request (EOS, a stop token or string) are dropped by
         _append_burst, as the steps after it would not have run."""
         most = self.options.decode_steps or 1
         if most <= 1 or self.device.type != "cpu" or self.scheduler.waiting:
             return 1
+        if self.options.step_target_ms:
+            if self.decode_step_s is None:
+                return 1
+            most = min(most, int(self.options.step_target_ms / 1000 / self.decode_step_s))
         for item in batch:
             seq, params = item.seq, item.seq.params
             if (item.num_new_tokens != 1 or seq.num_computed_tokens + 1 != seq.num_tokens or not params.greedy

@@ -113,3 +113,23 @@ def test_a_burst_past_a_rows_last_block_is_refused(tiny_llama):
     plan = engine.scheduler.schedule()
     with pytest.raises(RuntimeError, match="outside its row's block table"):
         engine.runner.execute(plan.scheduled, engine.block_size + 1)
+
+
+def test_a_burst_takes_no_longer_than_a_step_is_meant_to(tiny_llama):
+    """With step_target_ms, the measured decode step time caps a burst: a model whose steps take
+    0.2 s bursts two at a 500 ms target, none at 150 ms, and none before a step was measured."""
+    llm = _llm(tiny_llama, 8)
+    engine = llm.engine
+    engine.options.step_target_ms = 500
+    engine.add_request(prompts_of_lengths([3], vocab=320, seed=6)[0],
+                       SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    engine.step()  # the prompt (the next token's position is 3: 13 more fit in its block)
+    plan = engine.scheduler.schedule()
+    engine.decode_step_s = None
+    assert engine._burst_steps(plan.scheduled) == 1
+    engine.decode_step_s = 0.2
+    assert engine._burst_steps(plan.scheduled) == 2
+    engine.decode_step_s = 0.3
+    assert engine._burst_steps(plan.scheduled) == 1
+    engine.options.step_target_ms = 0  # off: the block, max_tokens and decode_steps bound it
+    assert engine._burst_steps(plan.scheduled) == 8
