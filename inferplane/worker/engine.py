@@ -345,15 +345,19 @@ class Engine:
         the token) cost 0.27-0.33 ms of SmolLM2's 2.5 ms step; a burst pays it once, as vLLM's
         multi-step scheduling does. A burst runs only where its tokens are what single steps would
         give and nothing waits on it:
-        - every row a decode whose next token is the argmax of the logits (greedy, no penalties,
-          bias, grammar or logprobs) and whose request serves no adapter;
+        - every row a decode past its first output token (that one goes out at once) whose next
+          token is the argmax of the logits (greedy, no penalties, bias, grammar or logprobs) and
+          whose request serves no adapter;
+        - with more than one row, no row with stop strings: the C call ends a burst after a step in
+          which a row's token is a stop token or EOS (the next steps would run without that row, and
+          the attention splits a context by the number of rows), but a stop string shows only here;
         - no request waiting to be admitted (one arriving during a burst waits for its end, at
           most decode_steps steps);
         - each row's burst inside the block its next token goes to (no block is allocated or freed
           in the call), within its max_tokens and the model's length;
         - with step_target_ms, a burst takes no longer than a step is meant to (by the measured
           decode step time; none before the first is measured), so a bigger model bursts less.
-        Tokens after one that ends a request (EOS, a stop token or string) are dropped by
+        Tokens after one that ends a request (a stop string at batch 1) are dropped by
         _append_burst, as the steps after it would not have run."""
         most = self.options.decode_steps or 1
         if most <= 1 or self.device.type != "cpu" or self.scheduler.waiting:
@@ -364,9 +368,10 @@ class Engine:
             most = min(most, int(self.options.step_target_ms / 1000 / self.decode_step_s))
         for item in batch:
             seq, params = item.seq, item.seq.params
-            if (item.num_new_tokens != 1 or seq.num_computed_tokens + 1 != seq.num_tokens or not params.greedy
-                    or params.logprobs or params.adjusts_logits or seq.grammar is not None
-                    or seq.adapter is not None or seq.forks):
+            if (item.num_new_tokens != 1 or seq.num_computed_tokens + 1 != seq.num_tokens
+                    or seq.num_computed_tokens < seq.num_prompt_tokens  # its first token: not held back
+                    or not params.greedy or params.logprobs or params.adjusts_logits or seq.grammar is not None
+                    or seq.adapter is not None or seq.forks or (params.stop and len(batch) > 1)):
                 return 1
             position = seq.num_computed_tokens
             most = min(most, self.block_size - position % self.block_size, seq.max_tokens - len(seq.output_token_ids),

@@ -170,7 +170,11 @@ class ModelRunner:
         if self.adapters is not None:
             self.adapters.begin([item.seq.adapter_slot for item in batch for _ in range(item.num_new_tokens)])
         try:
-            return self.model.forward_and_logits(input_ids, positions, self.cache, attn, steps)
+            if steps == 1:
+                return self.model.forward_and_logits(input_ids, positions, self.cache, attn)
+            # a burst ends after any row's stop token: single steps would go on without that row
+            stop_ids = frozenset().union(*(self._stop_ids(item.seq.params) for item in batch))
+            return self.model.forward_and_logits(input_ids, positions, self.cache, attn, steps, stop_ids)
         finally:
             if self.adapters is not None:
                 self.adapters.end()

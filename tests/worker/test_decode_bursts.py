@@ -102,17 +102,62 @@ def test_no_burst_while_a_request_waits_to_be_admitted(tiny_llama):
     assert _bursts(llm) > 0
 
 
-def test_a_burst_past_a_rows_last_block_is_refused(tiny_llama):
-    """The engine keeps each burst inside the block its next token goes to; asked for more, the C
-    call refuses rather than write outside the sequence's blocks."""
-    llm = _llm(tiny_llama, 8)
+def test_a_burst_past_a_rows_block_is_refused(tiny_llama):
+    """The engine keeps each burst inside the block each row's next token goes to; asked for 12 steps
+    (the longer row has room for 15, the shorter for 10), the C call refuses rather than write into
+    another block (here the block the shorter row's padded table names)."""
+    llm = _llm(tiny_llama, 8, kv_manager="paged")
     engine = llm.engine
-    engine.add_request(prompts_of_lengths([6], vocab=320, seed=4)[0],
-                       SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-    engine.step()  # the prompt
+    for prompt in prompts_of_lengths([6, 33], vocab=320, seed=4):
+        engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    engine.step()  # the prompts
     plan = engine.scheduler.schedule()
-    with pytest.raises(RuntimeError, match="outside its row's block table"):
-        engine.runner.execute(plan.scheduled, engine.block_size + 1)
+    assert [len(item.seq.block_table) for item in plan.scheduled] == [1, 3]
+    with pytest.raises(RuntimeError, match="outside the block its row's first token went to"):
+        engine.runner.execute(plan.scheduled, 12)
+
+
+def test_a_row_stopping_ends_the_burst_for_the_rows_beside_it(tiny_llama):
+    """A row's stop token ends the burst after that step: single steps go on without the row, and
+    the attention splits a long context by the number of rows, so the other row's later tokens are
+    computed as single steps compute them (without this, the row beside it differed at its 52nd
+    token)."""
+    long_a, long_b = prompts_of_lengths([200, 260], vocab=320, seed=9)
+    free = _llm(tiny_llama, 1, kv_manager="paged").generate(
+        [long_a], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids
+    params = [SamplingParams(max_tokens=120, temperature=0, ignore_eos=True, stop_token_ids=[free[1]]),
+              SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)]
+    runs = []
+    for steps in (1, 8):
+        llm = _llm(tiny_llama, steps, kv_manager="paged")
+        engine = llm.engine
+        for prompt, p in zip((long_a, long_b), params, strict=True):
+            engine.add_request(prompt, p)
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        runs.append((tokens, _bursts(llm)))
+    (single, _), (burst, burst_steps) = runs
+    assert burst == single and burst_steps > 0
+    assert min(len(t) for t in single.values()) < 8 < max(len(t) for t in single.values())
+
+
+def test_a_requests_first_token_is_not_held_back_by_a_burst(tiny_llama):
+    """A prompt served from the prefix cache but its last token computes one token, like a 1-token
+    prefill chunk: its first output goes out alone, not after a burst."""
+    llm = _llm(tiny_llama, 8, kv_manager="radix")
+    engine = llm.engine
+    prompt = prompts_of_lengths([17], vocab=320, seed=8)[0]
+    llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), request_id="again")
+    hits = engine.stats()["prefix_hit_tokens"]
+    first = [out for out in engine.step() if out.request_id == "again"]
+    assert engine.stats()["prefix_hit_tokens"] - hits == 16  # one block from the cache, one token computed
+    assert [len(out.new_token_ids) for out in first] == [1]
+    while engine.has_unfinished():
+        engine.step()
+    assert _bursts(llm) > 0
 
 
 def test_a_burst_takes_no_longer_than_a_step_is_meant_to(tiny_llama):

@@ -93,11 +93,14 @@ def test_the_real_avx_vnni_build_compiles_to_the_instruction_the_emulation_stand
     from inferplane.worker.native import build
 
     real, emulated = tmp_path / "real.so", tmp_path / "emulated.so"
-    build._build(build._compiler(), "avx2-vnni", real)
+    try:
+        build._build(build._compiler(), "avx2-vnni", real)
+    except RuntimeError as exc:  # GCC before 11 has no -mavxvnni: no machine of it could build the real one
+        pytest.skip(f"this compiler cannot build AVX-VNNI code: {str(exc)[-200:]}")
     build._build(build._compiler(), "avx2-vnni-emulated", emulated)
     code = {path: subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, check=True).stdout
             for path in (real, emulated)}
-    assert "{vex} vpdpbusd" in code[real]
+    assert "vpdpbusd" in code[real]  # the VEX form: -march=x86-64-v3 has no AVX-512 to encode it otherwise
     assert "vpdpbusd" not in code[emulated]
 
 

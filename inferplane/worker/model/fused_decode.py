@@ -136,13 +136,15 @@ class FusedDecode:
         return found
 
     def forward(self, step: StepInputs, cache: PagedKVCache, batch: AttentionBatch,
-                head: Callable[[int], tuple | None] | None = None, steps: int = 1
+                head: Callable[[int], tuple | None] | None = None, steps: int = 1,
+                stop_ids: frozenset[int] = frozenset()
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
         """(x after every decoder layer and the final norm, the logits of every row or None, each
         row's argmax of them or None). `steps` > 1 asks for a burst of greedy steps in one C call
-        (native decode_steps), which runs where every layer is fused, the call looks the inputs up
-        and runs the head: the third item is then each step's argmax [steps, rows] (the logits and
-        x are the last step's); elsewhere one step runs as without it. Fused
+        (native decode_steps, ending after a step where a row's token is in `stop_ids`), which runs
+        where every layer is fused, the call looks the inputs up and runs the head: the third item is
+        then each step's argmax [steps run, rows] (the logits and x are the last step's); elsewhere
+        one step runs as without it. Fused
         runs in C and the rest op by op; None where the step is not decode rows only or the C kernels
         do not apply (the caller then runs every layer). Where the first run of layers is fused and
         the step's sources allow it (StepInputs.lookups), its C call looks up x and the rope rows
@@ -192,7 +194,7 @@ class FusedDecode:
                 tokens = kernels.decode_steps(x, weights, config.rms_norm_eps, shape, views[:2], cache.block_size,
                                               config.attention_scale, kv_half=cache.data.dtype == torch.float16,
                                               gelu=config.hidden_act == "gelu_tanh", tail=tail, inputs=lookups,
-                                              steps=steps)
+                                              steps=steps, stop_ids=stop_ids)
                 return x, logits, tokens
             ropes = None
             if start > 0 or lookups is None:

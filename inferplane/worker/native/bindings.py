@@ -120,7 +120,7 @@ class NativeKernels:
                                          ctypes.c_float, ctypes.c_int, ctypes.c_int, _P, _P]
         lib.ip_decode_layers.restype = ctypes.c_int
         lib.ip_decode_steps.argtypes = [_P, _I, _I, _P, _I, ctypes.c_float, _I, _I, _I, _I, _P, _I, ctypes.c_float,
-                                        ctypes.c_int, ctypes.c_int, _P, _P, _I, _P]
+                                        ctypes.c_int, ctypes.c_int, _P, _P, _I, _P, _I, _P]
         lib.ip_decode_steps.restype = ctypes.c_int
         features = lib.ip_features()
         self.has_int8_linear = bool(features & _FEATURE_INT8_LINEAR)
@@ -295,22 +295,25 @@ class NativeKernels:
 
     def decode_steps(self, x: torch.Tensor, layers: ctypes.Array, eps: float, shape: tuple[int, int, int, int],
                      views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block_size: int, scale: float,
-                     kv_half: bool, gelu: bool, tail: DecodeTail, inputs: DecodeInputs, steps: int) -> torch.Tensor:
-        """`steps` greedy decode steps in one call (ip_decode_steps): decode_layers with the tail's
-        argmax fed back as each row's next token, at the next position and slot. The tail must
-        hold the head and an argmax buffer, `inputs` the lookups; every step's slot must lie in the
-        blocks the views' tables hold (else a RuntimeError, nothing past that step written). The
-        tensors in `views` are read, not changed. Returns each step's tokens [steps, B]."""
+                     kv_half: bool, gelu: bool, tail: DecodeTail, inputs: DecodeInputs, steps: int,
+                     stop_ids: frozenset[int] = frozenset()) -> torch.Tensor:
+        """Up to `steps` greedy decode steps in one call (ip_decode_steps): decode_layers with the
+        tail's argmax fed back as each row's next token, at the next position and slot, ending
+        after the first step in which any row's token is in `stop_ids`. The tail must hold the head
+        and an argmax buffer, `inputs` the lookups; every step's slot must lie in the block each
+        row's first token went to (else a RuntimeError). The tensors in `views` are read, not
+        changed. Returns the tokens of the steps run [run, B]."""
         b, hidden = x.shape
         heads, kv_heads, d, inter = shape
         tokens = torch.empty(steps, b, dtype=torch.int64)
+        stops = (ctypes.c_int64 * max(1, len(stop_ids)))(*sorted(stop_ids))
         view_array = _views(views)
-        rc = self._lib.ip_decode_steps(
+        run = self._lib.ip_decode_steps(
             x.data_ptr(), b, hidden, ctypes.addressof(layers), len(layers), eps, heads, kv_heads, d, inter,
             ctypes.addressof(view_array), block_size, scale, int(kv_half), int(gelu), ctypes.addressof(tail),
-            ctypes.addressof(inputs), steps, tokens.data_ptr())
-        _check(rc, "ip_decode_steps")
-        return tokens
+            ctypes.addressof(inputs), steps, ctypes.addressof(stops), len(stop_ids), tokens.data_ptr())
+        _check(min(run, 0), "ip_decode_steps")
+        return tokens[:run]
 
     def reads_kv_cache(self, cache: torch.Tensor) -> bool:
         """Whether the attention and KV-store kernels read and write this cache: float32, or float16
@@ -358,7 +361,7 @@ def _check(rc: int, name: str) -> None:
     if rc == -3:  # as PyTorch's embedding and indexing refuse it
         raise IndexError(f"{name}: a token id or position is outside the embedding or rope table")
     if rc == -4:
-        raise RuntimeError(f"{name}: a step's slot is outside its row's block table, or no head or lookups to "
-                           "feed the next step")
+        raise RuntimeError(f"{name}: a step's slot is outside the block its row's first token went to, or no "
+                           "head or lookups to feed the next step")
     if rc != 0:
         raise RuntimeError(f"{name} returned {rc}")

@@ -1975,19 +1975,24 @@ int ip_decode_layers(float *x, int64_t b, int64_t hidden, const ip_layer_weights
     return rc;
 }
 
-/* `steps` greedy decode steps of b rows in one call: ip_decode_layers, then each row's argmax becomes
- * its next token, at the next position, in the next slot of the block its last token went to, with
- * one more token of context in each pool's view. tokens [steps, b] gets each step's argmax. Needs
- * `inputs` (the call looks the tokens up), a tail with the head and argmax, and every step's slot
- * inside a block the row's table holds: the caller keeps a burst inside each row's last block, so
- * no block is allocated or freed in it (-4 where a slot would fall outside a table). Why: a batch-1
- * step's Python (scheduling, the step's inputs, appending the token) took 0.27-0.33 ms of SmolLM2's
- * 2.5 ms step, and each step's C call started with caches the Python had disturbed; here the
- * engine's Python runs once per burst. ropes: not read (the rows are looked up). */
+/* Up to `steps` greedy decode steps of b rows in one call: ip_decode_layers, then each row's argmax
+ * becomes its next token, at the next position, in the next slot of the block its first token went
+ * to, with one more token of context in each pool's view. tokens [steps, b] gets each step's argmax.
+ * The call ends after the first step in which any row's token is one of stop_ids [n_stop] (a stop
+ * token or EOS of some row): single steps would run without that row from there on, and the attention
+ * splits a context by the number of rows, so the other rows' next steps are not this call's to run.
+ * Needs `inputs` (the call looks the tokens up) and a tail with the head and argmax; every step's
+ * slot must lie in the block the row's first token went to (the caller keeps a burst inside it, so
+ * no block is allocated or freed in it): -4 where one would not, nothing of that step written.
+ * Returns the steps run (>= 1), or ip_decode_layers' error. Why: a batch-1 step's Python
+ * (scheduling, the step's inputs, appending the token) took 0.27-0.33 ms of SmolLM2's 2.5 ms step,
+ * and each step's C call started with caches the Python had disturbed; here the engine's Python runs
+ * once per burst. ropes: not read (the rows are looked up). */
 int ip_decode_steps(float *x, int64_t b, int64_t hidden, const ip_layer_weights *layers, int64_t n_layers,
                     float eps, int64_t heads, int64_t kv_heads, int64_t d, int64_t inter, const ip_attn_view *views,
                     int64_t block_size, float scale, int half, int gelu, const ip_decode_tail *tail,
-                    const ip_decode_inputs *inputs, int64_t steps, int64_t *tokens) {
+                    const ip_decode_inputs *inputs, int64_t steps, const int64_t *stop_ids, int64_t n_stop,
+                    int64_t *tokens) {
     if (!inputs || !tail || !tail->head.w || !tail->argmax || steps < 1) return -4;
     int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)(6 * b));
     if (!ids) return -2;
@@ -2006,27 +2011,42 @@ int ip_decode_steps(float *x, int64_t b, int64_t hidden, const ip_layer_weights 
     looked.token_ids = ids;
     looked.positions = positions;
     int rc = 0;
-    for (int64_t s = 0; rc == 0 && s < steps; s++) {
+    int64_t s = 0;
+    for (; rc == 0 && s < steps; s++) {
         if (s > 0) {
             for (int64_t r = 0; rc == 0 && r < b; r++) {
-                ids[r] = tail->argmax[r];
-                positions[r] += 1;
                 for (int v = 0; v < 2; v++) {
-                    const int64_t at = lens[v * b + r]++; /* the new token's place in the view */
-                    if (at / block_size >= own[v].max_blocks) {
+                    const int64_t at = lens[v * b + r];   /* the new token's place in the view */
+                    const int64_t first = at - s;         /* the burst's first token's place */
+                    if (at / block_size != first / block_size || at / block_size >= own[v].max_blocks) {
                         rc = -4;
                         break;
                     }
+                }
+            }
+            if (rc != 0) break;
+            for (int64_t r = 0; r < b; r++) {
+                ids[r] = tail->argmax[r];
+                positions[r] += 1;
+                for (int v = 0; v < 2; v++) {
+                    const int64_t at = lens[v * b + r]++;
                     const int64_t block = own[v].block_tables[r * own[v].max_blocks + at / block_size];
                     slots[v * b + r] = block * block_size + at % block_size;
                 }
             }
-            if (rc != 0) break;
         }
         rc = ip_decode_layers(x, b, hidden, layers, n_layers, eps, heads, kv_heads, d, inter, NULL, own, block_size,
                               scale, half, gelu, tail, &looked);
-        if (rc == 0) memcpy(tokens + s * b, tail->argmax, sizeof(int64_t) * (size_t)b);
+        if (rc != 0) break;
+        memcpy(tokens + s * b, tail->argmax, sizeof(int64_t) * (size_t)b);
+        int stopped = 0;
+        for (int64_t r = 0; r < b && !stopped; r++)
+            for (int64_t i = 0; i < n_stop && !stopped; i++) stopped = tail->argmax[r] == stop_ids[i];
+        if (stopped) {
+            s++;
+            break;
+        }
     }
     free(ids);
-    return rc;
+    return rc != 0 ? rc : (int)s;
 }
