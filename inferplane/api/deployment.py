@@ -168,9 +168,10 @@ class EngineConfig(Section):
         "The largest adapter rank a slot holds; an adapter of a higher rank is refused."))
     decode_steps: Annotated[int, Field(ge=1, le=64)] | None = Field(None, description=(
         "cpu-int8 only. Greedy decode steps run in one call while every running request decodes "
-        "greedily (no sampling, penalties, grammar or logprobs) and none waits to be admitted; tokens "
-        "stream in bursts of up to this many, and a request arriving meanwhile waits at most that many "
-        "steps. 1: one step per scheduling round. Unset: the runtime's preset (8 on cpu-int8)."))
+        "greedily past its first token (no sampling, penalties, logit bias, minTokens, grammar, logprobs "
+        "or LoRA adapter; stop strings only alone) and none waits to be admitted; tokens stream in bursts "
+        "of up to this many, and a request arriving meanwhile waits at most that many steps. 1: one step "
+        "per scheduling round. Unset: the runtime's preset (8 on cpu-int8)."))
     enforce_eager: bool = Field(False, description=(
         "GPU only. Run decode steps kernel by kernel instead of replaying CUDA graphs (one captured "
         "per batch-size bucket up to maxNumSeqs); the graphs' memory is counted before the KV pool "

@@ -166,7 +166,7 @@ class ModelRunner:
                  attn: AttentionBatch, steps: int = 1) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The eager forward: final hidden states of every row, and the logits of every row and their
         argmax where the model's fused decode computed them (else None, None); the argmax is
-        [steps, rows] where a burst ran (forward_and_logits)."""
+        [steps run, rows] where a burst ran (forward_and_logits)."""
         if self.adapters is not None:
             self.adapters.begin([item.seq.adapter_slot for item in batch for _ in range(item.num_new_tokens)])
         try:
@@ -183,7 +183,8 @@ class ModelRunner:
         """The sampled token (and logprobs) for each sequence that completed its tokens, in batch order.
         `steps` > 1: the engine found every row a greedy decode with room for that many tokens in its
         last block (Engine._burst_steps); where the fused decode runs them in one call, `bursts`
-        holds each row's tokens, else one step ran.
+        holds each row's tokens of the steps run (fewer after a step in which a row's token is a
+        stop token or EOS), else one step ran.
         Runs in inference mode, entered here only where the caller's loop does not hold it already
         (LLM.generate and AsyncEngine's loop enter it once): an entry and exit cost 45 us of a
         step that follows a batch-1 decode's sweep of the caches (SmolLM2, 2.69 -> 2.65 ms a token)."""

@@ -1984,7 +1984,7 @@ int ip_decode_layers(float *x, int64_t b, int64_t hidden, const ip_layer_weights
  * Needs `inputs` (the call looks the tokens up) and a tail with the head and argmax; every step's
  * slot must lie in the block the row's first token went to (the caller keeps a burst inside it, so
  * no block is allocated or freed in it): -4 where one would not, nothing of that step written.
- * Returns the steps run (>= 1), or ip_decode_layers' error. Why: a batch-1 step's Python
+ * Returns the steps run (>= 1), or a negative error (-2 or -4 here, or ip_decode_layers'). Why: a batch-1 step's Python
  * (scheduling, the step's inputs, appending the token) took 0.27-0.33 ms of SmolLM2's 2.5 ms step,
  * and each step's C call started with caches the Python had disturbed; here the engine's Python runs
  * once per burst. ropes: not read (the rows are looked up). */
