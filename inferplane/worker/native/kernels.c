@@ -1984,10 +1984,10 @@ int ip_decode_layers(float *x, int64_t b, int64_t hidden, const ip_layer_weights
  * Needs `inputs` (the call looks the tokens up) and a tail with the head and argmax; every step's
  * slot must lie in the block the row's first token went to (the caller keeps a burst inside it, so
  * no block is allocated or freed in it): -4 where one would not, nothing of that step written.
- * Returns the steps run (>= 1), or a negative error (-2 or -4 here, or ip_decode_layers'). Why: a batch-1 step's Python
- * (scheduling, the step's inputs, appending the token) took 0.27-0.33 ms of SmolLM2's 2.5 ms step,
- * and each step's C call started with caches the Python had disturbed; here the engine's Python runs
- * once per burst. ropes: not read (the rows are looked up). */
+ * Returns the steps run (>= 1), or a negative error (-2 or -4 here, or ip_decode_layers'). Why: a
+ * batch-1 step's Python (scheduling, the step's inputs, appending the token) took 0.27-0.33 ms of
+ * SmolLM2's 2.5 ms step, and each step's C call started with caches the Python had disturbed; here
+ * the engine's Python runs once per burst. ropes: not read (the rows are looked up). */
 int ip_decode_steps(float *x, int64_t b, int64_t hidden, const ip_layer_weights *layers, int64_t n_layers,
                     float eps, int64_t heads, int64_t kv_heads, int64_t d, int64_t inter, const ip_attn_view *views,
                     int64_t block_size, float scale, int half, int gelu, const ip_decode_tail *tail,
@@ -2016,9 +2016,10 @@ int ip_decode_steps(float *x, int64_t b, int64_t hidden, const ip_layer_weights 
         if (s > 0) {
             for (int64_t r = 0; rc == 0 && r < b; r++) {
                 for (int v = 0; v < 2; v++) {
-                    const int64_t at = lens[v * b + r];   /* the new token's place in the view */
-                    const int64_t first = at - s;         /* the burst's first token's place */
-                    if (at / block_size != first / block_size || at / block_size >= own[v].max_blocks) {
+                    /* the new token's place in the view, in the block of the burst's first token (which
+                     * its table holds, so no width check is needed) */
+                    const int64_t at = lens[v * b + r];
+                    if (at / block_size != (at - s) / block_size) {
                         rc = -4;
                         break;
                     }
