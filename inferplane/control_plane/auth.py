@@ -32,7 +32,7 @@ from inferplane.control_plane import audit
 from inferplane.control_plane.errors import Forbidden, InvalidInput, NotFound, Unauthenticated
 from inferplane.control_plane.orm import ApiKey, Tenant, utcnow
 from inferplane.control_plane.periodic import PeriodicThread
-from inferplane.control_plane.tenants import validate_priority, validate_sequence_limit
+from inferplane.control_plane.tenants import validate_key_priority, validate_priority, validate_sequence_limit
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ class Principal:
     via: str  # "key" | "jwt" | "bootstrap"
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
-    # Priority bands (api/priority.py), each None when unset: the key's overrides its tenant's.
+    # Priority bands (api/priority.py), each None when unset: the key's may lower its tenant's, never
+    # raise it (priority.resolve_band).
     priority: str | None = None
     tenant_priority: str | None = None
     # Sequences in flight at once: this key's, and all of its tenant's keys' together (None: no limit).
@@ -211,7 +212,8 @@ def create_key(
 ) -> CreatedKey:
     """Creates a key for `tenant_id` (NotFound if no such tenant); the secret is returned only here.
 
-    `priority`: the key's band (None: its tenant's). `max_concurrent_sequences`: the key's own limit
+    `priority`: the key's band (None: its tenant's); not more urgent than its tenant's (a 400 naming
+    `priority`, whoever the actor). `max_concurrent_sequences`: the key's own limit
     on sequences in flight; not above its tenant's (which holds for all its keys together anyway).
     """
     scope_tuple = parse_scopes(scopes)
@@ -228,6 +230,7 @@ def create_key(
                                           tenant.key_requests_per_minute_max, tenant_id)
     tokens_per_minute = _within_ceiling("tokens_per_minute", tokens_per_minute, tenant.key_tokens_per_minute_max,
                                         tenant_id)
+    validate_key_priority(priority, tenant.priority, tenant_id)
     if max_concurrent_sequences is not None and tenant.max_concurrent_sequences is not None \
             and max_concurrent_sequences > tenant.max_concurrent_sequences:
         raise InvalidInput(f"max_concurrent_sequences: at most {tenant.max_concurrent_sequences} for tenant "

@@ -3,7 +3,7 @@ operations).
 
 A tenant's key ceilings cap the rate limits any of its keys may have, so a tenant admin minting
 keys cannot exceed what the platform sold the tenant (see auth.create_key and KeyCache). Its flow
-control is a priority band (api/priority.py; a key's own band overrides it) and a limit on the
+control is a priority band (api/priority.py; a key's own band may lower it, never raise it) and a limit on the
 sequences all its keys may have in flight at once (gateway: concurrency.py), so one tenant cannot
 take every slot of a replica.
 
@@ -20,7 +20,7 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from inferplane.api.priority import BANDS, band_rank
+from inferplane.api.priority import BANDS, DEFAULT_BAND, band_rank
 from inferplane.control_plane import audit
 from inferplane.control_plane.errors import Conflict, InvalidInput, NotFound
 from inferplane.control_plane.orm import Tenant, utcnow
@@ -71,6 +71,20 @@ def validate_priority(priority: str | None) -> str | None:
     except ValueError:
         raise InvalidInput(f"priority: {priority!r} is not a band (expected one of {', '.join(BANDS)})",
                            param="priority") from None
+    return priority
+
+
+def validate_key_priority(priority: str | None, tenant_band: str | None, tenant_id: str) -> str | None:
+    """A key's band: a band name (validate_priority) no more urgent than its tenant's, else a 400
+    naming `priority`. Whoever makes the key (a tenant admin or the platform admin): to give a key a
+    more urgent band, the platform admin raises the tenant's. A tenant without a band counts as the
+    default band here (a deployment's band is unknown when a key is made); `resolve_band` caps every
+    request as well, so rows this check never saw obey the same rule."""
+    validate_priority(priority)
+    if priority is not None and band_rank(priority) < band_rank(tenant_band):
+        ceiling = tenant_band or f"{DEFAULT_BAND} (the default: the tenant has no band)"
+        raise InvalidInput(f"priority: at most {ceiling} for tenant {tenant_id!r}, got {priority!r}; a key's band "
+                           "may lower its tenant's, never raise it", param="priority")
     return priority
 
 

@@ -1,9 +1,9 @@
 """Issue 29, control-plane side: priority bands per tenant, per key and per deployment.
 
 Set and validated through the admin API and the CLI (only api/priority.BANDS' names, a 422 or an
-exit code naming `priority`), carried on the key cache's Principal, resolved key > tenant >
-deployment > default, and sent to the worker on every GenerateRequest with the tenant id: a real
-gRPC worker records what arrives.
+exit code naming `priority`), carried on the key cache's Principal, resolved tenant > deployment >
+default, a key's band lowering it (never raising it: test_band_ceiling.py), and sent to the worker
+on every GenerateRequest with the tenant id: a real gRPC worker records what arrives.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_the_principal_carries_bands_and_limits_from_memory(sessions: sessionmak
     with sessions.begin() as s:
         tenants.create_tenant(s, "acme", actor="t", priority="batch", max_concurrent_sequences=6)
         plain = auth.create_key(s, "acme", actor="t").secret
-        urgent = auth.create_key(s, "acme", actor="t", priority="critical", max_concurrent_sequences=2).secret
+        urgent = auth.create_key(s, "acme", actor="t", priority="batch", max_concurrent_sequences=2).secret
         with pytest.raises(InvalidInput, match="priority"):
             auth.create_key(s, "acme", actor="t", priority="Critical")
         with pytest.raises(InvalidInput, match="priority"):
@@ -99,7 +99,7 @@ def test_the_principal_carries_bands_and_limits_from_memory(sessions: sessionmak
     assert (first.priority, first.tenant_priority) == (None, "batch")
     assert (first.max_concurrent_sequences, first.tenant_max_concurrent_sequences) == (None, 6)
     second = cache.verify(urgent)
-    assert (second.priority, second.max_concurrent_sequences) == ("critical", 2)
+    assert (second.priority, second.max_concurrent_sequences) == ("batch", 2)
     with sessions.begin() as s:
         tenants.set_flow_control(s, "acme", actor="t", priority="standard", max_concurrent_sequences=None)
     cache.refresh()  # an incremental refresh: tenants are re-read whole every time
@@ -132,11 +132,13 @@ def test_bands_and_limits_through_the_cli(db_url: str, capsys: pytest.CaptureFix
     code, out, _ = run("tenants", "update", "acme", "--priority", "none", "--json")
     assert code == 0 and json.loads(out)["priority"] is None
 
-    code, out, _ = run("keys", "create", "--tenant", "acme", "--priority", "critical", "--max-concurrent-sequences",
+    code, out, _ = run("keys", "create", "--tenant", "acme", "--priority", "batch", "--max-concurrent-sequences",
                        "3", "--json")
-    assert code == 0 and (json.loads(out)["priority"], json.loads(out)["max_concurrent_sequences"]) == ("critical", 3)
+    assert code == 0 and (json.loads(out)["priority"], json.loads(out)["max_concurrent_sequences"]) == ("batch", 3)
     code, out, _ = run("keys", "list", "--tenant", "acme", "--json")
-    assert [(k["priority"], k["max_concurrent_sequences"]) for k in json.loads(out)] == [("critical", 3)]
+    assert [(k["priority"], k["max_concurrent_sequences"]) for k in json.loads(out)] == [("batch", 3)]
+    code, _, err = run("keys", "create", "--tenant", "acme", "--priority", "critical")  # above the tenant's
+    assert code == 1 and "priority" in err
     with pytest.raises(SystemExit) as bad:
         run("keys", "create", "--tenant", "acme", "--priority", "gold")
     assert bad.value.code == 2
@@ -144,7 +146,8 @@ def test_bands_and_limits_through_the_cli(db_url: str, capsys: pytest.CaptureFix
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 async def test_the_worker_gets_the_tenant_and_the_resolved_band(gateway: Gateway, tokenizer) -> None:
-    """key > tenant > deployment > default, on every prompt's request of a batched /v1/completions."""
+    """tenant > deployment > default, a key's band lowering it, on every prompt's request of a batched
+    /v1/completions."""
     worker = RecordingWorker(tokenizer)
     server, address = await serve(worker)
     with gateway.sessions.begin() as s:

@@ -39,7 +39,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     create.add_argument("--tpm", type=int, default=None,
                         help="tokens per minute (default: the tenant's ceiling, else unlimited)")
     create.add_argument("--priority", choices=BANDS, default=None,
-                        help="priority band of its requests (default: the tenant's)")
+                        help="priority band of its requests: the tenant's or a less urgent one (default: the tenant's)")
     create.add_argument("--max-concurrent-sequences", type=int, default=None,
                         help="sequences it may have in flight at once, at most the tenant's (default: no limit of "
                              "its own)")

@@ -35,8 +35,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     create.add_argument("--key-tpm-max", type=int, default=None,
                         help="ceiling for every key's tokens per minute (default: none)")
     create.add_argument("--priority", choices=BANDS, default=None,
-                        help="priority band of its requests, unless a key sets its own (default: the deployment's, "
-                             "else standard)")
+                        help="priority band of its requests; a key's own band may only lower it (default: the "
+                             "deployment's, else standard)")
     create.add_argument("--max-concurrent-sequences", type=int, default=None,
                         help="sequences all its keys may have in flight at once (default: no limit)")
     create.add_argument("--json", action="store_true")

@@ -86,7 +86,7 @@ class PreparedRequest:
     reserved: int = 0  # tokens held against the key's limit and the tenant's quota until settled
     settled: bool = False
     tool_format: str | None = None  # the template's tool-call format, when tools were rendered into it
-    priority: str = DEFAULT_BAND  # the band the worker schedules its sequences in (key > tenant > deployment)
+    priority: str = DEFAULT_BAND  # the band the worker schedules its sequences in (priority.resolve_band)
     hold: SequenceHold | None = None  # its sequences counted against concurrency limits until settled
 
     @property
@@ -105,7 +105,8 @@ class PreparedRequest:
 
 
 def _band(principal: Principal, model: ServedModel) -> str:
-    """The priority band a request runs in: the key's, else the tenant's, else the deployment's."""
+    """The priority band a request runs in: the tenant's, else the deployment's, lowered (never
+    raised) by the key's."""
     return resolve_band(principal.priority, principal.tenant_priority, model.priority)
 
 
