@@ -60,7 +60,12 @@ def run(args: argparse.Namespace) -> int:
         config = scrape_config(state, rule_files=args.rule_file, operator=args.operator, interval=args.interval)
         sys.stdout.write(yaml.safe_dump(config, sort_keys=False))
         return 0
-    sys.stdout.write(deployment_rules(args.manifest, namespace=args.namespace, local=args.local))
+    try:
+        text = deployment_rules(args.manifest, namespace=args.namespace, local=args.local)
+    except (OSError, ValueError) as exc:  # a SpecError is a ValueError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text)
     return 0
 
 
@@ -86,19 +91,29 @@ def scrape_config(state: dict, *, rule_files: list[Path] = (), operator: str | N
 
 
 def deployment_rules(manifest: Path, *, namespace: str | None = None, local: bool = False) -> str:
+    """ONE rule file for every InferenceDeployment in `manifest`: Prometheus and promtool read only
+    the first YAML document of a rule file, so the deployments' groups go into one `groups:` list
+    (their names carry namespace and name, so they are unique). ValueError naming a deployment that
+    appears twice (two groups of one name: promtool refuses the file) or a document that is not one."""
     import yaml
 
     from inferplane.api.deployment import InferenceDeploymentSpec
     from inferplane.monitoring import render
     from inferplane.monitoring.deployment_rules import DeploymentScope
 
-    out = []
-    for body in (d for d in yaml.safe_load_all(manifest.read_text()) if d):
-        name = body["metadata"]["name"]
+    scoped = []
+    seen: set[tuple[str, str]] = set()
+    for index, body in enumerate(d for d in yaml.safe_load_all(manifest.read_text()) if d):
+        name = (body.get("metadata") or {}).get("name") if isinstance(body, dict) else None
+        if not name:
+            raise ValueError(f"{manifest}: document {index + 1} has no metadata.name")
         spec = InferenceDeploymentSpec.from_dict(body.get("spec") or {})
         if local:
             scope = DeploymentScope(LOCAL_NAMESPACE, name, name, spec.tenant)
         else:
             scope = DeploymentScope.in_cluster(namespace or body["metadata"].get("namespace") or "default", name, spec)
-        out.append(render.deployment_rules_yaml(spec, scope))
-    return "---\n".join(out)
+        if (scope.namespace, scope.name) in seen:
+            raise ValueError(f"{manifest}: deployment {scope.namespace}/{scope.name} appears twice")
+        seen.add((scope.namespace, scope.name))
+        scoped.append((spec, scope))
+    return render.deployments_rules_yaml(scoped)

@@ -74,6 +74,13 @@ PREFIX_HIT = "inferplane:worker_prefix_cache_hit:ratio_rate"
 
 
 def _records(scope: DeploymentScope) -> list[Record]:
+    """Every record carries the deployment's `namespace` and `service` as static labels too (the
+    values its `by (namespace, service)` gives anyway): several deployments' groups in one rule
+    file then record distinct series by promtool's reckoning, not "duplicate rules"."""
+    return [Record(r.name, r.expr, {"namespace": scope.namespace, "service": scope.name}) for r in _exprs(scope)]
+
+
+def _exprs(scope: DeploymentScope) -> list[Record]:
     w = scope.workers
     requests = m.series(m.WORKER_REQUESTS)
     records = []

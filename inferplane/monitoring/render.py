@@ -44,7 +44,12 @@ def platform_rules_yaml() -> str:
 
 
 def deployment_rules_yaml(spec: InferenceDeploymentSpec, scope: DeploymentScope) -> str:
-    return rules_yaml(rule_file(deployment_groups(spec, scope)))
+    return deployments_rules_yaml([(spec, scope)])
+
+
+def deployments_rules_yaml(deployments: Iterable[tuple[InferenceDeploymentSpec, DeploymentScope]]) -> str:
+    """One rule file (one YAML document: Prometheus reads no other) with every deployment's groups."""
+    return rules_yaml(rule_file(g for spec, scope in deployments for g in deployment_groups(spec, scope)))
 
 
 def rendered_files() -> dict[str, str]:
