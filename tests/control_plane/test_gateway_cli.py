@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = ("INFERPLANE_DATABASE_URL", "INFERPLANE_DB_URL", "INFERPLANE_NAMESPACE", "INFERPLANE_BOOTSTRAP_KEY",
        "INFERPLANE_BOOTSTRAP_KEY_FILE", "INFERPLANE_JWT_ALGORITHM", "INFERPLANE_JWT_KEY", "INFERPLANE_JWT_KEY_FILE",
        "INFERPLANE_SALT_SECRET", "INFERPLANE_SALT_SECRET_FILE", "INFERPLANE_HOME", "INFERPLANE_PORT",
-       "INFERPLANE_GRPC_PORT", "INFERPLANE_HOST", "KUBECONFIG", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")
+       "INFERPLANE_GRPC_PORT", "INFERPLANE_METRICS_PORT", "INFERPLANE_HOST", "KUBECONFIG", "KUBERNETES_SERVICE_HOST",
+       "KUBERNETES_SERVICE_PORT")
 
 
 @pytest.fixture(autouse=True)
@@ -127,7 +128,7 @@ def _control_plane_args(helm: Path, values: list[str]) -> list[str]:
 def test_the_charts_command_line_parses_and_follows_the_operators_namespaces(helm: Path, values: list[str],
                                                                              expected: list[str] | None) -> None:
     args = parse(*_control_plane_args(helm, values))
-    assert (args.host, args.port) == ("0.0.0.0", 8000)
+    assert (args.host, args.port, args.metrics_port) == ("0.0.0.0", 8000, 9090)
     assert cli.namespaces(args, "/no/such/file") == expected
 
 

@@ -151,7 +151,7 @@ def test_gateway_gets_a_bootstrap_key_and_one_salt_for_all_replicas(helm: Path) 
 
 
 def test_network_policy_admits_only_the_gateway_to_workers(helm: Path) -> None:
-    (policy,) = kinds(render(helm, None))["NetworkPolicy"]
+    (policy,) = [p for p in kinds(render(helm, None))["NetworkPolicy"] if p["metadata"]["name"].endswith("-workers")]
     grpc = next(rule for rule in policy["spec"]["ingress"] if rule["ports"][0]["port"] == 50051)
     (peer,) = grpc["from"]
     assert peer["podSelector"]["matchLabels"] == {"inferplane.io/gateway": "true"}
@@ -191,3 +191,40 @@ def test_the_gateways_outbound_allow_list_comes_from_values(helm: Path) -> None:
         "--outbound-allow=10.20.0.0/16", "--outbound-allow=*.corp.example"]
     refused = helm_run(helm, "template", "demo", str(CHART), "--set-json", 'controlPlane.outboundAllow=["a b"]')
     assert refused.returncode != 0 and "outboundAllow" in refused.stderr
+
+
+def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+@pytest.mark.parametrize("service_type", ["ClusterIP", "LoadBalancer"])
+def test_the_gateways_metrics_have_their_own_port_service_and_policy(helm: Path, service_type: str) -> None:
+    """Issue 53: the gateway's /metrics (tenants, key ids, private adapters) is scraped on its own
+    port through a ClusterIP Service of its own, which only the monitoring namespace may reach; the
+    API Service (a LoadBalancer, maybe) has no metrics port."""
+    found = kinds(render(helm, None, "--set", f"controlPlane.service.type={service_type}"))
+    control = next(d for d in found["Deployment"] if d["metadata"]["name"].endswith("-control-plane"))
+    container = control["spec"]["template"]["spec"]["containers"][0]
+    assert "--metrics-port=9090" in container["args"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8000, "metrics": 9090}
+    services = {s["metadata"]["name"]: s for s in found["Service"]}
+    api, metrics = services["demo-inferplane-gateway"], services["demo-inferplane-gateway-metrics"]
+    assert [p["name"] for p in api["spec"]["ports"]] == ["http"] and api["spec"]["type"] == service_type
+    assert [(p["name"], p["targetPort"]) for p in metrics["spec"]["ports"]] == [("metrics", "metrics")]
+    assert metrics["spec"]["type"] == "ClusterIP"
+    (monitor,) = [m for m in found["ServiceMonitor"] if m["metadata"]["name"].endswith("-gateway")]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert [s["metadata"]["name"] for s in found["Service"] if _matches(selector, s["metadata"]["labels"])] == [
+        "demo-inferplane-gateway-metrics"]
+    assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [("metrics", "/metrics")]
+
+    (policy,) = [p for p in found["NetworkPolicy"] if p["metadata"]["name"].endswith("-control-plane")]
+    assert _matches(policy["spec"]["podSelector"]["matchLabels"], control["spec"]["template"]["metadata"]["labels"])
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    by_port = {rule["ports"][0]["port"]: rule for rule in policy["spec"]["ingress"]}
+    assert set(by_port) == {8000, 9090}
+    assert "from" not in by_port[8000]  # the API: tenants, the operator, Alertmanager
+    (peer,) = by_port[9090]["from"]
+    assert peer == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    refused = helm_run(helm, "template", "demo", str(CHART), "--set", "controlPlane.metricsPort=8000")
+    assert refused.returncode != 0 and "metricsPort" in refused.stderr

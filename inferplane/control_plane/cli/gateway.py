@@ -2,7 +2,7 @@
 
 Runs the gateway (REST + optional tenant gRPC) and keeps its routes and model catalog in step with
 the cluster's InferenceDeployments (``gateway.kube_sync``) until SIGTERM or SIGINT. The Helm chart
-starts it as ``inferplane gateway --host=0.0.0.0 --port=8000`` with ``$INFERPLANE_DATABASE_URL``
+starts it as ``inferplane gateway --host=0.0.0.0 --port=8000 --metrics-port=9090`` with ``$INFERPLANE_DATABASE_URL``
 and ``$INFERPLANE_NAMESPACE`` set, so every option also reads an environment variable: secrets come
 from mounted files or env, never from the command line (visible in ``ps``).
 
@@ -23,6 +23,9 @@ from typing import Any
 from inferplane.control_plane.db_url import ENV_DATABASE_URL, ENV_DB_URL
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+# The metrics listener's port: a worker's too (9090), as the pods are apart. Its series name tenants,
+# keys and private adapters, so they are served here for Prometheus, never on the API port.
+DEFAULT_METRICS_PORT = 9090
 
 
 class UsageError(Exception):
@@ -39,6 +42,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="REST port (default: $INFERPLANE_PORT, else %(default)s)")
     parser.add_argument("--grpc-port", type=int, default=env("INFERPLANE_GRPC_PORT", "0"),
                         help="tenant gRPC API port; 0 disables it (default: $INFERPLANE_GRPC_PORT, else 0)")
+    parser.add_argument("--metrics-port", type=int, default=env("INFERPLANE_METRICS_PORT", str(DEFAULT_METRICS_PORT)),
+                        help="Prometheus GET /metrics on --host, apart from the API port (its series name tenants, "
+                             "API key ids and adapters: let only Prometheus reach it); 0 disables it "
+                             "(default: $INFERPLANE_METRICS_PORT, else %(default)s)")
     parser.add_argument("--db-url", default=None,
                         help=f"database URL (default: ${ENV_DATABASE_URL}, else ${ENV_DB_URL}, "
                              "else sqlite:///<home>/inferplane.db)")
@@ -197,6 +204,8 @@ def gateway_settings(args: argparse.Namespace) -> Any:
             raise UsageError(f"JWT key: {exc}") from exc
     if not 0 < args.port < 65536 or not 0 <= args.grpc_port < 65536:
         raise UsageError("--port must be 1..65535 and --grpc-port 0..65535")
+    if not 0 <= args.metrics_port < 65536 or args.metrics_port and args.metrics_port in (args.port, args.grpc_port):
+        raise UsageError("--metrics-port must be 0..65535 (0: off) and differ from --port and --grpc-port")
     if args.resync_interval <= 0 or args.endpoint_interval <= 0:
         raise UsageError("--resync-interval and --endpoint-interval must be positive")
     if args.drain_grace_seconds < 0:
@@ -214,6 +223,7 @@ def gateway_settings(args: argparse.Namespace) -> Any:
         raise UsageError(f"--outbound-allow: {exc}") from exc
     return GatewaySettings(
         db_url=db_url(args), host=args.host, port=args.port, grpc_port=args.grpc_port or None,
+        metrics_port=args.metrics_port or None,
         bootstrap_key=_read_secret(args.bootstrap_key_file, "INFERPLANE_BOOTSTRAP_KEY", "bootstrap key"),
         jwt_algorithm=args.jwt_algorithm, jwt_key=jwt_key, jwt_audience=args.jwt_audience,
         jwt_issuer=args.jwt_issuer or None,
@@ -260,8 +270,8 @@ async def _serve(args: argparse.Namespace, plan: _Plan) -> int:
     from inferplane.control_plane.gateway.kube_sync import KubernetesCatalogSync
     from inferplane.control_plane.gateway.server import Gateway
 
-    problem = _port_problem(args.host, args.port) or (
-        _port_problem(args.host, plan.settings.grpc_port) if plan.settings.grpc_port else None)
+    ports = [args.port, *(p for p in (plan.settings.grpc_port, plan.settings.metrics_port) if p)]
+    problem = next(filter(None, (_port_problem(args.host, port) for port in ports)), None)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         plan.api_client.close()
@@ -296,6 +306,7 @@ async def _serve(args: argparse.Namespace, plan: _Plan) -> int:
             background = [asyncio.create_task(elector.run()), asyncio.create_task(autoscaler.run())]
         scope = "all namespaces" if plan.namespaces is None else "namespace(s) " + ", ".join(plan.namespaces)
         grpc_note = f" and gRPC :{plan.settings.grpc_port}" if plan.settings.grpc_port else ""
+        grpc_note += f", metrics on :{gateway.metrics_port}/metrics" if gateway.metrics_port else ", metrics off"
         print(f"gateway listening on http://{args.host}:{args.port}{grpc_note}; routing InferenceDeployments "
               f"in {scope}", flush=True)
         await stop.wait()

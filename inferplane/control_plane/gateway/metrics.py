@@ -3,6 +3,11 @@
 Request counters are bumped where things happen; the platform's state (database reachable, usage
 flush lag, tenants' quota, replicas ready vs desired) is read by `PlatformCollector` at scrape
 time, so it is never stale and costs nothing between scrapes. Names: `inferplane.api.metric_names`.
+
+The series name tenants, API key ids and models (a tenant's private adapters among them), which is
+what an operator's per-tenant dashboards and alerts need and no tenant may read. So they are served
+by `metrics_asgi_app` on a listener of their own (the gateway's `--metrics-port`, which the Helm
+chart opens to the monitoring namespace only), never on the API port that every tenant reaches.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_asgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from inferplane.api import metric_names as m
@@ -102,6 +107,29 @@ class PlatformCollector:
             desired.add_metric([count.model, count.deployment], count.desired)
         yield ready
         yield desired
+
+
+METRICS_PATH = "/metrics"
+_NOT_FOUND = b"not found: this listener serves GET /metrics only\n"
+
+
+def metrics_asgi_app(registry: CollectorRegistry):
+    """The metrics listener's whole app: `GET /metrics` (prometheus_client's exposition, with its
+    content negotiation and gzip), a 404 for anything else, so the port answers nothing but a scrape."""
+    exposition = make_asgi_app(registry)
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == METRICS_PATH and scope["method"] in ("GET", "HEAD"):
+            await exposition(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 404,
+                    "headers": [(b"content-type", b"text/plain; charset=utf-8"),
+                                (b"content-length", str(len(_NOT_FOUND)).encode())]})
+        await send({"type": "http.response.body", "body": _NOT_FOUND})
+
+    return app
 
 
 def _gauge(name: str, documentation: str, *, value: float) -> GaugeMetricFamily:

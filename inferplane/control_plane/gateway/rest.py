@@ -1,4 +1,4 @@
-"""The REST gateway: OpenAI-compatible tenant API, admin API, health and metrics.
+"""The REST gateway: OpenAI-compatible tenant API, admin API and health (metrics: metrics.py).
 
 Paths and bodies follow OpenAI's so the official `openai` client works unchanged against
 `http://host:port/v1`. Database work (admin API, usage) runs in FastAPI's thread pool; the
@@ -12,9 +12,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal
 
 from fastapi import Depends, FastAPI, Header
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.routing import APIRoute
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import Field
 from starlette.convertors import PathConvertor, register_url_convertor
 
@@ -139,7 +138,9 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     def scope_of(principal: Principal):
         return ALL_TENANTS if principal.tenant_id is None else principal.tenant_id
 
-    # -- health and metrics -------------------------------------------------------------------
+    # -- health -------------------------------------------------------------------------------
+    # No /metrics here: its series name tenants, keys and private adapters, and every tenant reaches
+    # this port. The gateway serves them on its own metrics listener (metrics.metrics_asgi_app).
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz():
@@ -152,10 +153,6 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         if not healthy:
             return JSONResponse({"status": "waiting for a healthy worker"}, status_code=503)
         return {"status": "ready", "workers": len(healthy)}
-
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics():
-        return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # -- tenant API ---------------------------------------------------------------------------
 

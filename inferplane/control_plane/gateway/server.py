@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -21,7 +22,13 @@ from inferplane.control_plane.gateway.catalog import Catalog
 from inferplane.control_plane.gateway.context import GatewayContext
 from inferplane.control_plane.gateway.grpc_api import InferenceServicer
 from inferplane.control_plane.gateway.inference import InferenceService
-from inferplane.control_plane.gateway.metrics import GatewayMetrics, PlatformCollector, PlatformSources, ReplicaCount
+from inferplane.control_plane.gateway.metrics import (
+    GatewayMetrics,
+    PlatformCollector,
+    PlatformSources,
+    ReplicaCount,
+    metrics_asgi_app,
+)
 from inferplane.control_plane.gateway.rest import create_asgi_app
 from inferplane.control_plane.limits import InProcessKeyLimiter, KeyLimiter, QuotaTracker
 from inferplane.control_plane.outbound import OutboundPolicy
@@ -41,6 +48,10 @@ class GatewaySettings:
     host: str = "127.0.0.1"
     port: int = 8080
     grpc_port: int | None = None  # None: no tenant gRPC API
+    # The metrics listener on `host` (GET /metrics, for Prometheus): its series name tenants, keys
+    # and private adapters, so they are never on the API port. None: no listener; 0: a free port
+    # (see Gateway.metrics_port).
+    metrics_port: int | None = None
     bootstrap_key: str | None = None
     jwt_algorithm: str | None = None  # "HS256" or "RS256"
     jwt_key: str | None = None  # the HS256 secret or the RS256 public key (PEM)
@@ -139,6 +150,9 @@ class Gateway:
                                       refresh_adapters=self.adapters.refresh)
         self.app = create_asgi_app(self.context)
         self._http: uvicorn.Server | None = None
+        self._metrics: uvicorn.Server | None = None
+        self._metrics_task: asyncio.Task | None = None
+        self.metrics_port: int | None = None  # the metrics listener's port once started (None: none)
         self._grpc: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -146,6 +160,19 @@ class Gateway:
         # The event loop serves every tenant; a thread parsing a big body takes the GIL from it for
         # at most this long at a time (Python's default is 5 ms).
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        # Bound first: a taken metrics port is an OSError before anything else has started.
+        metrics_socket = None if self.settings.metrics_port is None else _listen(self.settings.host,
+                                                                                  self.settings.metrics_port)
+        try:
+            await self._start_serving()
+        except BaseException:
+            if metrics_socket is not None:
+                metrics_socket.close()
+            raise
+        if metrics_socket is not None:
+            await self._start_metrics(metrics_socket)
+
+    async def _start_serving(self) -> None:
         self.keys.start()
         self.adapters.start()
         self.usage.start()
@@ -173,6 +200,21 @@ class Gateway:
                 self._tasks[-1].result()  # raises why the HTTP server could not start (port taken...)
             await asyncio.sleep(0.05)
 
+    async def _start_metrics(self, sock: socket.socket) -> None:
+        """Serves GET /metrics on its own socket, on this event loop (the platform collector reads
+        state the loop owns, so a scrape never races it from another thread)."""
+        host, port = sock.getsockname()[:2]
+        config = uvicorn.Config(metrics_asgi_app(self.context.metrics.registry), host=host, port=port,
+                                log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=5)
+        self._metrics = uvicorn.Server(config)
+        self._metrics.install_signal_handlers = lambda: None
+        self._metrics_task = asyncio.create_task(self._metrics.serve(sockets=[sock]))
+        while not self._metrics.started:
+            if self._metrics_task.done():
+                self._metrics_task.result()
+            await asyncio.sleep(0.05)
+        self.metrics_port = port
+
     async def _prune_channels(self) -> None:
         """Closes channels to workers that left every route (after the request timeout, see
         WorkerChannels); a failure is logged and the loop goes on."""
@@ -190,12 +232,15 @@ class Gateway:
         """Drain: stop accepting, let what is in flight finish (up to drain_grace_seconds), close."""
         if self._http is not None:
             self._http.should_exit = True
+        if self._metrics is not None:
+            self._metrics.should_exit = True
         if self._grpc is not None:
             await self._grpc.stop(grace=self.settings.drain_grace_seconds)
         for task in self._tasks:
             if task is not self._tasks[-1]:
                 task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *([self._metrics_task] if self._metrics_task else []),
+                             return_exceptions=True)
         await self.channels.close()
         if self.alert_forwarder is not None:
             await self.alert_forwarder.stop()
@@ -208,3 +253,17 @@ class Gateway:
         self.keys.stop()
         self.adapters.stop()
         self.engine.dispose()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (0: a free port), as uvicorn would bind it."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
