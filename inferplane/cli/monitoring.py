@@ -77,13 +77,15 @@ def _netloc(url: str) -> str:
 
 def scrape_config(state: dict, *, rule_files: list[Path] = (), operator: str | None = None,  # type: ignore[assignment]
                   interval: str = "15s") -> dict:
-    """A Prometheus config for one `inferplane up` (its run.json `state`): the gateway, and each
-    worker labelled as a ServiceMonitor would label it in a cluster, so `rules --local` matches."""
+    """A Prometheus config for one `inferplane up` (its run.json `state`): the gateway's metrics
+    listener (not its API port; none when `up --metrics-port 0` turned it off), and each worker
+    labelled as a ServiceMonitor would label it in a cluster, so `rules --local` matches."""
     workers = [{"targets": [_netloc(r["metrics"])],
                 "labels": {"namespace": LOCAL_NAMESPACE, "service": d["name"], "pod": f"{d['name']}-{r['index']}"}}
                for d in state["deployments"] for r in d["replicas"]]
-    jobs = [{"job_name": "inferplane-gateway", "static_configs": [{"targets": [_netloc(state["gateway"]["metrics"])]}]},
-            {"job_name": "inferplane-workers", "static_configs": workers}]
+    gateway = state["gateway"].get("metrics")
+    jobs = [{"job_name": "inferplane-gateway", "static_configs": [{"targets": [_netloc(gateway)]}]}] if gateway else []
+    jobs.append({"job_name": "inferplane-workers", "static_configs": workers})
     if operator:
         jobs.append({"job_name": "inferplane-operator", "static_configs": [{"targets": [operator]}]})
     return {"global": {"scrape_interval": interval, "evaluation_interval": interval},

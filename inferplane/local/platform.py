@@ -75,7 +75,8 @@ def _secret_file(path: Path, value: str) -> None:
 
 class LocalPlatform:
     def __init__(self, home: Path, manifests: list[Manifest], host: str, port: int, grpc_port: int | None, *,
-                 autoscale_interval: float = 1.0):
+                 autoscale_interval: float = 1.0, metrics_port: int | None = 0):
+        """`metrics_port`: the gateway's metrics listener (0: a free port, as each worker's; None: none)."""
         self.home = home
         self.manifests = manifests
         self.host, self.port, self.grpc_port = host, port, grpc_port
@@ -93,7 +94,7 @@ class LocalPlatform:
             _secret_file(alert_file, secrets.token_urlsafe(32))
         self.admin_key = admin_file.read_text().strip()
         settings = GatewaySettings(db_url=f"sqlite:///{home / 'inferplane.db'}", host=host, port=port,
-                                   grpc_port=grpc_port, bootstrap_key=self.admin_key,
+                                   grpc_port=grpc_port, metrics_port=metrics_port, bootstrap_key=self.admin_key,
                                    salt_secret=bytes.fromhex(salt_file.read_text().strip()),
                                    model_roots=(str(home / "models"),),
                                    alert_webhook_secret=alert_file.read_text().strip(),
@@ -170,12 +171,18 @@ class LocalPlatform:
                 found.append(adapter)
         return tuple(found)
 
+    @property
+    def gateway_metrics_url(self) -> str | None:
+        """Where the gateway's /metrics is scraped (its own listener, never the API port); None: off."""
+        port = self.gateway.metrics_port
+        return None if port is None else f"http://{self.host}:{port}/metrics"
+
     def run_state(self) -> dict:
         """What runs, for run.json (`inferplane status`, and the next start's leftover cleanup)."""
         return {
             "supervisor_pid": os.getpid(), "home": str(self.home), "logs": str(self.home / "logs"),
             "gateway": {"url": f"http://{self.host}:{self.port}", "grpc_port": self.grpc_port,
-                        "metrics": f"http://{self.host}:{self.port}/metrics"},
+                        "metrics": self.gateway_metrics_url},
             "deployments": [{
                 "name": d.name, "served_model": d.served_model_name, "runtime": d.resolved.runtime,
                 "model": d.model_arg, "replicas": [{

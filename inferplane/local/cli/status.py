@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(state, indent=2))
         return 0 if healthy else 1
     print(f"inferplane up (pid {state['supervisor_pid']}) from {state['home']}")
-    print(f"gateway  {gateway['url']}/v1  {'ready' if gateway['ready'] else 'NOT READY'}  metrics {gateway['metrics']}"
+    ready = "ready" if gateway["ready"] else "NOT READY"
+    print(f"gateway  {gateway['url']}/v1  {ready}  metrics {gateway.get('metrics') or 'off'}"
           + (f"  gRPC :{gateway['grpc_port']}" if gateway.get("grpc_port") else ""))
     for deployment in state["deployments"]:
         print(f"deployment {deployment['name']}: model {deployment['served_model']} ({deployment['model']}), "

@@ -15,6 +15,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080, help="REST gateway port")
     parser.add_argument("--grpc-port", type=int, default=8081, help="tenant gRPC API port (0 disables)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="the gateway's Prometheus /metrics port, apart from the API port (its series name "
+                             "tenants, keys and adapters); 0 disables it (default: a free port, shown in the banner "
+                             "and by `inferplane status`)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the workers")
 
 
@@ -63,7 +67,8 @@ def banner(platform, host: str, port: int, grpc_port: int | None) -> str:
               ""]
     if grpc_port:
         lines += [f"gRPC tenant API (inferplane.v1.Inference) on {host}:{grpc_port}"]
-    lines += [f"metrics: {base}/metrics (gateway)" + "".join(
+    gateway_metrics = platform.gateway_metrics_url
+    lines += [f"metrics: {gateway_metrics or 'off'} (gateway)" + "".join(
         f", http://127.0.0.1:{r.metrics_port}/metrics ({d.name}[{r.index}])" for d in deployments for r in d.replicas),
         f"logs: {platform.home / 'logs'}    status: {_inferplane()} status --home {platform.home}",
         "", "Ctrl-C stops everything.", ""]
@@ -85,7 +90,12 @@ async def _main(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     grpc_port = args.grpc_port or None
-    platform = LocalPlatform(Path(args.home).expanduser(), manifests, args.host, args.port, grpc_port)
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        print("error: --metrics-port must be 0..65535 (0: off)", file=sys.stderr)
+        return 2
+    metrics_port = 0 if args.metrics_port is None else args.metrics_port or None
+    platform = LocalPlatform(Path(args.home).expanduser(), manifests, args.host, args.port, grpc_port,
+                             metrics_port=metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # SIGHUP too: closing the terminal must stop the workers as Ctrl-C does, not orphan them.
