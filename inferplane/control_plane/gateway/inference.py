@@ -451,4 +451,6 @@ def _worker_error(exc: grpc.aio.AioRpcError) -> ControlPlaneError:
         return InvalidInput(details, code="invalid_value", param=details.split(":", 1)[0] if ":" in details else None)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return UpstreamTimeout("the model did not answer in time")
-    return ServiceUnavailable(f"the model replica failed: {exc.details()}")
+    # Not the worker's details: they may name files or addresses (routing.retry logged them with
+    # the replica's address); the tenant learns that the replica failed, and how.
+    return ServiceUnavailable(f"the model replica failed ({code.name})")

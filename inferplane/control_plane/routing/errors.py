@@ -1,4 +1,8 @@
-"""Errors the gateway turns into client responses; typed so it can map each to one status."""
+"""Errors the gateway turns into client responses; typed so it can map each to one status.
+
+Their messages reach tenants, so they never name a replica: its address is an attribute (`tried`,
+`endpoint`) for the gateway's log (routing.retry logs each failure with it), not part of the text.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ class NoReplicaAvailable(RoutingError):
     """Every replica is unhealthy, absent or already tried (REST 503, gRPC UNAVAILABLE)."""
 
     def __init__(self, model: str, tried: tuple[str, ...] = ()) -> None:
-        detail = f" (tried {', '.join(tried)})" if tried else ""
+        detail = f" (tried {len(tried)} replica(s))" if tried else ""
         super().__init__(f"no replica available for model {model!r}{detail}")
         self.model = model
         self.tried = tried
@@ -30,6 +34,6 @@ class StreamBrokenAfterStart(RoutingError):
     re-send text the client already has. The gateway ends the stream with an error event."""
 
     def __init__(self, endpoint: str, items_sent: int) -> None:
-        super().__init__(f"replica {endpoint} failed after {items_sent} streamed message(s)")
+        super().__init__(f"a replica failed after {items_sent} streamed message(s)")
         self.endpoint = endpoint
         self.items_sent = items_sent

@@ -8,6 +8,7 @@ would replay or diverge from text the client already has, so the failure surface
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -18,6 +19,7 @@ from inferplane.control_plane.routing.errors import NoReplicaAvailable, StreamBr
 from inferplane.control_plane.routing.router import Lease, Router, RouteRequest
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # Codes that say "this replica could not take it", not "this request is wrong". DEADLINE_EXCEEDED is
 # absent on purpose: the deadline belongs to the client's request and a retry would only overrun it.
@@ -27,6 +29,21 @@ RETRYABLE_CODES = frozenset({
     grpc.StatusCode.ABORTED,
     grpc.StatusCode.CANCELLED,           # worker cancelled it while draining
 })
+
+
+# Codes that say "this request is wrong" (its message is the tenant's to read): not a replica failure.
+_REQUEST_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                            grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def _logged(exc: BaseException, address: str, model: str, what: str) -> None:
+    """A replica's failure goes to the log with its address; the errors tenants read never name it."""
+    code = exc.code() if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)) else None
+    if code in _REQUEST_CODES:
+        return
+    details = exc.details() if code is not None and callable(getattr(exc, "details", None)) else str(exc)
+    log.warning("replica %s of model %r failed (%s): %s: %s", address, model, what,
+                code.name if code is not None else type(exc).__name__, details)
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -77,7 +94,9 @@ async def route_and_stream(
                 stream = aiter(opened)  # type: ignore[call-overload]
             except Exception as exc:  # opening the call failed: nothing was sent yet
                 if not retryable(exc):
+                    _logged(exc, lease.address, request.model, "not retried")
                     raise
+                _logged(exc, lease.address, request.model, "before its first message; retried elsewhere")
                 verdict, last_error = False, exc
                 continue
             while True:
@@ -89,9 +108,12 @@ async def route_and_stream(
                 except Exception as exc:
                     if sent:
                         verdict = False if retryable(exc) else None
+                        _logged(exc, lease.address, request.model, f"after {sent} streamed message(s)")
                         raise StreamBrokenAfterStart(lease.address, sent) from exc
                     if not retryable(exc):
+                        _logged(exc, lease.address, request.model, "not retried")
                         raise
+                    _logged(exc, lease.address, request.model, "before its first message; retried elsewhere")
                     verdict, last_error = False, exc
                     break
                 sent += 1
