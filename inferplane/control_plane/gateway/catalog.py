@@ -115,11 +115,25 @@ class Catalog:
                            parent=base.name, adapter=record)
 
     def visible(self, tenant_id: str | None) -> list[ServedModel]:
+        """What `tenant_id` may call, each name once: the entry `get` answers for it (a served model
+        over any adapter; the tenant's own adapter over a public one of the same name, which a
+        tenant keeps when the platform registers that name after it; nothing where that adapter's
+        base is not served). Sorted by name."""
+        def precedence(key: tuple[str | None, str]) -> tuple[int, str]:
+            owner = key[0]
+            return (0 if owner == tenant_id else 1 if owner is None else 2), owner or ""
+
         with self._lock:
-            models = [m for m in self._models.values() if m.visible_to(tenant_id)]
-            adapters = [served for (owner, _), served in self._served.items()
-                        if tenant_id is None or owner in (None, tenant_id)]
-        return sorted(models + [a for a in adapters if a is not None], key=lambda m: m.name)
+            found = {m.name: m for m in self._models.values() if m.visible_to(tenant_id)}
+            decided = set(self._models)
+            for key in sorted(self._served, key=precedence):
+                owner, name = key
+                if name in decided or not (tenant_id is None or owner in (None, tenant_id)):
+                    continue
+                decided.add(name)
+                if (served := self._served[key]) is not None:
+                    found[name] = served
+        return sorted(found.values(), key=lambda m: m.name)
 
     def get(self, name: str, tenant_id: str | None) -> ServedModel:
         """Another tenant's private model or adapter answers exactly like a missing one: 404."""
