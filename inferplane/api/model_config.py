@@ -203,8 +203,10 @@ def config_from_gguf(reader) -> ModelConfig:
     hidden = int(gguf_value(reader, p + "embedding_length"))
     layers = int(gguf_value(reader, p + "block_count"))
     vocab = gguf_value(reader, p + "vocab_size")
-    if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    if vocab is None:  # the token list's length, read without its strings
+        vocab = reader.fields["tokenizer.ggml.tokens"].length
+        if vocab is None:
+            raise ModelLoadError("GGUF file: tokenizer.ggml.tokens is not an array")
     names = {t.name for t in reader.tensors}
     scaling = None
     scaling_type = gguf_value(reader, p + "rope.scaling.type")
@@ -279,5 +281,5 @@ def read_model_config(path) -> ModelConfig:
         if path.is_file():
             return config_from_gguf(open_gguf(path))
         return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # TypeError: a key missing or of a wrong type
         raise ModelLoadError(f"cannot read the model config of {path}: {exc}") from None

@@ -23,7 +23,9 @@ from inferplane.control_plane.registry.records import (
 )
 from inferplane.control_plane.registry.sources import alias_path, confine_source, resolve_source, uri_scheme
 from inferplane.control_plane.registry.weights import (
+    MAX_CONTEXT_LENGTH,
     CorruptWeights,
+    InvalidMetadata,
     ModelMetadata,
     UnsupportedArchitecture,
     clear_inspect_cache,
@@ -32,10 +34,9 @@ from inferplane.control_plane.registry.weights import (
 )
 
 __all__ = [
-    "ADAPTER_KIND", "NAME_RE", "PLATFORM", "RESERVED_NAMES", "VERSION_RE", "CorruptWeights", "ModelInfo",
-    "ModelMetadata", "ModelNotReady", "UnsupportedArchitecture", "alias_path", "clear_inspect_cache", "confine_source",
-    "delete_model", "detect_format", "get_model", "inspect_model", "is_visible", "list_adapters", "list_models",
-    "list_versions", "parse_ref", "register_adapter", "register_model", "resolve_adapter", "resolve_for_deployment",
-    "resolve_model",
-    "resolve_source", "uri_scheme", "verify_model",
+    "ADAPTER_KIND", "MAX_CONTEXT_LENGTH", "NAME_RE", "PLATFORM", "RESERVED_NAMES", "VERSION_RE", "CorruptWeights",
+    "InvalidMetadata", "ModelInfo", "ModelMetadata", "ModelNotReady", "UnsupportedArchitecture", "alias_path",
+    "clear_inspect_cache", "confine_source", "delete_model", "detect_format", "get_model", "inspect_model",
+    "is_visible", "list_adapters", "list_models", "list_versions", "parse_ref", "register_adapter", "register_model",
+    "resolve_adapter", "resolve_for_deployment", "resolve_model", "resolve_source", "uri_scheme", "verify_model",
 ]

@@ -41,14 +41,23 @@ def alias_path(alias: str) -> Path:
         raise InvalidInput(str(exc)) from None
 
 
+def _path_text(source: str | Path) -> str:
+    """The path a local source names (a `file://` URI unquoted); a 400 naming `source` for a NUL
+    byte, which no file name holds (the OS calls raise ValueError on it)."""
+    text = str(source)
+    if text.startswith("file://"):
+        text = unquote(urlparse(text).path)
+    if "\x00" in text:
+        raise InvalidInput(f"source {str(source)!r} contains a NUL byte; a path never does", param="source")
+    return text
+
+
 def resolve_source(source: str | Path) -> tuple[Path, str | None]:
     """A path or an alias → (existing absolute path, alias used or None)."""
     text = str(source)
     if text in BUILTIN_MODELS:
         return alias_path(text).resolve(), text
-    if text.startswith("file://"):
-        text = unquote(urlparse(text).path)
-    path = Path(text).expanduser()
+    path = Path(_path_text(source)).expanduser()
     if not path.exists():
         raise InvalidInput(f"no such model file or folder: {path} (aliases: {', '.join(sorted(BUILTIN_MODELS))})")
     return path.resolve(), None
@@ -56,8 +65,9 @@ def resolve_source(source: str | Path) -> tuple[Path, str | None]:
 
 def confine_source(source: str, roots: Sequence[str | Path], *, platform_admin: bool) -> str:
     """What a caller of the admin API may register: aliases for anyone; server paths for a platform
-    admin, and only inside `roots` (symlinks resolved first, so none leads out). A refused path gets
-    the same answer whether or not it exists: the API is no oracle for the gateway's file system."""
+    admin, and only inside `roots`: symlinks resolved first, the path's own and, for a folder, those
+    of every file and folder inside it, so none leads out. A refused path gets the same answer
+    whether or not it exists: the API is no oracle for the gateway's file system."""
     if source in BUILTIN_MODELS:
         return source
     if uri_scheme(source) != "file":  # fetched from object storage or a claim: no local file is read
@@ -67,15 +77,51 @@ def confine_source(source: str, roots: Sequence[str | Path], *, platform_admin: 
     if not platform_admin:
         raise Forbidden("registering weights from a server path is a platform admin's operation; a tenant "
                         f"admin may register these aliases: {', '.join(sorted(BUILTIN_MODELS))}")
-    text = unquote(urlparse(source).path) if source.startswith("file://") else source
+    text = _path_text(source)
     if not os.path.isabs(text):
-        raise InvalidInput(f"source must be an alias or an absolute path, got {source!r}")
+        raise InvalidInput(f"source must be an alias or an absolute path, got {source!r}", param="source")
     path = Path(os.path.realpath(text))
     allowed = [Path(os.path.realpath(root)) for root in roots]
-    if not any(path.is_relative_to(root) for root in allowed):
-        where = ", ".join(map(str, allowed)) if allowed else "none are configured (--model-root)"
+    where = ", ".join(map(str, allowed)) if allowed else "none are configured (--model-root)"
+    if not _inside(path, allowed):
         raise Forbidden(f"source {source!r} is outside the model roots this gateway registers from: {where}")
+    if path.is_dir() and (escape := _link_outside(path, allowed)) is not None:
+        raise Forbidden(f"source {source!r} holds {escape.relative_to(path)}, a symlink that leads outside the "
+                        f"model roots this gateway registers from: {where}")
     return str(path)
+
+
+def _inside(path: Path, roots: Sequence[Path]) -> bool:
+    return any(path.is_relative_to(root) for root in roots)
+
+
+def _link_outside(folder: Path, roots: Sequence[Path]) -> Path | None:
+    """The first symlink under `folder` (files and folders, hidden ones too, and inside symlinked
+    folders that stay in the roots) whose target resolves outside `roots`; None if none does. A
+    model folder's files are read by the registry (digest) and the workers (weights, tokenizer), so a
+    link inside a confined folder must be confined too."""
+    seen: set[Path] = set()
+    pending = [(folder, folder)]  # (the folder as the caller sees it, where it really is)
+    while pending:
+        shown, real = pending.pop()
+        if real in seen:
+            continue
+        seen.add(real)
+        try:
+            entries = list(os.scandir(real))
+        except OSError:
+            continue  # unreadable: nothing in it can be read through it either
+        for entry in entries:
+            path = shown / entry.name
+            if entry.is_symlink():
+                target = Path(os.path.realpath(entry.path))
+                if not _inside(target, roots):
+                    return path
+                if target.is_dir():
+                    pending.append((path, target))
+            elif entry.is_dir(follow_symlinks=False):
+                pending.append((path, Path(entry.path)))
+    return None
 
 
 REMOTE_SCHEMES = ("http", "https", "s3")

@@ -10,6 +10,13 @@ The architecture is recorded by its canonical name with its kind, "generate" or 
 (`inferplane.api.architectures`, the one list of what the workers load); weights of any other
 architecture, or of none that the file names, are refused at registration (400 naming it, no row).
 Rows from before kinds were recorded get theirs from the architecture as they are read.
+
+What the weights say is checked before it is recorded, with a 400 naming the file and the field
+(`InvalidMetadata`, nothing recorded): the context length must be a whole number of tokens from 1
+to `MAX_CONTEXT_LENGTH`; a GGUF header must be inside the reader's bounds (api/gguf_reader.py:
+number of keys, key and string lengths, array lengths); a config.json at most `MAX_CONFIG_BYTES`.
+Reading a GGUF header here costs a walk over its length fields and the few scalar keys read, never
+a Python object per array element (the tokenizer arrays stay in the file).
 """
 
 from __future__ import annotations
@@ -26,15 +33,30 @@ from inferplane.api.architectures import (
     model_kind,
     unsupported_message,
 )
-from inferplane.api.gguf_reader import open_gguf
+from inferplane.api.gguf_reader import GGUFField, GGUFLimitError, open_gguf
 from inferplane.control_plane.errors import InvalidInput
 from inferplane.storage.digest import folder_files, sha256_file, sha256_folder
 
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+# 2**24 = 16,777,216 tokens: the longest contexts models claim (10M) fit; anything longer is no
+# model's, and a negative, zero or 64-bit value would reach the database and the schedulers.
+MAX_CONTEXT_LENGTH = 1 << 24
+# A model's config.json is a few KiB; this bounds what reading one may cost the gateway.
+MAX_CONFIG_BYTES = 4 << 20
 
 
 class CorruptWeights(InvalidInput):
     """The path has the right shape (GGUF magic, config.json) but its content cannot be read."""
+
+
+class InvalidMetadata(InvalidInput):
+    """400: the weights' metadata is readable but out of bounds (an absurd context length, a GGUF
+    header over the reader's limits); the message names the file and the field."""
+
+    code = "invalid_model_metadata"
+
+    def __init__(self, message: str):
+        super().__init__(message, param="source")
 
 
 class UnsupportedArchitecture(InvalidInput):
@@ -56,28 +78,62 @@ class ModelMetadata:
     kind: str | None = None  # "generate" | "embedding" (api/architectures.py)
 
 
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def context_length(value: object, where: str) -> int:
+    """`value` as a context length, or `InvalidMetadata` naming `where` (the file and its key)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CONTEXT_LENGTH:
+        raise InvalidMetadata(f"{where} is {_shown(value)}: a context length must be a whole number of tokens "
+                              f"from 1 to {MAX_CONTEXT_LENGTH}")
+    return value
+
+
+def _scalar(field: GGUFField | None, where: str) -> object:
+    """A scalar key's value (None when absent); an array there is refused unread."""
+    if field is None:
+        return None
+    if field.length is not None:
+        raise InvalidMetadata(f"{where} is an array of {field.length} elements, not a single value")
+    return field.contents()
+
+
 def _read_gguf(path: Path) -> tuple[str | None, int | None]:
-    """(architecture, context length) from the header, read as the workers read it (api/gguf_reader.py)."""
-    fields = open_gguf(path).fields
-    arch_field = fields.get("general.architecture")
-    arch = str(arch_field.contents()) if arch_field is not None else None
-    ctx_field = fields.get(f"{arch}.context_length") if arch else None
-    ctx = int(ctx_field.contents()) if ctx_field is not None else None
-    return arch, ctx
+    """(architecture, context length) from the header, read as the workers read it (api/gguf_reader.py):
+    two scalar keys; the arrays are only walked past."""
+    try:
+        fields = open_gguf(path).fields
+    except GGUFLimitError as e:
+        raise InvalidMetadata(f"GGUF metadata over the registry's bounds: {e}") from None
+    arch = _scalar(fields.get("general.architecture"), f"{path}: general.architecture")
+    if arch is not None and (not isinstance(arch, str) or len(arch) > 256):
+        raise InvalidMetadata(f"{path}: general.architecture is {_shown(arch)}, not an architecture name")
+    if not arch:
+        return None, None
+    key = f"{arch}.context_length"
+    ctx = _scalar(fields.get(key), f"{path}: {key}")
+    return arch, None if ctx is None else context_length(ctx, f"{path}: {key}")
 
 
 def _read_hf_config(folder: Path) -> tuple[str | None, int | None]:
+    config_file = folder / "config.json"
     try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        if config_file.stat().st_size > MAX_CONFIG_BYTES:
+            raise InvalidMetadata(f"{config_file} is {config_file.stat().st_size} bytes, over the registry's "
+                                  f"bound of {MAX_CONFIG_BYTES} for a model's config.json")
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptWeights(f"unreadable config.json in {folder}: {e}") from None
     if not isinstance(config, dict):
         raise CorruptWeights(f"config.json in {folder} is not a JSON object")
     arch = config_architecture(config)  # the rule the workers read it by
-    for scope in (config, config.get("text_config") or {}):
+    text_config = config.get("text_config")
+    for prefix, scope in (("", config), ("text_config.", text_config if isinstance(text_config, dict) else {})):
         for key in _CONTEXT_KEYS:
-            if isinstance(scope.get(key), int):
-                return arch, scope[key]
+            if scope.get(key) is not None:
+                return arch, context_length(scope[key], f"{config_file}: {prefix}{key}")
     return arch, None
 
 
@@ -135,7 +191,9 @@ def inspect_model(path: Path, *, use_cache: bool = True) -> ModelMetadata:
             return _cache[cache_key]
     try:
         arch, ctx = _read_gguf(path)
-    except Exception as e:  # a truncated or corrupt file: gguf raises assorted errors
+    except InvalidMetadata:
+        raise
+    except Exception as e:  # a truncated or corrupt file: the reader raises GGUFFormatError
         raise CorruptWeights(f"unreadable GGUF metadata in {path}: {e}") from None
     checked = _served(ModelMetadata("gguf", "", stat.st_size, arch, ctx))
     meta = replace(checked, sha256=sha256_file(path))

@@ -228,7 +228,9 @@ def open_gguf(path: str):
     from inferplane.api.gguf_reader import open_gguf as read
 
     try:
-        return read(path)
+        reader = read(path)
+        _ = reader.tensors  # read on first use: a damaged table is this load's error, here
+        return reader
     except (OSError, ValueError) as exc:  # GGUFFormatError is a ValueError
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
 
