@@ -38,16 +38,24 @@ class AdapterProjection(nn.Module):
         batch = self.slots.batch
         if batch is None:
             return y
-        n = batch.columns
+        gathered: dict[int, torch.Tensor] = {}  # a slot's scattered rows of x, gathered once for every part
         for offset, weights in self.parts:
             if not (weights.targeted & batch.slots):
                 continue
-            shrunk = torch.mm(x, weights.a[:n].t()).mul_(batch.mask)
             width = weights.bt.shape[1]
-            if offset == 0 and width == y.shape[1]:
-                y.addmm_(shrunk, weights.bt[:n])
-            else:
-                y[:, offset:offset + width].addmm_(shrunk, weights.bt[:n])
+            out = y if offset == 0 and width == y.shape[1] else y[:, offset:offset + width]
+            for group in batch.groups:  # each slot's rows meet that slot's weights only (slots.py)
+                if group.slot not in weights.targeted:
+                    continue
+                a, bt = weights.a[group.stacked], weights.bt[group.stacked]
+                rows = group.rows
+                if isinstance(rows, slice):
+                    out[rows].addmm_(torch.mm(x[rows], a.t()), bt)
+                    continue
+                xs = gathered.get(group.slot)
+                if xs is None:
+                    xs = gathered[group.slot] = x.index_select(0, rows)
+                out.index_add_(0, rows, torch.mm(torch.mm(xs, a.t()), bt))
         return y
 
 

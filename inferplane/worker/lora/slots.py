@@ -1,18 +1,24 @@
 """A fixed number of adapter slots over one base model: every adapter's weights live in stacked
 tensors, so one step serves rows of many adapters (and of the base) with a few matmuls per
-projection, whatever the number of adapters in the batch (Punica's gathered-LoRA idea).
+projection and slot in the step, never one per row (Punica's idea, segmented by slot).
 
 Layout, per served projection of each layer (`SlotWeights`): A [S*R, in] and Bt [S*R, out], where
 S = max_loras and R = max_lora_rank. Slot s owns rows s*R .. s*R + R; an adapter of rank r < R
 fills the first r and leaves the rest zero, and a module the adapter does not target stays zero.
-A step's rows are tagged with their slot (-1: the base). The delta for all rows is
+A step's rows are tagged with their slot (-1: the base). For each slot s with rows in the step,
+its rows X_s (a slice where they are one run, else gathered by index) get
 
-    ((x @ A[:n].T) * mask) @ Bt[:n]
+    X_s @ A[s*R : s*R + r_s].T @ Bt[s*R : s*R + r_s]
 
-with n = (highest slot in the step + 1) * R and mask[t, j] = 1 where column j belongs to row t's
-slot: each row meets only its own adapter's columns, base rows none. No loop over adapters.
+added to their own output rows. Why segmented rather than one masked product over all slots
+(((x @ A.T) * mask) @ Bt): a product reads every slot, and 0 x NaN (or 0 x inf) is NaN, so one
+adapter's non-finite weights (or an overflow in its shrink) reached every other row of the step;
+the segmented product reads a slot's weights only for that slot's rows. Tenant isolation holds by
+construction, whatever a slot holds (validation, api/lora_manifest.py, is the other layer).
 
 Invariants:
+- A row's output depends only on its own input, the base's weights and its own slot's weights;
+  base rows never touch adapter weights.
 - A slot that a running sequence pins is never reloaded or evicted; a free or unpinned slot is
   taken least recently used first when a new adapter needs one.
 - `AdapterBatch` is set for one forward pass and cleared after it; None means no row of the step
@@ -40,12 +46,24 @@ class SlotWeights:
     targeted: set[int] = field(default_factory=set)  # slots whose adapter targets this projection
 
 
+RowSet = slice | torch.Tensor  # a step's rows of one slot: one run, or their indices (int64)
+
+
+@dataclass(frozen=True)
+class SlotRows:
+    """One slot's share of a forward pass: which stacked rows of A/Bt are its adapter's, and which
+    of the step's rows run under it."""
+
+    slot: int
+    stacked: slice  # slot*R .. slot*R + the adapter's rank
+    rows: RowSet
+
+
 @dataclass
 class AdapterBatch:
     """One forward pass's rows, by slot: what every wrapped projection reads."""
 
-    columns: int  # n: the stacked rows the step reads
-    mask: torch.Tensor  # [T, n] in the compute dtype
+    groups: list[SlotRows]  # per slot with rows in this step, by slot
     slots: frozenset[int]  # the slots with rows in this step
 
 
@@ -75,7 +93,6 @@ class AdapterSlots:
         self._pins = [0] * max_loras
         self.counters = SlotCounters()
         self.batch: AdapterBatch | None = None
-        self._column_slot = torch.arange(max_loras * max_rank, device=device) // max_rank
 
     def projection(self, layer: int, module: str) -> SlotWeights:
         """The stacked weights of one projection (made zero on first use; modules.py wraps them)."""
@@ -162,14 +179,25 @@ class AdapterSlots:
 
     def begin(self, row_slots: list[int]) -> None:
         """Tags the next forward pass's rows with their slots (-1: the base)."""
-        used = {s for s in row_slots if s >= 0}
-        if not used:
+        by_slot: dict[int, list[int]] = {}
+        for row, slot in enumerate(row_slots):
+            if slot >= 0:
+                by_slot.setdefault(slot, []).append(row)
+        if not by_slot:
             self.batch = None
             return
-        columns = (max(used) + 1) * self.max_rank
-        rows = torch.tensor(row_slots, device=self.device)
-        mask = (rows[:, None] == self._column_slot[None, :columns]).to(self.dtype)
-        self.batch = AdapterBatch(columns=columns, mask=mask, slots=frozenset(used))
+        groups = []
+        for slot, rows in sorted(by_slot.items()):
+            adapter = self._adapter_in[slot]
+            if adapter is None:
+                raise AssertionError(f"adapter slot {slot} has rows in a step but holds no adapter")
+            start = slot * self.max_rank
+            stacked = slice(start, start + adapter.rank)
+            if rows[-1] - rows[0] + 1 == len(rows):  # one run (a prefill, or rows kept together)
+                groups.append(SlotRows(slot, stacked, slice(rows[0], rows[-1] + 1)))
+            else:
+                groups.append(SlotRows(slot, stacked, torch.tensor(rows, dtype=torch.long, device=self.device)))
+        self.batch = AdapterBatch(groups=groups, slots=frozenset(by_slot))
 
     def end(self) -> None:
         self.batch = None
