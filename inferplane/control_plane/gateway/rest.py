@@ -35,6 +35,7 @@ from inferplane.control_plane.gateway.admin_types import (
     TENANT_ID_MAX_LENGTH,
     AdminBody,
 )
+from inferplane.control_plane.gateway.admin_views import errors_redacted_for, registry_entry
 from inferplane.control_plane.gateway.alerts_api import alerts_router
 from inferplane.control_plane.gateway.completions import Completions
 from inferplane.control_plane.gateway.context import GatewayContext, bearer
@@ -284,25 +285,28 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         ctx.keys.refresh()
         return info.__dict__
 
+    # Registry entries and errors: a tenant admin sees no server path (admin_views.py).
     @app.get("/admin/v1/models")
     def admin_list_models(principal: Principal = Depends(admin)):
-        with ctx.sessions.begin() as session:
-            return {"data": [m.__dict__ for m in registry.list_models(session, scope_of(principal))]}
+        with errors_redacted_for(principal), ctx.sessions.begin() as session:
+            return {"data": [registry_entry(m, principal) for m in registry.list_models(session, scope_of(principal))]}
 
     @app.post("/admin/v1/models", status_code=201)
     def admin_register_model(body: ModelIn, principal: Principal = Depends(admin)):
-        source = registry.confine_source(body.source, ctx.model_roots, platform_admin=principal.tenant_id is None)
-        with ctx.sessions.begin() as session:
-            info = registry.register_model(session, source, actor=principal.actor, name=body.name,
-                                           version=body.version, owner_tenant_id=principal.tenant_id,
-                                           visibility=body.visibility, expected_sha256=body.sha256,
-                                           model_format=body.format, outbound=ctx.outbound)
-        return info.__dict__
+        with errors_redacted_for(principal):
+            source = registry.confine_source(body.source, ctx.model_roots, platform_admin=principal.tenant_id is None)
+            with ctx.sessions.begin() as session:
+                info = registry.register_model(session, source, actor=principal.actor, name=body.name,
+                                               version=body.version, owner_tenant_id=principal.tenant_id,
+                                               visibility=body.visibility, expected_sha256=body.sha256,
+                                               model_format=body.format, outbound=ctx.outbound)
+        return registry_entry(info, principal)
 
     @app.get("/admin/v1/adapters")
     def admin_list_adapters(principal: Principal = Depends(admin)):
-        with ctx.sessions.begin() as session:
-            return {"data": [a.__dict__ for a in registry.list_adapters(session, scope_of(principal))]}
+        with errors_redacted_for(principal), ctx.sessions.begin() as session:
+            adapters = registry.list_adapters(session, scope_of(principal))
+            return {"data": [registry_entry(a, principal) for a in adapters]}
 
     @app.get("/admin/v1/adapters/resolve")
     def admin_resolve_adapter(name: str, version: str | None = None, principal: Principal = Depends(admin)):
@@ -317,15 +321,16 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     @app.post("/admin/v1/adapters", status_code=201)
     def admin_register_adapter(body: AdapterIn, principal: Principal = Depends(admin)):
         """A LoRA adapter (PEFT folder) for a base model the caller can see; a tenant admin's is private."""
-        source = registry.confine_source(body.source, ctx.model_roots, platform_admin=principal.tenant_id is None)
-        with ctx.sessions.begin() as session:
-            info = registry.register_adapter(session, source, actor=principal.actor, base=body.base,
-                                             name=body.name, version=body.version,
-                                             owner_tenant_id=principal.tenant_id, expected_sha256=body.sha256,
-                                             outbound=ctx.outbound)
+        with errors_redacted_for(principal):
+            source = registry.confine_source(body.source, ctx.model_roots, platform_admin=principal.tenant_id is None)
+            with ctx.sessions.begin() as session:
+                info = registry.register_adapter(session, source, actor=principal.actor, base=body.base,
+                                                 name=body.name, version=body.version,
+                                                 owner_tenant_id=principal.tenant_id, expected_sha256=body.sha256,
+                                                 outbound=ctx.outbound)
         if ctx.refresh_adapters is not None:
             ctx.refresh_adapters()
-        return info.__dict__
+        return registry_entry(info, principal)
 
     @app.get("/admin/v1/models/resolve")
     def admin_resolve_model(name: str, version: str | None = None, principal: Principal = Depends(admin)):
@@ -340,7 +345,7 @@ def create_app(ctx: GatewayContext) -> FastAPI:
 
     @app.delete("/admin/v1/models/{ref:model_ref}")
     def admin_delete_model(ref: str, principal: Principal = Depends(admin)):
-        with ctx.sessions.begin() as session:
+        with errors_redacted_for(principal), ctx.sessions.begin() as session:
             deleted = registry.delete_model(session, scope_of(principal), ref, actor=principal.actor)
         return {"deleted": [m.ref for m in deleted]}
 
