@@ -132,7 +132,8 @@ class LocalPlatform:
     def _model_path(self, manifest: Manifest) -> str:
         """What the worker should load. A registry name resolves as in a cluster
         (`registry.resolve_for_deployment`) and its weights are fetched and verified into
-        `<home>/model-cache` (a local path is verified in place); a `uri` is registered once."""
+        `<home>/model-cache` (a local path is verified in place); a `uri` is registered once: a
+        restart with the same weights reuses its version (`reuse_unchanged`), new weights are a new one."""
         model = manifest.spec.model
         if model.name is not None:
             with self.gateway.sessions.begin() as session:
@@ -141,7 +142,8 @@ class LocalPlatform:
                 except ModelResolutionError:
                     if model.name not in BUILTIN_MODELS or model.version is not None:
                         raise
-                    info = registry.register_model(session, model.name, actor="inferplane-up", name=model.name)
+                    info = registry.register_model(session, model.name, actor="inferplane-up", name=model.name,
+                                                   reuse_unchanged=True)
                     self.digests[manifest.name] = info.sha256
                     return str(info.path)
             resolved.require_kind(manifest.spec.kind)
@@ -154,7 +156,7 @@ class LocalPlatform:
         with self.gateway.sessions.begin() as session:
             try:
                 info = registry.register_model(session, uri, actor="inferplane-up", name=manifest.name,
-                                               outbound=self.gateway.context.outbound)
+                                               outbound=self.gateway.context.outbound, reuse_unchanged=True)
                 self.digests[manifest.name] = info.sha256
             except Conflict:
                 self.digests[manifest.name] = registry.get_model(session, auth.ALL_TENANTS, manifest.name).sha256

@@ -43,6 +43,7 @@ from inferplane.storage.uris import parse_model_uri
 
 if TYPE_CHECKING:
     from inferplane.control_plane.outbound import OutboundPolicy
+    from inferplane.control_plane.registry.sources import _Inspected
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 # Names that are admin API paths under /admin/v1/models/ (GET .../resolve), not model references.
@@ -184,6 +185,7 @@ def register_model(
     model_format: str | None = None,
     cache_root: Path | None = None,
     outbound: OutboundPolicy | None = None,
+    reuse_unchanged: bool = False,
 ) -> ModelInfo:
     """Registers weights at `source`: a path, `file://` URI or alias such as "smollm2-135m"; an
     `http(s)://` or `s3://` URI (fetched into the cache at `cache_root` to be checked and read); or
@@ -195,6 +197,9 @@ def register_model(
     sees it in `list`; the caller checks `status`. Raises `InvalidInput` for a missing path or bad
     names, `Conflict` if the version exists or the name belongs to another owner. `outbound`: where
     an http(s) source may be fetched from besides public addresses (None: nowhere else).
+    `reuse_unchanged` (no `version` given): when the latest version of `name` has the same URI and
+    its weights read the same (digest, status), that version is returned and nothing is recorded;
+    `inferplane up` registers its manifests' weights on every start, and a restart is no new model.
     """
     if expected_sha256 is not None:
         expected_sha256 = expected_sha256.lower()
@@ -212,6 +217,7 @@ def register_model(
                 raise InvalidInput(f"source: {e}", param="source") from None
         default_name = PurePosixPath(urlparse(str(source)).path.rstrip("/")).name.removesuffix(".gguf")
     name = name or default_name
+    version_given = version
     namespace, version, visibility = claim_name(session, name, version, owner_tenant_id, visibility)
 
     if scheme == "file":
@@ -221,6 +227,10 @@ def register_model(
     else:
         inspected = inspect_remote(str(source), expected_sha256, cache_root, outbound)
     meta = inspected.meta
+    if reuse_unchanged and version_given is None:
+        same = _unchanged(session, namespace, name, inspected)
+        if same is not None:
+            return _info(same)
     now = utcnow()
     row = Model(
         namespace=namespace,
@@ -251,6 +261,18 @@ def register_model(
         detail={"uri": row.uri, "status": row.status, "sha256": row.sha256},
     )
     return _info(row)
+
+
+def _unchanged(session: Session, namespace: str, name: str, inspected: _Inspected) -> Model | None:
+    """The latest version of `name` if it records what `inspected` read (URI, digest, status)."""
+    rows = session.scalars(select(Model).where(Model.namespace == namespace, Model.name == name)).all()
+    if not rows:
+        return None
+    latest = _latest(list(rows))
+    sha256 = inspected.meta.sha256 if inspected.meta else None
+    same = (latest.uri, latest.format, latest.sha256, latest.status, latest.status_detail) == (
+        inspected.uri, inspected.format, sha256, inspected.status, inspected.detail)
+    return latest if same and latest.kind != "adapter" else None
 
 
 def resolve_for_deployment(session: Session, name: str, version: str | None) -> ResolvedModel:
