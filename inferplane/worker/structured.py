@@ -31,7 +31,10 @@ Applying the mask (the same torch code for both engines: the bitmask format is i
 
 JSON semantics are llguidance's, i.e. JSON Schema's: undeclared properties are allowed unless the
 schema says additionalProperties: false (OpenAI's strict schemas always do). Unsupported keywords
-are rejected (GrammarError), not ignored.
+are rejected (GrammarError), not ignored. llguidance writes a declared property at most once, but
+undeclared keys could repeat, and a number has no length bound; a `JsonTracker` per JSON sequence
+(json_guard.py) masks the tokens that would close a key its object already holds or make a number
+longer than MAX_NUMBER_CHARS, so no JSON output repeats a key or runs on in one number.
 
 Bounds (`LIMITS`, one place): a constraint's size is checked when the request is parsed (choices,
 their bytes, a regex's length and how far its counted repetitions multiply, a schema's bytes and
@@ -59,10 +62,12 @@ from typing import Any
 import torch
 
 from inferplane.api.grammar_limits import MAX_CONSTRAINT_CHOICES, MAX_REGEX_CHARS
+from inferplane.worker.json_guard import MAX_NUMBER_CHARS, JsonTracker, TokenIndex
 
 log = logging.getLogger(__name__)
 
 KINDS = ("json_object", "json_schema", "regex", "choice")
+JSON_KINDS = ("json_object", "json_schema")
 PARAM = "response_format"
 EXTENSION_PARAM = "structured_outputs"  # regex and choice come from vLLM's extension, not response_format
 
@@ -362,6 +367,20 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._pending: dict[str, threading.Event] = {}  # keys being compiled now
         self._lock = threading.Lock()
+        self._token_index: TokenIndex | None = None
+        self._index_lock = threading.Lock()
+
+    def token_index(self) -> TokenIndex:
+        """Each token's bytes, indexed for the JSON tracker (json_guard.py), built on first use:
+        ~0.1 s for a 49k vocabulary, on the compile pool when a JSON constraint is compiled there."""
+        index = self._token_index
+        if index is not None:
+            return index
+        with self._index_lock:  # not the cache's lock: lookups go on while it is built
+            if self._token_index is None:
+                decode = self.ll_tokenizer.decode_bytes
+                self._token_index = TokenIndex([decode([t]) for t in range(self.vocab_size)])
+            return self._token_index
 
     def parser_limits(self):
         limits = self.limits
@@ -422,6 +441,8 @@ class GrammarCompiler:
 
     def _compile(self, constraint: Constraint):
         ll = _ll()
+        if constraint.kind in JSON_KINDS:
+            self.token_index()
         try:
             grammar = _grammar(constraint)
         except ValueError as exc:
@@ -584,6 +605,11 @@ class GrammarState:
         self._idle_eos = 0  # EOS accepted after termination: allowed, but the matcher takes no more
         self._accepted = 0
         self._failed: str | None = None  # why the mask could not be computed (llguidance's words)
+        # JSON outputs: the keys of the open objects and the number being written (json_guard.py)
+        json_kind = constraint is not None and constraint.kind in JSON_KINDS
+        self.tracker = JsonTracker() if json_kind else None
+        self._tokens: list[int] = []  # accepted tokens (the tracker is rebuilt from them on rollback)
+        self._dead_end: str | None = None  # why only the tracker's blocking emptied the mask
 
     @property
     def failure(self) -> str | None:
@@ -596,6 +622,8 @@ class GrammarState:
             where = PARAM
         else:
             where = f"{param_for(self.constraint.kind)}: {_NAMES[self.constraint.kind]}"
+        if self._dead_end:
+            return f"{where}: after {self._accepted} output tokens {self._dead_end}; the output was discarded"
         return (f"{where}: the grammar engine gave up on this constraint after {self._accepted} output tokens "
                 f"(too complex to enforce); the output was discarded")
 
@@ -623,6 +651,7 @@ class GrammarState:
                 target.copy_(self.compiler.eos_mask)
             else:
                 self.matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
+                _apply_json_guard([self], target.view(1, -1))
                 _check_rows([self], target.view(1, -1))
             return
         bitmask = new_bitmask(1, self.compiler.vocab_size)
@@ -638,11 +667,26 @@ class GrammarState:
             allowed = token_id in self.compiler.eos_token_ids and not self.matcher.is_error()
             self._idle_eos += allowed
             return allowed
+        if self.tracker is not None and token_id in self.tracker.blocked(self.compiler.token_index()):
+            return False  # it would repeat a key or overrun a number (the mask never offers it)
         # try_consume_tokens refuses without entering the error state, unlike consume_token (a
         # fuel bound hit while consuming does enter it).
         accepted = self.matcher.try_consume_tokens([token_id]) == 1
         self._accepted += accepted
+        if accepted:
+            self._took([token_id])
         return accepted
+
+    def _took(self, tokens: Sequence[int]) -> None:
+        """Accepted tokens go to the JSON tracker (EOS ends the text: its bytes are not JSON)."""
+        if self.tracker is None:
+            return
+        self._tokens.extend(tokens)
+        token_bytes = self.compiler.token_index().token_bytes
+        eos = self.compiler.eos_token_ids
+        for t in tokens:
+            if t not in eos:
+                self.tracker.feed(token_bytes[t])
 
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()
@@ -654,6 +698,10 @@ class GrammarState:
         if num_tokens > idle and not self.matcher.rollback(num_tokens - idle):
             raise ValueError(f"cannot roll back {num_tokens} tokens: {_one_line(self.matcher.get_error())}")
         self._accepted = max(0, self._accepted - (num_tokens - idle))
+        if self.tracker is not None and num_tokens > idle:
+            kept = self._tokens[:len(self._tokens) - (num_tokens - idle)]
+            self.tracker, self._tokens = JsonTracker(), []
+            self._took(kept)
 
     def reset(self) -> None:
         """Back to the start (a fresh copy, which also leaves any error state behind)."""
@@ -661,6 +709,9 @@ class GrammarState:
         self._idle_eos = 0
         self._accepted = 0
         self._failed = None
+        self._dead_end = None
+        if self.tracker is not None:
+            self.tracker, self._tokens = JsonTracker(), []
 
     def replay(self, tokens: Sequence[int]) -> bool:
         """Resets, then accepts `tokens` (a preempted sequence's output so far). False if one is
@@ -668,6 +719,8 @@ class GrammarState:
         self.reset()
         tokens = [int(t) for t in tokens]
         in_range = next((i for i, t in enumerate(tokens) if not 0 <= t < self.compiler.vocab_size), len(tokens))
+        if self.tracker is not None:  # one token at a time: each must also pass the tracker's check
+            return all(self.accept(t) for t in tokens)
         done = self.matcher.try_consume_tokens(tokens[:in_range])  # one call for the bulk of them
         self._accepted = done
         return all(self.accept(t) for t in tokens[done:])
@@ -717,8 +770,30 @@ def fill_bitmasks(states: Sequence[GrammarState]) -> torch.Tensor:
     row_bytes = bitmask.shape[1] * 4
     for compiler, pairs in groups.values():
         compiler.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
+    _apply_json_guard(states, bitmask)
     _check_rows(states, bitmask)
     return bitmask
+
+
+def _apply_json_guard(states: Sequence[GrammarState], bitmask: torch.Tensor) -> None:
+    """Clears, in the rows llguidance filled, what the JSON tracker blocks (json_guard.py): tokens
+    that would close an open key as one its object already holds, or write more of a number that is
+    full. A row this leaves empty fails with its own message rather than "too complex"."""
+    for i, state in enumerate(states):
+        if state.tracker is None or state.is_terminated() or state._failed:
+            continue
+        blocked = state.tracker.blocked(state.compiler.token_index())
+        if not blocked:
+            continue
+        row = bitmask[i]
+        if not bool(row.any()):
+            continue  # already empty: llguidance's own failure
+        row &= ~bitmask_of(blocked, state.compiler.vocab_size)
+        if not bool(row.any()):
+            state._dead_end = (f"the schema requires a number longer than {MAX_NUMBER_CHARS} characters"
+                               if state.tracker.number_full() else
+                               "every key the schema allows here repeats one already in its object "
+                               "(JSON keys must differ)")
 
 
 def _check_rows(states: Sequence[GrammarState], bitmask: torch.Tensor) -> None:

@@ -302,7 +302,8 @@ class _ChatShape(_Shape):
         # tool_choice auto with a template that has a tool-call format: the answer is held back
         # too, and calls in that format are parsed out of it at the end (tool_formats.py).
         self.parsing = body.auto_tools and prepared.tool_format is not None
-        self.tool_names = {t.function.name for t in body.tools or []}
+        # The functions a call may name: a forced call's (the grammar allows only those), else all tools.
+        self.tool_names = {t.function.name for t in body.forced_tools or body.tools or []}
         self.call_text: dict[int, list[str]] = {}
 
     async def logprob_runs(self, msg: Message) -> list[str] | None:
@@ -372,8 +373,8 @@ class _ChatShape(_Shape):
         index = msg.index
         if not (self.calling or self.parsing):
             return {"index": index, "delta": {}, "finish_reason": _reason(msg)}
-        # The held-back answer in one delta: its calls, or (none, or cut off before a call
-        # closed) what was written, as text.
+        # The held-back answer in one delta: its calls (a forced one cut off by max_tokens with
+        # the arguments written so far), or, without a call in the template's format, the text.
         content, calls, reason = self._answer("".join(self.call_text.get(index, [])), _reason(msg))
         delta: dict = {"role": "assistant", "content": content}
         if calls:

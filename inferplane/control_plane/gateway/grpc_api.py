@@ -128,7 +128,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             # choice's text is held back and answered whole, with its calls.
             forced = chat and body.forced_tools is not None
             calling = forced or (chat and body.auto_tools and prepared.tool_format is not None)
-            names = {t.name for t in tools}
+            names = {t.function.name for t in body.forced_tools} if forced else {t.name for t in tools}
             held: dict[int, list[str]] = {}
             with self.ctx.inference.settled_on_error(prepared):
                 worker_params = body.sampling_params(prepared.max_tokens, want_logprobs=params.logprobs)
@@ -205,9 +205,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
 def _answer_call(out: inference_pb2.CompleteResponse, text: str, forced: bool, fmt: str | None,
                  names: set[str]) -> None:
-    """A finished choice whose text was held back: its tool_calls, or, with none (or cut off before
-    the call closed), its text (tool_formats.held_answer)."""
+    """A finished choice whose text was held back: its tool_calls and content as
+    tool_formats.held_answer answers them (a forced call's JSON is never text, even cut off)."""
     content, calls, out.finish_reason = held_answer(text, out.finish_reason, forced=forced, fmt=fmt, names=names)
-    out.text = content or "" if calls else text
+    out.text = content or ""
     for call in calls:
         out.tool_calls.add(id=call["id"], name=call["function"]["name"], arguments_json=call["function"]["arguments"])

@@ -3,8 +3,9 @@ and a constrained tool call turned back into `tool_calls`.
 
 `response_format` json_object / json_schema constrain the output to JSON (matching the schema).
 `tool_choice: "required"` or a named function constrains the output to a call object
-`{"name": <a declared function>, "arguments": <its parameters schema>}`, so even a small model
-returns a valid call; the gateway answers it as `tool_calls`. `tool_choice: "auto"` (the default
+`{"name": <a declared function>, "arguments": <its parameters schema, closed to the keys it
+declares>}`, so even a small model returns a valid call; the gateway answers it as `tool_calls`
+(cut off by max_tokens: finish_reason "length" with the arguments written so far). `tool_choice: "auto"` (the default
 when tools are given) leaves the choice to the model, in its chat template's own format
 (tool_formats.py); a template without one answers as `none` (README). The grammar engine (the worker's) checks
 the schemas; one it cannot compile is a 400 naming `response_format`.
@@ -13,7 +14,9 @@ the schemas; one it cannot compile is a 400 naming `response_format`.
 from __future__ import annotations
 
 import json
+import re
 import uuid
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -114,12 +117,56 @@ def extension_constraint(structured: StructuredOutputs | None, guided_regex: str
 
 
 def call_schema(tools: list[Tool]) -> dict[str, Any]:
-    """The JSON a forced call is: the function's name and arguments matching its parameters."""
+    """The JSON a forced call is: the function's name and arguments matching its parameters, whose
+    objects take only the properties they declare (`closed`)."""
     variants = [{"type": "object", "properties": {
         "name": {"const": t.function.name},
-        "arguments": t.function.parameters or {"type": "object"}},
+        "arguments": closed(t.function.parameters or {"type": "object"})},
         "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     return variants[0] if len(variants) == 1 else {"anyOf": variants}
+
+
+# Keywords whose values are schemas the arguments' JSON must match as written; `allOf` (its members'
+# properties add up, so closing one would refuse another's), `not`, `if`/`then`/`else` and the like
+# are left as they are.
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+_OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref")
+
+
+def closed(schema: Any) -> Any:
+    """A function's parameters schema with `additionalProperties: false` on every object schema that
+    declares `properties` and says nothing about other keys. JSON Schema's default admits any
+    undeclared key, and a small model forced into a call then writes made-up keys (issue 53: one
+    key 25 times) until max_tokens; a function's declared parameters are all it takes (OpenAI's
+    strict mode requires the same). An object that declares no properties stays open, and a schema
+    that says additionalProperties (or patternProperties, unevaluatedProperties) keeps what it says;
+    members of `allOf` and definitions it may reach are left open, since closing one member would
+    refuse the properties another declares. A copy; the tool's own schema is not changed."""
+    if not isinstance(schema, dict):
+        return schema
+    composed = "allOf" in json.dumps(schema)
+    return _close(schema, composed)
+
+
+def _close(schema: Any, composed: bool) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYWORDS):
+        out["additionalProperties"] = False
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict) and not (composed and key != "properties"):
+            out[key] = {name: _close(value, composed) for name, value in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_close(value, composed) for value in out[key]]
+    if isinstance(out.get("items"), dict | list):
+        items = out["items"]
+        out["items"] = [_close(v, composed) for v in items] if isinstance(items, list) else _close(items, composed)
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = _close(out["additionalProperties"], composed)
+    return out
 
 
 def forced_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[Tool] | None:
@@ -157,5 +204,33 @@ def tool_calls(text: str) -> list[dict[str, Any]] | None:
         call = json.loads(text)
     except ValueError:
         return None
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]
+    return [_call(call["name"], json.dumps(call["arguments"]))]
+
+
+# The start of a forced call's JSON (call_schema: "name" first, then "arguments"), cut off anywhere.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_-]*)(?P<closed>")?'
+                        r'(?:\s*,\s*"arguments"\s*:\s*(?P<arguments>.*))?', re.DOTALL)
+
+
+def partial_tool_calls(text: str, names: Iterable[str]) -> list[dict[str, Any]]:
+    """A forced call cut off by max_tokens, as OpenAI answers one (finish_reason "length"): the
+    call's name and its arguments as far as they were written (not valid JSON). The name is the one
+    written, or the only declared name the cut-off text can still begin; [] when the text cannot
+    tell which function it calls (never the envelope as content: that is our grammar's, not an
+    answer)."""
+    match = _CALL_HEAD.match(text)
+    if match is None:  # cut off before the name began
+        if not '{"name":"'.startswith("".join(text.split())):
+            return []
+        written = ""
+    else:
+        written = match["name"]
+        if match["closed"]:
+            return [_call(written, (match["arguments"] or "").rstrip())] if written in names else []
+    candidates = sorted(n for n in names if n.startswith(written))
+    return [_call(candidates[0], "")] if len(candidates) == 1 else []
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}

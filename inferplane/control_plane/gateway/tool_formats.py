@@ -16,7 +16,7 @@ import re
 import uuid
 from typing import Any
 
-from inferplane.control_plane.gateway.structured_outputs import tool_calls
+from inferplane.control_plane.gateway.structured_outputs import partial_tool_calls, tool_calls
 
 HERMES = "hermes"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -89,12 +89,21 @@ def _call_object(body: str, names: set[str]) -> dict[str, Any] | None:
 def held_answer(text: str, reason: str | None, *, forced: bool, fmt: str | None,
                 names: set[str]) -> tuple[str | None, list[dict[str, Any]], str | None]:
     """(content, tool_calls, finish_reason) of an answer held back for its calls, as REST and gRPC
-    both answer it: a forced call's JSON (whole only when the generation stopped, not cut off), or
-    calls in the template's format `fmt`; with none, the text as written and the reason unchanged."""
+    both answer it.
+
+    A forced call (`names`: the functions it may call): its JSON is the grammar's envelope, never an
+    answer's text, so it is never content. Whole (the JSON closed), it is the call with reason
+    "tool_calls"; cut off by max_tokens, it is answered as OpenAI answers a cut-off call: reason
+    "length", the call with its arguments as far as they were written (partial_tool_calls), or no
+    call when not even its function can be told; any other end (an error) keeps its reason and has
+    no call. Otherwise calls in the template's format `fmt`; with none, the text as written and the
+    reason unchanged."""
     if forced:
-        content, calls = None, (tool_calls(text) if reason == "stop" else None) or []
-    else:
-        content, calls = parse_calls(text, fmt, names)
+        calls = tool_calls(text) or []
+        if calls:
+            return None, calls, "tool_calls"
+        return None, partial_tool_calls(text, names) if reason == "length" else [], reason
+    content, calls = parse_calls(text, fmt, names)
     if not calls:
         return text, [], reason
     return content, calls, "tool_calls"
