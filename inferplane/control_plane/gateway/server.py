@@ -21,6 +21,11 @@ from inferplane.control_plane.gateway.adapter_sync import AdapterSync
 from inferplane.control_plane.gateway.catalog import Catalog
 from inferplane.control_plane.gateway.context import GatewayContext
 from inferplane.control_plane.gateway.grpc_api import InferenceServicer
+from inferplane.control_plane.gateway.http_protocol import (
+    DEFAULT_HEAD_TIMEOUT,
+    DEFAULT_MAX_HEAD_BYTES,
+    bounded_head_protocol,
+)
 from inferplane.control_plane.gateway.inference import InferenceService
 from inferplane.control_plane.gateway.metrics import (
     GatewayMetrics,
@@ -70,6 +75,11 @@ class GatewaySettings:
     # (60 s on AWS's ALB), as nginx's 75 s is: with uvicorn's 5 s a client reusing a connection at
     # second 5 raced the server's close and got a dropped request (httpx.ReadError) instead of an answer.
     keep_alive_seconds: float = 75.0
+    # A request head (request line and headers) larger than this is refused with 431, and one not
+    # complete this long after its connection opened (or its first byte came) is closed: uvicorn
+    # bounds neither (gateway/http_protocol.py).
+    max_header_bytes: int = DEFAULT_MAX_HEAD_BYTES
+    header_timeout_seconds: float = DEFAULT_HEAD_TIMEOUT
     # Keys' token buckets and keys' and tenants' sequences in flight in Redis, shared by every
     # replica (None: in this process only), and what to do while Redis is unreachable: "open" limits
     # per replica meanwhile, "closed" answers 503.
@@ -186,12 +196,16 @@ class Gateway:
         # format the client address and path of every request before finding that out.
         config = uvicorn.Config(self.app, host=self.settings.host, port=self.settings.port, log_level="warning",
                                 lifespan="off", timeout_graceful_shutdown=self.settings.drain_grace_seconds,
-                                timeout_keep_alive=self.settings.keep_alive_seconds, access_log=False)
+                                timeout_keep_alive=self.settings.keep_alive_seconds, access_log=False,
+                                http=bounded_head_protocol(self.settings.max_header_bytes,
+                                                           self.settings.header_timeout_seconds))
         self._http = uvicorn.Server(config)
         self._http.install_signal_handlers = lambda: None  # the caller owns Ctrl-C
         self._tasks.append(asyncio.create_task(self._http.serve()))
         if self.settings.grpc_port is not None:
-            self._grpc = grpc.aio.server()
+            # A message is bounded as a REST body is (gRPC's own default is 4 MiB).
+            limit = self.context.max_body_bytes
+            self._grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
             inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(self.context), self._grpc)
             self._grpc.add_insecure_port(f"{self.settings.host}:{self.settings.grpc_port}")
             await self._grpc.start()
@@ -205,7 +219,9 @@ class Gateway:
         state the loop owns, so a scrape never races it from another thread)."""
         host, port = sock.getsockname()[:2]
         config = uvicorn.Config(metrics_asgi_app(self.context.metrics.registry), host=host, port=port,
-                                log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=5)
+                                log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=5,
+                                http=bounded_head_protocol(self.settings.max_header_bytes,
+                                                           self.settings.header_timeout_seconds))
         self._metrics = uvicorn.Server(config)
         self._metrics.install_signal_handlers = lambda: None
         self._metrics_task = asyncio.create_task(self._metrics.serve(sockets=[sock]))
