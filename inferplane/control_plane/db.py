@@ -5,6 +5,11 @@ the production choice. Both are reached through one URL. A PostgreSQL schema oth
 be selected in the URL itself (`?options=-csearch_path%3Dmyschema`), which is how tests and several
 installations share one database without seeing each other.
 
+A SQLite file is checked before it is used (`init_db`, sqlite_check.py): damage in the file or in
+its write-ahead log stops the start with one line naming the file and what to do
+(`DatabaseUnusable`), instead of SQLite silently dropping transactions after a damaged log frame
+or a migration failing with a long traceback.
+
 Transactions: every query function in this package takes a `Session` and never commits; the caller
 owns the transaction, typically `with sessions.begin() as s: ...`. Sessions are made with
 `expire_on_commit=False`, and query functions return frozen dataclasses, so results stay usable after
@@ -21,6 +26,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from inferplane.control_plane.db_url import default_db_url
+from inferplane.control_plane.sqlite_check import DatabaseUnusable, check_sqlite_file
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
@@ -35,13 +41,21 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
+def sqlite_file(url: str) -> Path | None:
+    """The file a SQLite URL names (None: another database, or SQLite in memory)."""
+    parsed = make_url(url)
+    database = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return Path(database).expanduser()
+
+
 def make_engine(url: str, **kwargs: Any) -> Engine:
     """An engine for `url`; for a SQLite file its folder is created and safe pragmas set."""
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite":
-        database = parsed.database
-        if database and database != ":memory:" and not database.startswith("file:"):
-            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    if make_url(url).get_backend_name() == "sqlite":
+        path = sqlite_file(url)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
         kwargs.setdefault("connect_args", {}).setdefault("check_same_thread", False)
         engine = create_engine(url, **kwargs)
         event.listen(engine, "connect", _sqlite_pragmas)
@@ -103,7 +117,23 @@ def head_revision() -> str:
 
 
 def init_db(url: str | None = None, **engine_kwargs: Any) -> Engine:
-    """Migrate the database at `url` (default: `default_db_url()`) to head and return its engine."""
-    engine = make_engine(url or default_db_url(), **engine_kwargs)
-    upgrade(engine)
+    """Migrate the database at `url` (default: `default_db_url()`) to head and return its engine.
+    A SQLite file is checked first; `DatabaseUnusable` (one line naming the file) if it is damaged
+    or SQLite cannot read it."""
+    from sqlalchemy.exc import DatabaseError
+
+    url = url or default_db_url()
+    path = sqlite_file(url)
+    if path is not None:
+        check_sqlite_file(path)
+    engine = make_engine(url, **engine_kwargs)
+    try:
+        upgrade(engine)
+    except DatabaseError as exc:
+        if path is None:
+            raise
+        engine.dispose()
+        reason = " ".join(str(exc.orig or exc).split())
+        raise DatabaseUnusable(f"database {path} cannot be used ({reason}): restore it from a backup, or point "
+                               "--db-url or --home at another database") from None
     return engine

@@ -45,9 +45,14 @@ def cli_actor() -> str:
 def run_cli_command(command: Any, args: argparse.Namespace) -> int:
     """Runs `command(args, sessions)` and turns control plane errors into a message and exit code 1,
     so a typo in a model name prints one line instead of a traceback."""
+    from inferplane.control_plane.db import DatabaseUnusable
     from inferplane.control_plane.errors import ControlPlaneError
 
-    sessions = sessions_from_args(args)
+    try:
+        sessions = sessions_from_args(args)
+    except DatabaseUnusable as e:  # a damaged SQLite file: one line naming it, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
         return int(command(args, sessions) or 0)
     except ControlPlaneError as e:

@@ -280,8 +280,14 @@ async def _serve(args: argparse.Namespace, plan: _Plan) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    from inferplane.control_plane.db import DatabaseUnusable
+
     try:
         gateway = Gateway(plan.settings)
+    except DatabaseUnusable as exc:  # a damaged SQLite file: its own line names it and what to do
+        print(f"error: cannot start the gateway: {exc}", file=sys.stderr)
+        plan.api_client.close()
+        return 1
     except Exception as exc:  # a bad URL, an unreachable database, a failed migration: one line, not a traceback
         print(f"error: cannot start the gateway (database {plan.settings.db_url.split('@')[-1]}): "
               f"{' '.join(str(exc).split())[:300]}", file=sys.stderr)

@@ -81,6 +81,7 @@ async def _main(args: argparse.Namespace) -> int:
 
     from inferplane.api.deployment import SpecError
     from inferplane.api.model_resolution import ModelResolutionError
+    from inferplane.control_plane.db import DatabaseUnusable
     from inferplane.local.platform import LocalPlatform, read_manifests
     from inferplane.storage.fetch import FetchError
 
@@ -94,8 +95,12 @@ async def _main(args: argparse.Namespace) -> int:
         print("error: --metrics-port must be 0..65535 (0: off)", file=sys.stderr)
         return 2
     metrics_port = 0 if args.metrics_port is None else args.metrics_port or None
-    platform = LocalPlatform(Path(args.home).expanduser(), manifests, args.host, args.port, grpc_port,
-                             metrics_port=metrics_port)
+    try:
+        platform = LocalPlatform(Path(args.home).expanduser(), manifests, args.host, args.port, grpc_port,
+                                 metrics_port=metrics_port)
+    except DatabaseUnusable as exc:  # a damaged SQLite file: one line naming it and what to do
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # SIGHUP too: closing the terminal must stop the workers as Ctrl-C does, not orphan them.
