@@ -4,6 +4,12 @@
 `flush_interval` seconds (and `stop()` flushes the rest). Rows are aggregated per (tenant, model,
 minute) and written with an upsert that *adds* to what is there, so several gateway replicas, and
 several flushes within one minute, sum up correctly. A failed flush keeps its rows for the next one.
+
+What an abrupt end costs: a `kill -9` (or an OOM kill, a power loss) loses the usage recorded since
+the last successful flush, so at most one `flush_interval` (2 s in a gateway) plus a flush in
+progress; more only while the database is unreachable (then the rows wait in memory, and
+`inferplane_usage_flush_last_success_timestamp_seconds` says since when). A stop (SIGTERM, SIGINT,
+Ctrl-C) loses nothing: the gateway's stop calls `stop()`, which writes the rest.
 """
 
 from __future__ import annotations
