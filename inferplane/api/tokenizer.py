@@ -36,7 +36,10 @@ class TextTokenizer:
         return None if self.eos_token is None else self.tokenizer.token_to_id(self.eos_token)
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: the same ids, but it releases the interpreter lock while it
+        # works, so a megabyte prompt tokenized on a thread does not stop the caller's event loop
+        # for the second it takes (`Tokenizer.encode` holds the lock throughout).
+        ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids

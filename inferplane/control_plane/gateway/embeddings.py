@@ -6,25 +6,24 @@ shortened; truncating a Matryoshka model's vectors would be the place to add it)
 tokenized as the model reads them, special tokens included ([CLS] ... [SEP], as
 sentence-transformers does; token-id inputs are taken as they are), each within the model's
 positions (400 naming `input`: OpenAI refuses, it does not truncate) → the completions' admission
-(`InferenceService.prepare_embedding`: keys, concurrency, quota, rate limits) → one replica's
+(the request charged to the key's requests per minute before tokenizing, as for completions, then
+`InferenceService.prepare_embedding`: concurrency, quota, token limits) → one replica's
 Embed → JSON with each vector as floats, or as base64 of its little-endian float32 bytes (what
 OpenAI sends, and what its client decodes).
 
 The gateway tokenizes, not the worker: so an over-long input is a 400 before any replica is
 involved and the request's tokens are known when its reservation is made, as for completions.
 Up to 2048 inputs fit in one request: tokenizing them and writing their vectors as JSON take
-tens of milliseconds, done on a thread above a small size so the event loop keeps serving.
+tens of milliseconds, done on a thread above a small size so the event loop keeps serving (the
+text size is the completions' OFF_LOOP_TEXT_CHARS).
 """
 
 from __future__ import annotations
 
 import array
-import asyncio
 import base64
 import json
 import sys
-from collections.abc import Callable
-from typing import TypeVar
 
 from starlette.responses import Response
 
@@ -32,18 +31,13 @@ from inferplane.control_plane.auth import Principal
 from inferplane.control_plane.errors import InvalidInput
 from inferplane.control_plane.gateway.catalog import ServedModel
 from inferplane.control_plane.gateway.context import GatewayContext
+from inferplane.control_plane.gateway.inference import OFF_LOOP_TEXT_CHARS, off_loop
 from inferplane.control_plane.gateway.openai_types import EmbeddingRequest
+from inferplane.control_plane.gateway.prompt_bound import byte_bound
 from inferplane.v1 import worker_pb2
 
-T = TypeVar("T")
-
-# Above these, tokenizing or writing the answer runs on a thread (see the module's docstring).
-OFF_LOOP_TEXT_CHARS = 32 << 10
+# Above this, writing the answer runs on a thread (see the module's docstring).
 OFF_LOOP_FLOATS = 32 << 10
-
-
-async def _run(large: bool, work: Callable[[], T]) -> T:
-    return await asyncio.to_thread(work) if large else work()
 
 
 def check_dimensions(body: EmbeddingRequest, model: ServedModel) -> None:
@@ -53,9 +47,18 @@ def check_dimensions(body: EmbeddingRequest, model: ServedModel) -> None:
                            f"send {model.dimensions}", code="invalid_value", param="dimensions")
 
 
-def tokenize(model: ServedModel, inputs: list[str] | list[list[int]]) -> list[list[int]]:
-    """Each input's token ids, every one checked against the model's positions."""
+def tokenize(model: ServedModel, inputs: list[str] | list[list[int]], large: bool = False) -> list[list[int]]:
+    """Each input's token ids, every one checked against the model's positions; a `large` text
+    input that cannot fit is refused without tokenizing (prompt_bound.py: on the thread of a large
+    request, where the bound is worked out the first time)."""
     if isinstance(inputs[0], str):
+        bound = byte_bound(model.tokenizer) if large else None
+        for i, text in enumerate(inputs):
+            if bound is not None and bound.cannot_fit(text, model.max_model_len):  # type: ignore[arg-type]
+                where = f"input item {i}" if len(inputs) > 1 else "the input"
+                raise InvalidInput(f"This model's maximum context length is {model.max_model_len} tokens; "
+                                   f"{where} has at least {bound.min_tokens(text)} tokens.",  # type: ignore[arg-type]
+                                   code="context_length_exceeded", param="input")
         token_lists = model.tokenizer.encode_inputs(inputs)  # type: ignore[arg-type]
     else:
         token_lists = [list(ids) for ids in inputs]  # type: ignore[arg-type]
@@ -99,8 +102,9 @@ class Embeddings:
         model = inference.served(principal, body.model, "embedding")
         check_dimensions(body, model)
         inputs = body.inputs
-        text_chars = sum(len(t) for t in inputs) if isinstance(inputs[0], str) else 0
-        token_lists = await _run(text_chars > OFF_LOOP_TEXT_CHARS, lambda: tokenize(model, inputs))
+        await inference.charge_request(principal)
+        large = isinstance(inputs[0], str) and sum(len(t) for t in inputs) > OFF_LOOP_TEXT_CHARS  # type: ignore[misc]
+        token_lists = await off_loop(large, lambda: tokenize(model, inputs, large))
         prepared = await inference.prepare_embedding(principal, model, token_lists)
         answer = await inference.embed(prepared)  # settles the request, answered or not
         self.ctx.metrics.tokens.labels(model.name, "prompt").inc(prepared.prompt_tokens)
@@ -109,5 +113,5 @@ class Embeddings:
     async def create(self, body: EmbeddingRequest, principal: Principal) -> Response:
         _, answer, prompt_tokens = await self.vectors(body, principal)
         floats = len(answer.embeddings) * answer.dimensions
-        content = await _run(floats > OFF_LOOP_FLOATS, lambda: answer_json(body, answer, prompt_tokens))
+        content = await off_loop(floats > OFF_LOOP_FLOATS, lambda: answer_json(body, answer, prompt_tokens))
         return Response(content, media_type="application/json")

@@ -1,11 +1,19 @@
 """The request path shared by the REST and gRPC tenant APIs.
 
-authenticate (done by the caller) → authorize the model → tokenize and check the context length →
-hold its sequences against the key's and tenant's concurrency limits → reserve the request's worst
-case (prompt + max_tokens) against the tenant's quota and the key's token limit → route to a
-replica (prefix affinity, load, retry before the first token) → stream, telling the worker the
-tenant and priority band it schedules by → record usage off the request path, refund what the
-reservation did not use and give the sequences back.
+authenticate (done by the caller) → authorize the model → charge the request to the key's
+requests-per-minute and look at the tenant's quota (429), before any work on the prompt → render
+the chat template and tokenize, on a thread for a large prompt (a prompt with more bytes than the
+context can hold tokens of is refused without tokenizing, see prompt_bound.py) and check the
+context length (400) → hold its sequences against the key's and tenant's concurrency limits →
+reserve the request's worst case (prompt + max_tokens) against the tenant's quota and the key's
+token limit → route to a replica (prefix affinity, load, retry before the first token) → stream,
+telling the worker the tenant and priority band it schedules by → record usage off the request
+path, refund what the reservation did not use and give the sequences back.
+
+Why the request is charged first: tokenizing a megabyte prompt takes seconds of CPU, so a key
+limited to 5 requests a minute could otherwise send prompts that are refused as too long (400)
+without ever meeting its limit, as fast as the gateway tokenizes them (issue 53). Charged first,
+every request counts, refused or not, and past the limit it is a 429 before its prompt is read.
 
 Without an explicit max_tokens, the generation is capped so that its reservation fits what the
 key may spend in a minute and what the tenant has left this month: such a request is served
@@ -20,9 +28,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -49,6 +57,7 @@ from inferplane.control_plane.errors import (
 )
 from inferplane.control_plane.gateway.catalog import Catalog, ServedModel
 from inferplane.control_plane.gateway.metrics import GatewayMetrics
+from inferplane.control_plane.gateway.prompt_bound import byte_bound
 from inferplane.control_plane.gateway.tool_formats import tool_format
 from inferplane.control_plane.limits import KeyLimiter, KeyLimits, QuotaTracker
 from inferplane.control_plane.routing import (
@@ -61,6 +70,8 @@ from inferplane.control_plane.routing import (
 from inferplane.control_plane.routing.worker_channels import WorkerChannels
 from inferplane.control_plane.usage import UsageRecorder
 from inferplane.v1 import worker_pb2
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -102,6 +113,18 @@ class PreparedRequest:
     @property
     def choices(self) -> int:
         return len(self.prompts) * self.n
+
+
+# Above this many characters of text, a request's template rendering and tokenizing run on a thread:
+# below it they cost less than the hop (tokenizing 1,000 characters takes well under a millisecond),
+# above it they would hold the event loop every tenant needs (a megabyte: seconds). The tokenizer
+# releases the interpreter lock while it works (TextTokenizer.encode), so the loop runs meanwhile.
+OFF_LOOP_TEXT_CHARS = 1 << 10
+
+
+async def off_loop(large: bool, work: Callable[[], T]) -> T:
+    """`work()` on a thread when `large`, else here (the hop costs more than small work)."""
+    return await asyncio.to_thread(work) if large else work()
 
 
 def _band(principal: Principal, model: ServedModel) -> str:
@@ -168,20 +191,17 @@ class InferenceService:
                 check_template_kwargs(chat_template_kwargs)
             except ValueError as exc:
                 raise InvalidInput(str(exc), code="invalid_value", param="chat_template_kwargs") from exc
-            try:
-                if fmt is not None:
-                    prompt = model.tokenizer.apply_chat_template(tools.messages, add_generation_prompt=True,
-                                                                 tools=tools.tools,
-                                                                 template_kwargs=chat_template_kwargs)
-                else:
-                    prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                                 template_kwargs=chat_template_kwargs)
-            except ValueError as exc:
-                raise InvalidInput(str(exc), code="invalid_messages", param="messages") from exc
+        await self.charge_request(principal)
         if prompts is None:
             prompts = [list(prompt_ids) if prompt_ids is not None else prompt or ""]
+        chars = sum(len(p) for p in prompts if isinstance(p, str))
+        if messages is not None:
+            chars += sum(len(str(m.get("content") or "")) for m in messages)
+            chars += OFF_LOOP_TEXT_CHARS if tools is not None else 0  # tool schemas: rendered on a thread
+        large = chars > OFF_LOOP_TEXT_CHARS
+        token_lists = await off_loop(large, lambda: _tokenize(model, prompts, messages, fmt, tools,
+                                                              chat_template_kwargs, large))
         param = "messages" if messages is not None else "prompt"
-        token_lists = [list(p) if isinstance(p, list) else model.tokenizer.encode(p) for p in prompts]
         room = min(self._room(model, token_ids, max_tokens, param) for token_ids in token_lists)
         prompt_tokens = sum(len(t) for t in token_lists)
         choices = len(token_lists) * n
@@ -204,10 +224,22 @@ class InferenceService:
         await self.admit(prepared, sequences=1)
         return prepared
 
+    async def charge_request(self, principal: Principal) -> None:
+        """Before any work on the prompt: 429 if the tenant's monthly quota is used up, else the
+        request taken from the key's requests-per-minute (429 past it). Taken for good: a request
+        refused later (a prompt too long, a token limit) has still been one of the key's requests."""
+        with self._counted_refusal(principal):
+            if self.quota is not None and principal.tenant_id is not None:
+                self.quota.check(principal.tenant_id)
+            rpm = principal.requests_per_minute
+            if principal.key_id is not None and rpm is not None:
+                await self.limiter.admit(principal.key_id, KeyLimits(requests_per_minute=rpm), tokens=0)
+
     async def admit(self, prepared: PreparedRequest, *, sequences: int) -> None:
         """Holds the request's `sequences` against the key's and tenant's concurrency limits, then
         reserves `prepared.reserved` tokens against the tenant's quota and the key's token limit
-        (429 or 400 when refused, and nothing held then)."""
+        (429 or 400 when refused, and nothing held then). The request itself was charged to the
+        key's requests per minute before its prompt was tokenized (`charge_request`)."""
         principal = prepared.principal
         tenant = principal.tenant_id
         with self._counted_refusal(principal):
@@ -218,9 +250,11 @@ class InferenceService:
             try:
                 if self.quota is not None and tenant is not None:
                     self.quota.reserve(tenant, prepared.reserved)
-                if principal.key_id is not None:
+                tpm = principal.tokens_per_minute
+                if principal.key_id is not None and tpm is not None:
                     try:
-                        await self.limiter.admit(principal.key_id, _limits(principal), tokens=prepared.reserved)
+                        await self.limiter.admit(principal.key_id, KeyLimits(tokens_per_minute=tpm),
+                                                 tokens=prepared.reserved)
                     except BaseException:
                         if self.quota is not None and tenant is not None:
                             self.quota.release(tenant, prepared.reserved)
@@ -407,6 +441,35 @@ class InferenceService:
         hold, prepared.hold = prepared.hold, None
         if hold is not None:
             self.sequences.release(hold)
+
+
+def _tokenize(model: ServedModel, prompts: list[str | list[int]], messages: list[dict] | None, fmt: str | None,
+              tools: ChatTools | None, template_kwargs: dict[str, Any] | None, large: bool) -> list[list[int]]:
+    """Each prompt's token ids: `messages` through the chat template (then the one prompt), text
+    through the tokenizer, ids as they are. A large text that cannot fit the context is refused
+    without tokenizing it (prompt_bound.py; worked out here, on the thread of a large prompt)."""
+    param = "prompt"
+    if messages is not None:
+        param = "messages"
+        try:
+            if fmt is not None and tools is not None:
+                text = model.tokenizer.apply_chat_template(tools.messages, add_generation_prompt=True,
+                                                           tools=tools.tools, template_kwargs=template_kwargs)
+            else:
+                text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                           template_kwargs=template_kwargs)
+        except ValueError as exc:
+            raise InvalidInput(str(exc), code="invalid_messages", param="messages") from exc
+        prompts = [text]
+    bound = byte_bound(model.tokenizer) if large else None
+    texts = [p for p in prompts if isinstance(p, str)] if bound is not None else []
+    for text in texts:  # every prompt, before any is tokenized
+        if bound is not None and bound.cannot_fit(text, model.max_model_len - 1):
+            raise InvalidInput(f"This model's maximum context length is {model.max_model_len} tokens; the {param} "
+                               f"has at least {bound.min_tokens(text)} tokens "
+                               f"({len(text.encode('utf-8', 'surrogatepass'))} bytes).",
+                               code="context_length_exceeded", param=param)
+    return [list(p) if isinstance(p, list) else model.tokenizer.encode(p) for p in prompts]
 
 
 async def merged(streams: list[AsyncIterator[worker_pb2.GenerateResponse]],
