@@ -38,24 +38,27 @@ class AdapterProjection(nn.Module):
         batch = self.slots.batch
         if batch is None:
             return y
-        gathered: dict[int, torch.Tensor] = {}  # a slot's scattered rows of x, gathered once for every part
+        # Each slot's rows meet that slot's weights only (slots.py): no product reads another slot.
+        gathered = None if batch.order is None else x.index_select(0, batch.order)
         for offset, weights in self.parts:
             if not (weights.targeted & batch.slots):
                 continue
             width = weights.bt.shape[1]
             out = y if offset == 0 and width == y.shape[1] else y[:, offset:offset + width]
-            for group in batch.groups:  # each slot's rows meet that slot's weights only (slots.py)
-                if group.slot not in weights.targeted:
-                    continue
-                a, bt = weights.a[group.stacked], weights.bt[group.stacked]
-                rows = group.rows
-                if isinstance(rows, slice):
-                    out[rows].addmm_(torch.mm(x[rows], a.t()), bt)
-                    continue
-                xs = gathered.get(group.slot)
-                if xs is None:
-                    xs = gathered[group.slot] = x.index_select(0, rows)
-                out.index_add_(0, rows, torch.mm(torch.mm(xs, a.t()), bt))
+            if gathered is None:  # each slot's rows one run: added in place
+                for group in batch.groups:
+                    if group.slot in weights.targeted:
+                        a, bt = weights.a[group.stacked], weights.bt[group.stacked]
+                        out[group.rows].addmm_(torch.mm(x[group.rows], a.t()), bt)
+                continue
+            delta = y.new_empty(gathered.shape[0], width)
+            for group in batch.groups:
+                if group.slot in weights.targeted:
+                    a, bt = weights.a[group.stacked], weights.bt[group.stacked]
+                    torch.mm(torch.mm(gathered[group.rows], a.t()), bt, out=delta[group.rows])
+                else:
+                    delta[group.rows].zero_()
+            out.index_add_(0, batch.order, delta)
         return y
 
 

@@ -6,14 +6,16 @@ Layout, per served projection of each layer (`SlotWeights`): A [S*R, in] and Bt 
 S = max_loras and R = max_lora_rank. Slot s owns rows s*R .. s*R + R; an adapter of rank r < R
 fills the first r and leaves the rest zero, and a module the adapter does not target stays zero.
 A step's rows are tagged with their slot (-1: the base). For each slot s with rows in the step,
-its rows X_s (a slice where they are one run, else gathered by index) get
+its rows X_s (a slice where each slot's rows are one run, else gathered in slot order) get
 
     X_s @ A[s*R : s*R + r_s].T @ Bt[s*R : s*R + r_s]
 
-added to their own output rows. Why segmented rather than one masked product over all slots
-(((x @ A.T) * mask) @ Bt): a product reads every slot, and 0 x NaN (or 0 x inf) is NaN, so one
-adapter's non-finite weights (or an overflow in its shrink) reached every other row of the step;
-the segmented product reads a slot's weights only for that slot's rows. Tenant isolation holds by
+added to their own output rows: two small matmuls per slot in the step and projection.
+
+Why segmented rather than one masked product over all slots, ((x @ A.T) * mask) @ Bt: that product
+reads every slot, and 0 x NaN (or 0 x inf) is NaN, so one adapter's non-finite weights (or an
+overflow in its shrink) reached every other row of the step; the segmented product reads a slot's
+weights only for that slot's rows. Tenant isolation holds by
 construction, whatever a slot holds (validation, api/lora_manifest.py, is the other layer).
 
 Invariants:
@@ -46,25 +48,29 @@ class SlotWeights:
     targeted: set[int] = field(default_factory=set)  # slots whose adapter targets this projection
 
 
-RowSet = slice | torch.Tensor  # a step's rows of one slot: one run, or their indices (int64)
-
-
 @dataclass(frozen=True)
 class SlotRows:
     """One slot's share of a forward pass: which stacked rows of A/Bt are its adapter's, and which
-    of the step's rows run under it."""
+    of the step's rows run under it: `rows` where they are one run of the step, else positions
+    `start:end` of the step's adapter rows gathered in slot order (`AdapterBatch.order`)."""
 
     slot: int
     stacked: slice  # slot*R .. slot*R + the adapter's rank
-    rows: RowSet
+    rows: slice  # in the step (one run), or in the gathered rows
 
 
 @dataclass
 class AdapterBatch:
-    """One forward pass's rows, by slot: what every wrapped projection reads."""
+    """One forward pass's rows, by slot: what every wrapped projection reads.
+
+    `order` is None where each slot's rows are one run of the step (a prefill, or one adapter's
+    decode rows side by side): each slot's delta is added to its run in place. Otherwise `order`
+    lists the step's adapter rows in slot order: a projection gathers x's rows once, each slot's
+    delta fills its own span, and one index_add_ puts them back."""
 
     groups: list[SlotRows]  # per slot with rows in this step, by slot
     slots: frozenset[int]  # the slots with rows in this step
+    order: torch.Tensor | None = None  # int64 [adapter rows]: their rows of the step, in slot order
 
 
 @dataclass
@@ -186,18 +192,21 @@ class AdapterSlots:
         if not by_slot:
             self.batch = None
             return
-        groups = []
+        runs = all(rows[-1] - rows[0] + 1 == len(rows) for rows in by_slot.values())
+        groups, order, at = [], [], 0
         for slot, rows in sorted(by_slot.items()):
             adapter = self._adapter_in[slot]
             if adapter is None:
                 raise AssertionError(f"adapter slot {slot} has rows in a step but holds no adapter")
-            start = slot * self.max_rank
-            stacked = slice(start, start + adapter.rank)
-            if rows[-1] - rows[0] + 1 == len(rows):  # one run (a prefill, or rows kept together)
+            stacked = slice(slot * self.max_rank, slot * self.max_rank + adapter.rank)
+            if runs:
                 groups.append(SlotRows(slot, stacked, slice(rows[0], rows[-1] + 1)))
             else:
-                groups.append(SlotRows(slot, stacked, torch.tensor(rows, dtype=torch.long, device=self.device)))
-        self.batch = AdapterBatch(groups=groups, slots=frozenset(by_slot))
+                groups.append(SlotRows(slot, stacked, slice(at, at + len(rows))))
+                order.extend(rows)
+                at += len(rows)
+        gathered = None if runs else torch.tensor(order, dtype=torch.long, device=self.device)
+        self.batch = AdapterBatch(groups=groups, slots=frozenset(by_slot), order=gathered)
 
     def end(self) -> None:
         self.batch = None
