@@ -11,7 +11,13 @@ band:
 - `fan-out`: `n` = every slot, `max_tokens` 900;
 - `fan-out+logprobs`: the same with `logprobs`, `top_logprobs` 20;
 - `big-bodies`: unauthenticated 200 MB chunked POSTs to the admin API;
-- `backlog`: a steady backlog of long generations (twice as many as there are slots).
+- `backlog`: a steady backlog of long generations (twice as many as there are slots);
+- `adapter-poison`, `adapter-patterns` (issue 53, classes 1 and 2; bench/fairness_adapters.py):
+  the flooding tenant registers LoRA adapters with non-finite values, or with catastrophic
+  `alpha_pattern` / `rank_pattern` regexes, in a loop through the admin API, and chats on its own
+  adapter (and on any that got registered), while the interactive tenant alternates its own
+  adapter and the base; its greedy answers are also held to its answers alone. With either case
+  selected the worker has LoRA slots and the gateway a registry base and both tenants' adapters.
 
 It prints, per case, the interactive TTFT p50/p99, p99 under the flood over p99 alone (goal <= 2),
 and the `/healthz` p99 (goal <= 50 ms). Then the flooding tenant's throughput (completion tokens/s)
@@ -39,6 +45,7 @@ from dataclasses import dataclass, field
 import httpx
 
 CHAT = [{"role": "user", "content": "hello, how are you today?"}]
+ADAPTER_CASES = ("adapter-poison", "adapter-patterns")  # bench/fairness_adapters.py runs them
 PROBE_MAX_TOKENS = 4
 
 
@@ -249,7 +256,12 @@ def _row(name: str, p: Probe, h: Health, alone_p99: float) -> str:
             f"   /healthz p99 {h.pct(0.99):7.1f} ms   samples {len(p.ttft_ms)} errors {p.errors}")
 
 
-async def run(args: argparse.Namespace, t: Tenants) -> dict:
+def _adapter_cases(args: argparse.Namespace) -> list[str]:
+    """The adapter cases selected: all by default, as the other floods."""
+    return [n for n in args.cases or ADAPTER_CASES if n in ADAPTER_CASES]
+
+
+async def run(args: argparse.Namespace, t: Tenants, adapters=None) -> dict:
     slots = args.max_num_seqs
     results: dict = {"cases": {}}
     await probe(t, "interactive", 3)  # warm-up: connections, the first request's one-time costs
@@ -260,11 +272,15 @@ async def run(args: argparse.Namespace, t: Tenants) -> dict:
     print(_row("alone", alone, health, alone.pct(0.99)), flush=True)
     results["alone"] = {"p50": alone.pct(0.5), "p99": alone.pct(0.99), "healthz_p99": health.pct(0.99)}
     cases = flood_cases(slots)
-    for name in args.cases or list(cases):
+    for name in [n for n in args.cases or list(cases) if n not in ADAPTER_CASES]:
         p, h = await measure(t, "interactive", args.samples, cases[name], args.warmup)
         print(_row(name, p, h, alone.pct(0.99)), flush=True)
         results["cases"][name] = {"p50": p.pct(0.5), "p99": p.pct(0.99), "healthz_p99": h.pct(0.99),
                                   "ratio": p.pct(0.99) / alone.pct(0.99), "errors": p.errors}
+    if adapters is not None:
+        from inferplane.bench.fairness_adapters import run_cases
+
+        await run_cases(args, t, adapters, _adapter_cases(args), results)
     copies = 2 * slots
     by_itself = await throughput(t, "flood", copies, args.throughput_seconds)
     with_probe = await throughput(t, "flood", copies, args.throughput_seconds,
@@ -309,19 +325,29 @@ def main(argv: list[str] | None = None) -> int:
     model = _model_dir(args.model_dir)
     logs = args.logs or tempfile.mkdtemp(prefix="inferplane-bench-fairness-")
     os.makedirs(logs, exist_ok=True)
+    adapters = None
+    if _adapter_cases(args):
+        from pathlib import Path
+
+        from inferplane.bench.fairness_adapters import AdapterSetup
+
+        adapters = AdapterSetup.prepare(Path(logs) / "adapters", model)
     port = free_port()
     worker = start_worker(model, port, "--runtime", args.runtime, "--max-num-seqs", str(args.max_num_seqs),
-                          "--max-model-len", "1024", log_path=os.path.join(logs, "worker.log"))
+                          "--max-model-len", "1024", *(adapters.worker_args() if adapters else ()),
+                          log_path=os.path.join(logs, "worker.log"))
     gateway = None
     try:
         address = f"127.0.0.1:{port}"
         wait_serving(address, worker)
         tenants = ("interactive", "flood", "critical:critical", "batch:batch")
         gateway = start_gateway([address], log_path=os.path.join(logs, "gateway.log"),
-                                extra=tuple(arg for name in tenants for arg in ("--tenant", name)))
+                                extra=tuple(arg for name in tenants for arg in ("--tenant", name))
+                                + (adapters.gateway_args() if adapters else ()))
         print(f"tiny model, {args.runtime} runtime, {args.max_num_seqs} slots; {os.cpu_count()} CPUs; "
               f"logs: {logs}", flush=True)
-        results = asyncio.run(run(args, Tenants(gateway.base_url, gateway.keys, "tiny")))
+        results = asyncio.run(run(args, Tenants(gateway.base_url, gateway.keys, "tiny"),
+                                  adapters.with_keys(gateway) if adapters else None))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2)

@@ -7,6 +7,13 @@ process creates a tenant and an API key in a throwaway SQLite database, routes o
 to the given worker addresses (one deployment, so a dead replica's requests move to a sibling),
 publishes the model with the tokenizer the first worker reports, and prints one JSON line with the
 key and ports. SIGTERM or SIGINT stops it cleanly.
+
+For LoRA adapters (`inferplane bench fairness`'s adapter cases) it can also register the served
+model's weights in the registry (`--register-base`: the catalog then binds adapters to them, as
+the cluster sync does), tenants' private adapters (`--adapter`, as `inferplane models
+register-adapter --tenant` does), give a tenant an admin key (`--tenant-admin`) and the platform
+a bootstrap admin key (`--bootstrap-admin`), and let the admin API register server paths under
+`--model-root`.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -82,6 +90,8 @@ class GatewayProcess:
     port: int
     grpc_port: int
     keys: dict[str, str] = field(default_factory=dict)  # tenant -> its key (`--tenant`)
+    admin_keys: dict[str, str] = field(default_factory=dict)  # tenant -> its admin key (`--tenant-admin`)
+    admin_key: str = ""  # the platform's bootstrap admin key (`--bootstrap-admin`)
 
     @property
     def base_url(self) -> str:
@@ -120,7 +130,8 @@ def start_gateway(workers: list[str], *, log_path: str | None = None, timeout: f
             raise RuntimeError(f"gateway exited with {proc.wait()} before it was ready (log: {log_path})")
         if line.startswith("{"):
             ready = json.loads(line)
-            return GatewayProcess(proc, ready["key"], ready["port"], ready["grpc_port"], ready.get("keys", {}))
+            return GatewayProcess(proc, ready["key"], ready["port"], ready["grpc_port"], ready.get("keys", {}),
+                                  ready.get("admin_keys", {}), ready.get("admin_key", ""))
     proc.kill()
     raise TimeoutError("gateway not ready in time")
 
@@ -136,6 +147,33 @@ def _create_key(gateway, tenant: str = TENANT, priority: str | None = None) -> s
     return created.secret
 
 
+def _create_admin_key(gateway, tenant: str) -> str:
+    """A key of `tenant`'s with the admin scope: what its tenant admin calls the admin API with."""
+    from inferplane.control_plane import auth
+
+    with gateway.sessions.begin() as session:
+        created = auth.create_key(session, tenant, actor="bench", scopes=(*auth.DEFAULT_SCOPES, auth.SCOPE_ADMIN))
+    return created.secret
+
+
+def _register_weights(gateway, args: argparse.Namespace) -> frozenset[str]:
+    """`--register-base` and `--adapter`: the base in the registry (its digest is what adapters bind
+    to) and each tenant's private adapter, checked against it as the CLI's register-adapter does."""
+    from inferplane.control_plane import registry
+
+    if not args.register_base:
+        if args.adapter:
+            raise SystemExit("--adapter needs --register-base")
+        return frozenset()
+    with gateway.sessions.begin() as session:
+        base = registry.register_model(session, args.register_base, actor="bench", name=args.served_model_name)
+        for spec in args.adapter:
+            tenant, name, path = spec.split("=", 2)
+            registry.register_adapter(session, path, actor="bench", base=base.ref, name=name,
+                                      owner_tenant_id=tenant)
+    return frozenset({base.sha256})
+
+
 async def _serve(args: argparse.Namespace) -> int:
     from inferplane.control_plane.gateway.catalog import ServedModel
     from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
@@ -143,23 +181,29 @@ async def _serve(args: argparse.Namespace) -> int:
     from inferplane.v1 import worker_pb2
 
     with tempfile.TemporaryDirectory(prefix="inferplane-gw-") as home:
+        admin_key = secrets.token_urlsafe(32) if args.bootstrap_admin else None
         settings = GatewaySettings(db_url=f"sqlite:///{home}/gateway.db", port=args.port, grpc_port=args.grpc_port,
                                    health_poll_interval=args.health_poll_interval,
-                                   drain_grace_seconds=args.drain_grace_seconds)
+                                   drain_grace_seconds=args.drain_grace_seconds,
+                                   model_roots=tuple(args.model_root), bootstrap_key=admin_key)
         gateway = Gateway(settings)
         key = _create_key(gateway)  # before start(): the key cache loads it on its first refresh
         keys = {}
         for spec in args.tenant:
             name, _, band = spec.partition(":")
             keys[name] = _create_key(gateway, name, band or None)
+        admin_keys = {name: _create_admin_key(gateway, name) for name in args.tenant_admin}
+        weights_sha256 = _register_weights(gateway, args)  # before start(): the adapter sync's first read
         await gateway.start()
         try:
             info = await gateway.channels.stub(args.worker[0]).Info(worker_pb2.InfoRequest(), timeout=30)
             deployment = Deployment(args.served_model_name, StaticEndpointSource(args.worker),
                                     block_size=info.block_size, max_outstanding=args.max_outstanding)
             gateway.router.set_route(args.served_model_name, [deployment])
-            gateway.catalog.put(ServedModel.from_info(args.served_model_name, info, cache_isolation="shared"))
-            print(json.dumps({"key": key, "keys": keys, "port": args.port, "grpc_port": args.grpc_port}), flush=True)
+            gateway.catalog.put(ServedModel.from_info(args.served_model_name, info, cache_isolation="shared",
+                                                      weights_sha256=weights_sha256))
+            print(json.dumps({"key": key, "keys": keys, "admin_keys": admin_keys, "admin_key": admin_key or "",
+                              "port": args.port, "grpc_port": args.grpc_port}), flush=True)
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -183,6 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--drain-grace-seconds", type=float, default=30.0)
     serve.add_argument("--tenant", action="append", default=[],
                        help="NAME[:BAND] another tenant with a key of its own (repeatable); BAND: api/priority.py")
+    serve.add_argument("--tenant-admin", action="append", default=[], metavar="NAME",
+                       help="also give this --tenant an admin key, its tenant admin's (repeatable)")
+    serve.add_argument("--bootstrap-admin", action="store_true", help="a bootstrap (platform) admin key, printed")
+    serve.add_argument("--model-root", action="append", default=[],
+                       help="a folder the admin API registers server paths from (repeatable)")
+    serve.add_argument("--register-base", default=None, metavar="PATH",
+                       help="register the served model's weights (this folder) in the registry, for adapters")
+    serve.add_argument("--adapter", action="append", default=[], metavar="TENANT=NAME=PATH",
+                       help="a tenant's private LoRA adapter, registered for --register-base (repeatable)")
     args = parser.parse_args(argv)
     return aio.run(_serve(args))
 
