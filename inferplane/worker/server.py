@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from inferplane.api.lora_manifest import AdapterError
 from inferplane.v1 import worker_pb2, worker_pb2_grpc
 from inferplane.worker.async_engine import AsyncEngine
 from inferplane.worker.embedding.batcher import EmbeddingBatcher
@@ -156,11 +157,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self.state.adapter_source
 
     async def _adapter(self, request: worker_pb2.GenerateRequest):
-        """The request's adapter, fetched and read on a worker thread (None: the base)."""
+        """The request's adapter, fetched and read on a worker thread (None: the base). A refusal
+        names the request's `model` field first (it named the adapter): the gateway's 400 param."""
         if not request.HasField("adapter"):
             return None
         ref = request.adapter
-        return await asyncio.to_thread(self._adapter_source().adapter, ref.name, ref.uri, ref.sha256)
+        try:
+            return await asyncio.to_thread(self._adapter_source().adapter, ref.name, ref.uri, ref.sha256)
+        except AdapterError as exc:
+            raise ValueError(f"model: {exc}") from None
 
     async def Generate(self, request, context):
         engine = await self._engine(context)

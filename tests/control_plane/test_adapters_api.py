@@ -164,3 +164,21 @@ async def test_adapters_are_served_listed_isolated_counted_and_rolled(gateway, a
             before.append(first.choices[0].text + "".join([chunk.choices[0].text async for chunk in stream
                                                            if chunk.choices]))
     assert before == [answers["support-v1"]] * 3 and after == [answers["support-v2"]] * 2
+
+
+async def test_an_adapter_above_the_replicas_rank_is_a_400_naming_the_model_field(gateway, adapters) -> None:
+    """The registry cannot know a deployment's maxLoraRank; the replica refuses the adapter at request
+    time with a 400 whose param is the request's `model` (the adapter), not an internal error."""
+    root, _, _ = adapters
+    config = read_model_config(builtin_model_path("smollm2-135m"))
+    wide = write_random_adapter(root / "wide-bot", config, 16, ["q_proj"], seed=9)  # the worker's max: 8
+    with gateway.sessions.begin() as session:
+        registry.register_adapter(session, wide, actor="test", base="smollm2-135m")
+    gateway.adapters.refresh()
+    async with client(gateway, new_key(gateway, "initech")) as c:
+        for _ in range(2):  # the second refused from the worker's memory of the first
+            with pytest.raises(openai.BadRequestError) as err:
+                await complete(c, "wide-bot")
+            body = err.value.body
+            assert body["param"] == "model", body
+            assert "adapter 'wide-bot'" in body["message"] and "rank 16, above max_lora_rank 8" in body["message"]

@@ -139,3 +139,83 @@ def test_an_adapter_of_the_builtin_gguf_model(sessions: Sessions, tmp_path: Path
     (folder / "adapter_model.safetensors").write_bytes(b"changed")
     with sessions.begin() as s:
         assert verify_model(s, ALL_TENANTS, "smol-bot", actor="test").status == "failed"
+
+
+def _broken(kind: str, good: str, folder: Path) -> Path:
+    """A copy of a good adapter broken one way a tenant might break it."""
+    import json
+    import math
+    import os
+    import shutil
+    import struct
+
+    shutil.copytree(good, folder)
+    weights, config = folder / "adapter_model.safetensors", folder / "adapter_config.json"
+    settings = json.loads(config.read_text())
+    if kind in ("nan", "inf"):
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(weights))
+        half = "lora_B" if kind == "nan" else "lora_A"
+        next(t for n, t in sorted(tensors.items()) if half in n).view(-1)[5] = math.nan if kind == "nan" else math.inf
+        save_file(tensors, str(weights))
+    elif kind == "alpha-infinity":
+        config.write_text(json.dumps({**settings, "lora_alpha": math.inf}))  # written as Infinity
+    elif kind == "alpha-bool":
+        config.write_text(json.dumps({**settings, "lora_alpha": True}))
+    elif kind == "pattern":
+        config.write_text(json.dumps({**settings, "alpha_pattern": {"(?<=self_attn\\.)q_proj": 4}}))
+    elif kind == "rank-pattern":
+        config.write_text(json.dumps({**settings, "rank_pattern": {"q_proj(": 4}}))
+    elif kind in ("fifo-config", "fifo-weights"):
+        target = config if kind == "fifo-config" else weights
+        target.unlink()
+        os.mkfifo(target)
+    elif kind == "rank-2^40":  # the header claims a rank the bytes cannot hold
+        raw = weights.read_bytes()
+        (length,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + length])
+        name = next(n for n in sorted(header) if "lora_A" in n)
+        header[name]["shape"][0] = 2**40
+        text = json.dumps(header).encode()
+        weights.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length:])
+    elif kind == "header-26mb":
+        weights.write_bytes(struct.pack("<Q", 26 << 20) + b"{" + b" " * (26 << 20))
+    return folder
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("nan", "holds an infinity or a NaN"),
+    ("inf", "holds an infinity or a NaN"),
+    ("alpha-infinity", "lora_alpha must be a finite number"),
+    ("alpha-bool", "lora_alpha must be a number, not bool"),
+    ("pattern", "alpha_pattern: the key '(?<=self_attn\\\\.)q_proj' is not a pattern served here"),
+    ("rank-pattern", "rank_pattern: the key 'q_proj(' is not a pattern served here"),
+    ("fifo-config", "adapter_config.json is not a regular file"),
+    ("fifo-weights", "adapter_model.safetensors is not a regular file"),
+    ("rank-2^40", "lora_A.weight: shape must be a list of at most 4 whole numbers"),
+    ("header-26mb", "its header is 27262976 bytes; at most 1048576 are read"),
+])
+def test_a_tenants_broken_adapter_is_refused_naming_what_and_nothing_is_recorded(
+        sessions: Sessions, folders, base: str, tmp_path: Path, kind: str, words: str) -> None:
+    """Validated whole at registration (api/lora_manifest.py): nothing that would fail or misbehave
+    at use (non-finite weights, a file the format does not allow, a pattern Python's re would
+    backtrack on or RE2 does not take, a FIFO that would hang the thread) is recorded as verified."""
+    folder = _broken(kind, folders["support"], tmp_path / kind)
+    with sessions.begin() as s:
+        with pytest.raises(InvalidInput) as err:
+            register_adapter(s, folder, actor="test", base="tiny", name="broken")
+    assert err.value.status == 400 and err.value.param == "source"
+    assert str(err.value).startswith("adapter 'broken': ") and words in str(err.value), str(err.value)
+    with sessions() as s:
+        assert list_adapters(s) == []
+
+
+def test_a_nul_byte_in_the_source_or_name_is_a_400_naming_it(sessions: Sessions, folders, base: str) -> None:
+    with sessions.begin() as s:
+        for source, name, param in ((folders["support"] + "\x00x", None, "source"),
+                                    ("https://example.com/a\x00b/", None, "source"),
+                                    (folders["support"], "bot\x00", "name")):
+            with pytest.raises(InvalidInput) as err:
+                register_adapter(s, source, actor="test", base="tiny", name=name)
+            assert err.value.status == 400 and err.value.param == param and "NUL byte" in str(err.value)

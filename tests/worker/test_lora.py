@@ -180,11 +180,12 @@ def test_adapters_that_do_not_fit_are_refused_naming_what(lora_setup, tmp_path):
     assert not llm.engine.has_unfinished() and llm.stats()["lora_slots_pinned"] == 0
 
 
-def test_worker_serves_adapters_by_uri_over_grpc(lora_setup):
+def test_worker_serves_adapters_by_uri_over_grpc(lora_setup, tmp_path):
     """The worker process: one adapter preloaded (in its slot before the worker serves), requests
     name their adapter by URI and digest; rows of two adapters and the base stream concurrently,
-    each with its merged model's tokens; a digest that does not match is an INVALID_ARGUMENT naming
-    the adapter."""
+    each with its merged model's tokens; a digest that does not match, a rank above the replica's
+    max_lora_rank and a NaN in the weights are each an INVALID_ARGUMENT naming the request's model
+    field and the adapter (the gateway's 400 with param "model"), never an internal error."""
     import grpc
 
     from inferplane.storage.digest import digest
@@ -222,7 +223,26 @@ def test_worker_serves_adapters_by_uri_over_grpc(lora_setup):
         with pytest.raises(grpc.RpcError) as err:
             list(generate(prompts[0], adapters[2], sha256="0" * 64))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "adapter 'adapter2'" in err.value.details()
+        assert err.value.details().startswith("model: adapter 'adapter2': digest mismatch")
+        from safetensors.torch import load_file, save_file
+
+        from inferplane.api.model_config import read_model_config
+        from inferplane.bench.lora import write_random_adapter
+
+        wide = write_random_adapter(tmp_path / "wide", read_model_config(base), 32, ["q_proj"], seed=5)
+        nan = tmp_path / "nan"
+        shutil.copytree(adapters[0], nan)
+        tensors = load_file(str(nan / "adapter_model.safetensors"))
+        next(t for n, t in sorted(tensors.items()) if "lora_B" in n).view(-1)[0] = float("nan")
+        save_file(tensors, str(nan / "adapter_model.safetensors"))
+        for folder, words in ((str(wide), "has rank 32, above max_lora_rank 16"),
+                              (str(nan), "holds an infinity or a NaN")):
+            for _ in range(2):  # the second answered from the refusal the worker keeps
+                with pytest.raises(grpc.RpcError) as err:
+                    list(generate(prompts[0], folder))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert err.value.details().startswith(f"model: adapter '{os.path.basename(folder)}': ")
+                assert words in err.value.details()
         stats = stub.Stats(worker_pb2.StatsRequest()).values
         assert stats["lora_loads_total"] == 2 and stats["lora_slots"] == 2
     finally:

@@ -4,8 +4,10 @@ base model version it was checked against.
 Registering reads the adapter's files once (api/lora_manifest.py, the rule every replica applies
 before loading it) and the base's config (api/model_config.py, the workers' own reading), and
 refuses an adapter that does not fit its base with a 400 naming what (target module, shapes, rank,
-an unserved PEFT setting); nothing is recorded then. The row keeps the base's reference and digest:
-an adapter is served only by replicas of that very base version.
+an unserved PEFT setting, a malformed weights file, a non-finite value, a pattern RE2 does not
+take); nothing is recorded then. Every tensor is read once to check its values: an adapter whose
+weights hold an infinity or a NaN is never recorded as verified. The row keeps the base's reference
+and digest: an adapter is served only by replicas of that very base version.
 
 Names, versions and visibility follow the models' rules (records.claim_name): adapters and models
 share one namespace per tenant, a tenant's adapters are private to it, the platform's are public.
@@ -103,6 +105,10 @@ def register_adapter(
     the platform's; a platform adapter to platform models only. Raises InvalidInput (400) naming
     what does not fit, NotFound (404) for a base the caller cannot see, ModelNotReady (409) for an
     unverified base, Conflict for a taken name or version."""
+    if "\x00" in str(source):
+        raise InvalidInput("source must not hold a NUL byte", param="source")
+    if name is not None and "\x00" in name:
+        raise InvalidInput("name must not hold a NUL byte", param="name")
     if expected_sha256 is not None:
         expected_sha256 = expected_sha256.lower()
         if not SHA256_RE.match(expected_sha256):
@@ -122,6 +128,7 @@ def register_adapter(
     try:
         manifest = read_manifest(folder, name)
         manifest.check(BaseShape.of(read_model_config(_base_files(base_info, cache_root))))
+        manifest.check_values()  # last: the one step that reads every byte
     except AdapterError as e:
         raise InvalidInput(str(e), param="source") from None
     except ModelLoadError as e:

@@ -1,17 +1,18 @@
 """A LoRA adapter loaded for the engine: its PEFT files read and checked against the base by the
-rule the registry applies (api/lora_manifest.py), then its tensors read.
+rule the registry applies (api/lora_manifest.py), then its tensors read (once, by that module's
+reader, which checks the very bytes loaded to be finite).
 
 Invariants of a `LoraAdapter`:
 - `weights[(layer, module)] = (A [r, in], B_scaled [out, r])` with B already multiplied by the
   adapter's scaling (lora_alpha / r, or / sqrt(r) with rsLoRA; per module where alpha_pattern
   says so), so serving it is x @ A.T @ B_scaled.T added to the base projection.
+- every value is finite in the engine's dtype (a scaling that overflows it is refused here).
 - it fits the base (api/lora_manifest.AdapterManifest.check) at the engine's max_lora_rank.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -26,7 +27,6 @@ from inferplane.api.lora_manifest import (
     read_manifest,
 )
 from inferplane.api.model_config import ModelConfig
-from inferplane.storage.digest import sha256_file
 
 __all__ = ["ATTENTION_MODULES", "CONFIG_FILE", "MLP_MODULES", "SERVED_MODULES", "WEIGHTS_FILE", "AdapterError",
            "LoraAdapter", "LoraRequest", "load_adapter", "module_shape"]
@@ -43,6 +43,9 @@ class LoraRequest:
     def __post_init__(self) -> None:
         if not self.name:
             raise AdapterError("adapter: the name must not be empty")
+        if "\x00" in self.name or "\x00" in self.path:
+            shown = self.name.replace("\x00", "?")
+            raise AdapterError(f"adapter {shown!r}: the name and path must not hold a NUL byte")
 
 
 @dataclass
@@ -63,19 +66,23 @@ def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
     return BaseShape.of(config).module_shape(module)
 
 
+_TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
 def load_adapter(request: LoraRequest, base: ModelConfig, max_rank: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> LoraAdapter:
     """The adapter at `request.path`, checked against `base`; AdapterError naming what does not fit."""
-    from safetensors import safe_open
-
     manifest = read_manifest(request.path, request.name)
     manifest.check(BaseShape.of(base), max_rank)
-    weights_path = Path(request.path) / WEIGHTS_FILE
-    digest = sha256_file(weights_path)
+    digest = manifest.weights_sha256()
+    tensors = {name: torch.frombuffer(data, dtype=_TORCH_DTYPES[info.dtype]).reshape(info.shape)
+               for name, info, data in manifest.read_tensors()}
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    with safe_open(str(weights_path), framework="pt") as handle:
-        for key, entry in manifest.modules.items():
-            a, b = handle.get_tensor(entry.a_key), handle.get_tensor(entry.b_key)
-            weights[key] = (a.to(device=device, dtype=dtype), (b.double() * entry.scaling).to(device=device,
-                                                                                              dtype=dtype))
+    for (layer, module), entry in manifest.modules.items():
+        a = tensors[entry.a_key].to(device=device, dtype=dtype)
+        b = (tensors[entry.b_key].double() * entry.scaling).to(device=device, dtype=dtype)
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(f"adapter {request.name!r}: layer {layer} {module}: its weights (lora_B times the "
+                               f"scaling {entry.scaling:g}) overflow this replica's {str(dtype).split('.')[-1]}")
+        weights[(layer, module)] = (a, b)
     return LoraAdapter(name=request.name, digest=digest, rank=manifest.rank, weights=weights)
