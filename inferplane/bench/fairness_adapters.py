@@ -293,6 +293,11 @@ class Answers:
     def mismatches(self, reference: dict[str, str]) -> dict[str, int]:
         return {model: sum(text != reference.get(model) for text in texts) for model, texts in self.texts.items()}
 
+    def first_differing(self, reference: dict[str, str]) -> dict[str, str]:
+        """Per model, the first answer that differs from its reference ("<error>": the request failed)."""
+        return {model: next(t for t in texts if t != reference.get(model))
+                for model, texts in self.texts.items() if any(t != reference.get(model) for t in texts)}
+
 
 async def _answer(client: httpx.AsyncClient, t: Tenants, model: str) -> tuple[float, str]:
     """(ms to the first content chunk, the whole greedy answer) of one streamed chat."""
@@ -411,10 +416,13 @@ async def run_cases(args: argparse.Namespace, t: Tenants, setup: AdapterSetup, c
         mismatches = answers.mismatches(reference)
         print("      interactive answers differing from alone: "
               + ", ".join(f"{m} {n} of {len(answers.texts[m])}" for m, n in mismatches.items()), flush=True)
+        differing = answers.first_differing(reference)
+        if differing:
+            print("      e.g. " + ", ".join(f"{m} {text!r}" for m, text in differing.items()), flush=True)
         results.setdefault("cases", {})[case] = {
             "p50": answers.probe.pct(0.5), "p99": answers.probe.pct(0.99), "healthz_p99": h.pct(0.99),
             "ratio": ratio, "errors": answers.probe.errors, "alone_p99": alone.probe.pct(0.99),
-            "mismatches": mismatches,
+            "mismatches": mismatches, "first_differing": differing,
             "registrations": {label: {who: {str(k): v for k, v in c.items()} for who, c in by.items()}
                               for label, by in report.registrations.items()},
             "registration_ms_max": {label: max(ms) for label, ms in report.registration_ms.items() if ms},

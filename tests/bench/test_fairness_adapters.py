@@ -185,3 +185,12 @@ def test_the_harness_serves_each_tenant_its_adapter_and_refuses_poisoned_ones(tm
         if gateway is not None:
             gateway.stop()
         stop_worker(worker)
+
+
+def test_answers_count_every_answer_that_differs_from_alone() -> None:
+    from inferplane.bench.fairness_adapters import Answers
+
+    answers = Answers(texts={"tiny": ["abc", "abc", "", "<error>"], "bot": ["xyz", "xyz"]})
+    reference = {"tiny": "abc", "bot": "xyz"}
+    assert answers.mismatches(reference) == {"tiny": 2, "bot": 0}
+    assert answers.first_differing(reference) == {"tiny": ""}
