@@ -12,6 +12,10 @@ band:
 - `fan-out+logprobs`: the same with `logprobs`, `top_logprobs` 20;
 - `big-bodies`: unauthenticated 200 MB chunked POSTs to the admin API;
 - `backlog`: a steady backlog of long generations (twice as many as there are slots);
+- `slow-heads` (issue 53, class 5): 64 connections, half dribbling a header a byte every 100 ms,
+  half sending a 64 MiB header a MiB at a time, each reconnecting when the gateway closes it;
+- `refused-prompts` (issue 53, class 6): a key limited to 5 requests a minute sends 1 MiB chat
+  prompts, far over the context, 4 at once in a loop (400s, then 429s);
 - `adapter-poison`, `adapter-patterns` (issue 53, classes 1 and 2; bench/fairness_adapters.py):
   the flooding tenant registers LoRA adapters with non-finite values, or with catastrophic
   `alpha_pattern` / `rank_pattern` regexes, in a loop through the admin API, and chats on its own
@@ -45,6 +49,7 @@ from dataclasses import dataclass, field
 import httpx
 
 CHAT = [{"role": "user", "content": "hello, how are you today?"}]
+LIMITED = "limited"  # a tenant whose key may send 5 requests a minute (`refused-prompts`)
 ADAPTER_CASES = ("adapter-poison", "adapter-patterns")  # bench/fairness_adapters.py runs them
 PROBE_MAX_TOKENS = 4
 
@@ -131,12 +136,14 @@ async def poll_health(base_url: str, stop: asyncio.Event, health: Health) -> Non
 @dataclass(frozen=True)
 class Flood:
     """What the flooding tenant sends, `copies` at once, again as soon as each is answered: a chat
-    with `extra` fields, or (`body_mb`) an unauthenticated chunked POST of that many MiB."""
+    with `extra` fields, or (`body_mb`) an unauthenticated chunked POST of that many MiB, or
+    (`heads`) request heads that never end: half dribbled, half huge."""
 
     tenant: str
     copies: int
     extra: dict = field(default_factory=dict)
     body_mb: int = 0
+    heads: bool = False
 
 
 def flood_cases(slots: int) -> dict[str, Flood]:
@@ -148,7 +155,33 @@ def flood_cases(slots: int) -> dict[str, Flood]:
         "fan-out+logprobs": Flood("flood", 1, {"n": slots, "max_tokens": 900, "logprobs": True, "top_logprobs": 20}),
         "big-bodies": Flood("flood", 2, body_mb=200),
         "backlog": Flood("flood", 2 * slots, {"max_tokens": 900}),
+        "slow-heads": Flood("flood", 64, heads=True),
+        "refused-prompts": Flood(LIMITED, 4, {"messages": [{"role": "user", "content": "word " * 200_000}],
+                                              "max_tokens": 1}),
     }
+
+
+async def _unfinished_head(base_url: str, slow: bool) -> None:
+    """One connection's head that never ends: a byte every 100 ms, or a MiB at a time up to 64 MiB;
+    returns when the gateway closes the connection (or the head is all sent)."""
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    closed = asyncio.ensure_future(reader.read())  # done once the gateway has answered and closed
+    closed.add_done_callback(lambda f: f.cancelled() or f.exception())  # a reset is expected, not news
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\nx-pad: ")
+        for _ in range(600 if slow else 64):  # slow: a minute, longer than any head may take
+            writer.write(b"a" if slow else b"a" * (1 << 20))
+            await writer.drain()
+            if slow:
+                await asyncio.sleep(0.1)
+            if closed.done():
+                break
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        closed.cancel()
+        writer.close()
 
 
 async def _flood_loop(t: Tenants, flood: Flood, stop, served: list[tuple[float, int]]) -> None:
@@ -165,11 +198,13 @@ async def _flood_loop(t: Tenants, flood: Flood, stop, served: list[tuple[float, 
 
     limits = httpx.Limits(max_connections=flood.copies + 4, max_keepalive_connections=flood.copies + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        async def loop() -> None:
+        async def loop(index: int) -> None:
             while not stop.is_set():
                 tokens = 0
                 try:
-                    if flood.body_mb:
+                    if flood.heads:
+                        await _unfinished_head(t.base_url, slow=index % 2 == 0)
+                    elif flood.body_mb:
                         await client.post(f"{t.base_url}/admin/v1/tenants", content=chunks(), headers=headers)
                     else:
                         response = await client.post(f"{t.base_url}/v1/chat/completions", content=body,
@@ -184,7 +219,7 @@ async def _flood_loop(t: Tenants, flood: Flood, stop, served: list[tuple[float, 
             while not stop.is_set():
                 await asyncio.sleep(0.05)
 
-        tasks = [asyncio.create_task(loop()) for _ in range(flood.copies)]
+        tasks = [asyncio.create_task(loop(i)) for i in range(flood.copies)]
         await watch()
         for task in tasks:
             task.cancel()  # a cancelled request disconnects: the gateway and worker drop it
@@ -340,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         address = f"127.0.0.1:{port}"
         wait_serving(address, worker)
-        tenants = ("interactive", "flood", "critical:critical", "batch:batch")
+        tenants = ("interactive", "flood", "critical:critical", "batch:batch", f"{LIMITED},rpm=5")
         gateway = start_gateway([address], log_path=os.path.join(logs, "gateway.log"),
                                 extra=tuple(arg for name in tenants for arg in ("--tenant", name))
                                 + (adapters.gateway_args() if adapters else ()))

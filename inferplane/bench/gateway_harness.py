@@ -138,12 +138,14 @@ def start_gateway(workers: list[str], *, log_path: str | None = None, timeout: f
 
 # -- the serving process ---------------------------------------------------------------------------
 
-def _create_key(gateway, tenant: str = TENANT, priority: str | None = None) -> str:
+def _create_key(gateway, tenant: str = TENANT, priority: str | None = None,
+                requests_per_minute: int | None = None) -> str:
     from inferplane.control_plane import auth, tenants
 
     with gateway.sessions.begin() as session:
         tenants.create_tenant(session, tenant, actor="bench", priority=priority)
-        created = auth.create_key(session, tenant, actor="bench", scopes=auth.DEFAULT_SCOPES)
+        created = auth.create_key(session, tenant, actor="bench", scopes=auth.DEFAULT_SCOPES,
+                                  requests_per_minute=requests_per_minute)
     return created.secret
 
 
@@ -190,8 +192,9 @@ async def _serve(args: argparse.Namespace) -> int:
         key = _create_key(gateway)  # before start(): the key cache loads it on its first refresh
         keys = {}
         for spec in args.tenant:
+            spec, _, rpm = spec.partition(",rpm=")
             name, _, band = spec.partition(":")
-            keys[name] = _create_key(gateway, name, band or None)
+            keys[name] = _create_key(gateway, name, band or None, int(rpm) if rpm else None)
         admin_keys = {name: _create_admin_key(gateway, name) for name in args.tenant_admin}
         weights_sha256 = _register_weights(gateway, args)  # before start(): the adapter sync's first read
         await gateway.start()
@@ -226,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--health-poll-interval", type=float, default=2.0)
     serve.add_argument("--drain-grace-seconds", type=float, default=30.0)
     serve.add_argument("--tenant", action="append", default=[],
-                       help="NAME[:BAND] another tenant with a key of its own (repeatable); BAND: api/priority.py")
+                       help="NAME[:BAND][,rpm=N] another tenant with a key of its own (repeatable); BAND: "
+                            "api/priority.py; N: the key's requests per minute")
     serve.add_argument("--tenant-admin", action="append", default=[], metavar="NAME",
                        help="also give this --tenant an admin key, its tenant admin's (repeatable)")
     serve.add_argument("--bootstrap-admin", action="store_true", help="a bootstrap (platform) admin key, printed")
