@@ -82,3 +82,20 @@ def test_an_embedding_deployment_has_no_kv_cache_to_size() -> None:
     assert resolved.engine["kv_cache_memory"] is None and "--kv-cache-memory" not in resolved.engine_args()
     assert resolved.reason.startswith("auto: kind embedding")
     assert resolved.engine["max_num_seqs"] == PRESETS["embedding"].max_num_seqs
+
+
+@pytest.mark.parametrize(("memory", "ok"), [("1Gi", False), ("1000Mi", False), ("1535Mi", False),
+                                            ("1536Mi", True), ("2Gi", True), ("1.5Gi", True)])
+def test_a_worker_needs_more_memory_than_its_runtime_takes(memory: str, ok: bool) -> None:
+    """Issue 53: below api.deployment.MIN_WORKER_MEMORY no model can start (the worker process
+    alone takes about 1 GiB; api/footprint.py); the spec is refused naming resources.memory. What a
+    model needs beyond it the worker checks against its own footprint at start."""
+    from inferplane.api.deployment import SpecError
+
+    spec = {"model": {"name": "m"}, "resources": {"memory": memory}}
+    if ok:
+        assert InferenceDeploymentSpec.from_dict(spec).resources.memory == memory
+        return
+    with pytest.raises(SpecError) as refused:
+        InferenceDeploymentSpec.from_dict(spec)
+    assert refused.value.field == "resources.memory" and "at least 1536Mi" in str(refused.value)

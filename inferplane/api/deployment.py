@@ -322,6 +322,12 @@ class Rule:
     cel: str | None = None
 
 
+# The smallest resources.memory a worker can start in (api.footprint.RUNTIME_BYTES, the process
+# before any model, and room for the smallest one); what a model needs beyond it, the worker checks
+# at start against its own footprint (worker/footprint.py), since the spec does not say the model's size.
+MIN_WORKER_MEMORY = "1536Mi"
+
+
 def _is_embedding(spec: InferenceDeploymentSpec) -> bool:
     return spec.kind == "embedding"
 
@@ -424,6 +430,9 @@ RULES: tuple[Rule, ...] = (
              "self.panicWindowSeconds < self.stableWindowSeconds"),
     Rule("", "resources.cpu", "must be a positive quantity", lambda s: parse_quantity(s.resources.cpu) > 0),
     Rule("", "resources.memory", "must be a positive quantity", lambda s: parse_quantity(s.resources.memory) > 0),
+    Rule("", "resources.memory", f"must be at least {MIN_WORKER_MEMORY}: a worker process takes about 1 GiB "
+         "before its model (api/footprint.py); the worker checks the rest against its model at start",
+         lambda s: parse_quantity(s.resources.memory) >= parse_quantity(MIN_WORKER_MEMORY)),
     Rule("", "engine.kvCacheMemory",
          "is a fraction of free GPU memory, but resources.gpus is 0; give a byte size such as 2GiB",
          _kv_fraction_has_gpu),

@@ -56,6 +56,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 
 
 def _build_engine(args: argparse.Namespace):
+    from inferplane.worker import footprint
     from inferplane.worker.engine import Engine
     from inferplane.worker.model.loader import load_model
     from inferplane.worker.runtimes import check_runtime, prepare_weights
@@ -66,10 +67,43 @@ def _build_engine(args: argparse.Namespace):
     _refuse_embedding_model(args.model)
     device = options.resolve_device()
     dtype = options.resolve_dtype(device)
+    memory = _memory_plan(args.model, options, device)
+    if memory is not None and memory.kv_cache_memory is not None:
+        options = dataclasses.replace(options, kv_cache_memory=memory.kv_cache_memory)
     loaded = load_model(args.model, device, dtype, max_positions=args.max_model_len)
+    footprint.release_freed_memory()  # the file's dequantizing temporaries
     report = prepare_weights(options, loaded)
+    footprint.release_freed_memory()  # cpu-int8: the float32 weights it converted
     engine = Engine(loaded, options, device, dtype)
+    if memory is not None:
+        report.update(memory.figures())
+    measured = footprint.resident_bytes()
+    if measured is not None:
+        report["memory_resident_bytes"], report["memory_peak_bytes"] = map(float, measured)
     return engine, report, _preload_adapters(engine, args.preload_adapter)
+
+
+def _memory_plan(model: str, options: EngineOptions, device):
+    """The footprint against the memory limit, before anything is loaded (worker/footprint.py):
+    MemoryTooSmall (the start fails with its message) where the model cannot fit; a warning where
+    the KV pool was fitted below what was asked for."""
+    import logging
+
+    from inferplane.api.model_config import read_model_config
+    from inferplane.worker import footprint
+    from inferplane.worker.model.loader import resolve_model_path
+
+    if device.type != "cpu":  # the weights and KV live in GPU memory, which the engine sizes itself
+        return None
+    path = resolve_model_path(model)
+    config = read_model_config(path)
+    settled = options.settled(device)
+    max_model_len = min(options.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    memory = footprint.plan(config, settled, model_path=path, device_type=device.type, max_model_len=max_model_len,
+                            limit=footprint.memory_limit())
+    if memory is not None and memory.warning:
+        logging.getLogger(__name__).warning("%s", memory.warning)
+    return memory
 
 
 def _preload_adapters(engine, flags: list[str]):
@@ -137,7 +171,12 @@ def _install_engine(state: WorkerState, args: argparse.Namespace, built) -> tupl
                       **(engine.tokenizer.to_wire() if engine.tokenizer is not None else {}))
     metrics = WorkerMetrics(state.model, args.runtime, lambda: {**state.engine.last_stats, **state.extra_stats})
     state.engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
-    return metrics, f"kv_blocks={engine.kv.num_blocks} kv_dtype={str(engine.kv_dtype).removeprefix('torch.')}"
+    details = f"kv_blocks={engine.kv.num_blocks} kv_dtype={str(engine.kv_dtype).removeprefix('torch.')}"
+    memory = {name: state.extra_stats.get(f"memory_{name}_bytes") for name in ("resident", "peak", "estimate",
+                                                                                 "estimate_needed", "limit")}
+    if memory["resident"]:
+        details += " memory=" + "/".join(f"{name}:{(memory[name] or 0) / 2**20:.0f}MiB" for name in memory)
+    return metrics, details
 
 
 def _install_embedder(state: WorkerState, args: argparse.Namespace, built) -> tuple[WorkerMetrics, str]:

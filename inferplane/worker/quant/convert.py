@@ -353,13 +353,13 @@ def quantize_loaded_model(loaded, options) -> dict[str, float]:
     restored = report is not None
     gate_figures = saved.get("gate") if restored else None
 
-    references: list[tuple[list[int], torch.Tensor]] = []
+    reference: gate.Reference | None = None
     if not skip and gate_figures is None:
         if loaded.tokenizer is None:
             raise ValueError(f"{loaded.name}: the int8 quality gate needs the model's tokenizer to read its "
                              "evaluation text; start with --skip-quality-gate to serve without the gate")
         slice_ids = gate.eval_tokens(loaded.tokenizer, gate.STARTUP_TOKENS)
-        references = [(ids, gate.sequence_logits(model, ids)) for ids in gate.windows(slice_ids, gate.DEFAULT_WINDOW)]
+        reference = gate.Reference(model, slice_ids)
 
     if report is None:
         report = convert_model(model, quantize_head=quantize_head, scale_multiplier=multiplier,
@@ -387,11 +387,10 @@ def quantize_loaded_model(loaded, options) -> dict[str, float]:
             cache.save({"conversion": snapshot(model, report)})
         return figures
     if gate_figures is None:
-        acc = gate.GateAccumulator()
+        assert reference is not None
         with report.dispatch.int8_only():  # the gate scores int8 activations, the path decode takes
-            for ids, reference in references:
-                acc.add(reference, gate.sequence_logits(model, ids), ids)
-        result = acc.result(gate.DEFAULT_THRESHOLD_PCT)
+            result = reference.score(model, gate.DEFAULT_THRESHOLD_PCT)
+        del reference  # the float head of an untied model goes with it
         gate_figures = result.figures()
         if result.passed and cache is not None:  # a failed conversion is not kept: the next start retries
             cache.save({"conversion": snapshot(model, report), "gate": gate_figures})

@@ -37,7 +37,7 @@ def load_calibration_text() -> str:
 @torch.inference_mode()
 def input_absmax(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]:
     """Largest |input| per input channel of every nn.Linear, over one forward pass of token_ids."""
-    from inferplane.worker.quant.gate import sequence_logits
+    from inferplane.worker.quant.gate import sequence_hidden
 
     stats: dict[str, torch.Tensor] = {}
     hooks = []
@@ -48,7 +48,7 @@ def input_absmax(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tens
                 stats[name] = x if name not in stats else torch.maximum(stats[name], x)
             hooks.append(module.register_forward_pre_hook(hook))
     try:
-        sequence_logits(model, token_ids)
+        sequence_hidden(model, token_ids)  # the head is not smoothed: its logits are not needed
     finally:
         for h in hooks:
             h.remove()
