@@ -233,15 +233,16 @@ def _flood_process(t: Tenants, flood: Flood, stop, results) -> None:
 
 
 class FloodProcess:
-    """A flood in a child process: start, then `stop()` returns what it was served."""
+    """A flood in a child process: start, then `stop()` returns what it was served (whatever
+    `target(t, flood, stop, results)` put on `results`: the adapter floods report more)."""
 
-    def __init__(self, t: Tenants, flood: Flood):
+    def __init__(self, t: Tenants, flood, target: Callable = _flood_process):
         ctx = multiprocessing.get_context("spawn")
         self._stop, self._results = ctx.Event(), ctx.Queue()
-        self._proc = ctx.Process(target=_flood_process, args=(t, flood, self._stop, self._results), daemon=True)
+        self._proc = ctx.Process(target=target, args=(t, flood, self._stop, self._results), daemon=True)
         self._proc.start()
 
-    async def stop(self) -> list[tuple[float, int]]:
+    async def stop(self):
         self._stop.set()
         served = await asyncio.to_thread(self._results.get, True, 120)
         await asyncio.to_thread(self._proc.join, 30)

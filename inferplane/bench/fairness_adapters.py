@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import shutil
 import time
 from collections import Counter
@@ -39,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from inferplane.api.lora_manifest import ATTENTION_MODULES, CONFIG_FILE, WEIGHTS_FILE
-from inferplane.bench.fairness import ADAPTER_CASES, CHAT, Health, Probe, Tenants, _row, poll_health
+from inferplane.bench.fairness import ADAPTER_CASES, CHAT, FloodProcess, Health, Probe, Tenants, _row, poll_health
 
 RANK = 8
 MAX_LORAS = 4  # slots: the two tenants' own adapters and what the flood gets registered
@@ -263,23 +262,6 @@ def _adapter_flood_process(t: Tenants, flood: AdapterFlood, stop, results) -> No
     results.put(report)
 
 
-class AdapterFloodProcess:
-    """The flood in a child process (as fairness.FloodProcess): start, then `stop()` returns its report."""
-
-    def __init__(self, t: Tenants, flood: AdapterFlood):
-        ctx = multiprocessing.get_context("spawn")
-        self._stop, self._results = ctx.Event(), ctx.Queue()
-        self._proc = ctx.Process(target=_adapter_flood_process, args=(t, flood, self._stop, self._results),
-                                 daemon=True)
-        self._proc.start()
-
-    async def stop(self) -> FloodReport:
-        self._stop.set()
-        report = await asyncio.to_thread(self._results.get, True, 120)
-        await asyncio.to_thread(self._proc.join, 30)
-        return report
-
-
 # -- the interactive tenant -------------------------------------------------------------------------
 
 
@@ -344,7 +326,7 @@ async def _measure(t: Tenants, models: list[str], samples: int, flood: AdapterFl
                    warmup_s: float) -> tuple[Answers, Health, FloodReport | None]:
     stop, health = asyncio.Event(), Health()
     poller = asyncio.create_task(poll_health(t.base_url, stop, health))
-    flooding = AdapterFloodProcess(t, flood) if flood is not None else None
+    flooding = FloodProcess(t, flood, _adapter_flood_process) if flood is not None else None
     if flooding is not None:
         await asyncio.sleep(warmup_s)
     answers = await probe_answers(t, models, samples)
