@@ -9,6 +9,7 @@ reaches workers at their pod addresses), and the fetch-model init container's do
 
 from __future__ import annotations
 
+import re
 import time
 
 import openai
@@ -55,6 +56,23 @@ def _ask(client: openai.OpenAI, model: str) -> None:
     assert streamed == reply.choices[0].message.content, (streamed, reply.choices[0].message.content)
 
 
+_READY_MEMORY = re.compile(r"memory=resident:(\d+)MiB/peak:(\d+)MiB/estimate:(\d+)MiB/estimate_needed:(\d+)MiB/"
+                           r"limit:(\d+)MiB")
+
+
+def _check_memory_on_the_node(platform: Platform, kubectl, pod: dict, runtime: str) -> None:
+    """The worker read its container's memory limit on the real node (the spec's resources.memory,
+    from its cgroup and the operator's INFERPLANE_MEMORY_LIMIT) and started because its estimate fits
+    it; its own peak stayed inside the limit too (issue 53: a spec below the footprint was OOM-killed)."""
+    log = kubectl_on(platform.node, kubectl, "logs", "-n", WATCHED, pod["metadata"]["name"], "-c", "worker").stdout
+    found = _READY_MEMORY.search(log)
+    assert found is not None, log[-2000:]
+    resident, peak, estimate, needed, limit = (int(v) for v in found.groups())
+    assert limit == 2048, (runtime, found.group(0))  # WORKER_RESOURCES' 2Gi
+    assert needed <= limit and 0 < peak <= limit, (runtime, found.group(0))
+    print(f"{runtime}: memory on the node: {found.group(0)}")
+
+
 @pytest.mark.parametrize("runtime", ["paged", "radix", "cpu-int8"])
 def test_a_registry_model_is_fetched_and_answered_by_each_runtime(platform: Platform, model_server: str,
                                                                    runtime: str, kubectl) -> None:
@@ -77,6 +95,7 @@ def test_a_registry_model_is_fetched_and_answered_by_each_runtime(platform: Plat
                                  "worker", "--", "find", "/tmp/.cache/inferplane", "-type", "f").stdout.split()
             assert any("/native/kernels-" in f and f.endswith(".so") for f in written), written
             assert any("/quant/" in f and f.endswith(".pt") for f in written), written
+        _check_memory_on_the_node(platform, kubectl, pod, runtime)
         wait_served(platform, key, name)
         _ask(openai.OpenAI(base_url=f"{platform.gateway_url}/v1", api_key=key, max_retries=0, timeout=300), name)
     finally:
