@@ -154,6 +154,35 @@ def test_composed_schemas_are_left_open() -> None:
     assert "additionalProperties" not in closed(negated)["not"]
 
 
+def test_objects_whose_keys_other_subschemas_declare_are_left_open() -> None:
+    """A tagged union (properties beside oneOf members that declare more of the same object's keys),
+    if/then/else and dependentSchemas, and a `required` key the object's own properties do not
+    declare: closing would refuse what the schema admits (the review of issue 53's fix)."""
+    import jsonschema
+    import llguidance
+
+    tagged = {"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"],
+              "oneOf": [{"properties": {"kind": {"const": "a"}, "a": {"type": "integer"}}, "required": ["a"]},
+                        {"properties": {"kind": {"const": "b"}, "b": {"type": "string"}}, "required": ["b"]}]}
+    conditional = {"type": "object", "properties": {"kind": {"type": "string"}},
+                   "if": {"properties": {"kind": {"const": "a"}}}, "then": {"properties": {"a": {}}}}
+    dependent = {"type": "object", "properties": {"x": {}}, "dependentSchemas": {"x": {"properties": {"y": {}}}}}
+    undeclared_required = {"type": "object", "properties": {"x": {}}, "required": ["x", "y"]}
+    for schema, instance in ((tagged, {"kind": "a", "a": 1}), (tagged, {"kind": "b", "b": "s"}),
+                             (conditional, {"kind": "a", "a": 1}), (dependent, {"x": 1, "y": 2}),
+                             (undeclared_required, {"x": 1, "y": 2})):
+        out = closed(schema)
+        jsonschema.validate(instance, out)  # what the schema admits is still admitted
+        # the grammar engine finds no more fault in it than in the schema as the tool wrote it (it
+        # does not implement if/then at all; closing the tagged union made it unsatisfiable)
+        verdicts = [llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(s))
+                    for s in (schema, out)]
+        assert verdicts[1] == verdicts[0], (schema, out, verdicts)
+    # a union of whole objects (no object keys beside it) is still closed member by member
+    union = {"anyOf": [{"type": "object", "properties": {"a": {}}}, {"type": "object", "properties": {"b": {}}}]}
+    assert [m["additionalProperties"] for m in closed(union)["anyOf"]] == [False, False]
+
+
 def test_the_call_schema_closes_every_tools_parameters() -> None:
     tools = [Tool.model_validate({"type": "function", "function": {"name": name, "parameters": {
         "type": "object", "properties": {"x": {"type": "string"}}}}}) for name in ("one", "two")]

@@ -132,6 +132,10 @@ def call_schema(tools: list[Tool]) -> dict[str, Any]:
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")
 _OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref")
+# Keywords beside `properties` whose subschemas may declare more of the same object's keys (a tagged
+# union: `properties: {kind}` with `oneOf: [{properties: {kind, a}}, {properties: {kind, b}}]`): such
+# an object, and those members, are left open, since closing either refuses keys the other declares.
+_MERGING_KEYWORDS = ("anyOf", "oneOf", "if", "then", "else", "dependentSchemas", "dependencies")
 
 
 def closed(schema: Any) -> Any:
@@ -149,18 +153,28 @@ def closed(schema: Any) -> Any:
     return _close(schema, composed)
 
 
-def _close(schema: Any, composed: bool) -> Any:
+def _declares_every_required(schema: dict) -> bool:
+    required, properties = schema.get("required"), schema.get("properties")
+    return not isinstance(required, list) or all(name in properties for name in required if isinstance(name, str))
+
+
+def _close(schema: Any, composed: bool, close_self: bool = True) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYWORDS):
+    is_object = isinstance(out.get("properties"), dict) or "required" in out
+    if (close_self and isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYWORDS)
+            and not any(k in out for k in _MERGING_KEYWORDS) and _declares_every_required(out)):
         out["additionalProperties"] = False
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict) and not (composed and key != "properties"):
             out[key] = {name: _close(value, composed) for name, value in out[key].items()}
     for key in _SCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [_close(value, composed) for value in out[key]]
+            # a union's members are whole objects and are closed each; members beside the object's
+            # own properties or required keys add to that object, so they stay open
+            members_open = key != "prefixItems" and is_object
+            out[key] = [_close(value, composed, close_self=not members_open) for value in out[key]]
     if isinstance(out.get("items"), dict | list):
         items = out["items"]
         out["items"] = [_close(v, composed) for v in items] if isinstance(items, list) else _close(items, composed)
