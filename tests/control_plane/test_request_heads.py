@@ -26,6 +26,7 @@ from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
 
 HEAD_LIMIT = 8 << 10
 HEAD_TIMEOUT = 1.0
+KEEP_ALIVE = 5.0  # what an idle connection waits before its first byte (75 s in the gateway)
 HUGE = 32 << 20  # what an unfinished head offers to grow to
 CHUNK = 16 << 10
 PATIENCE = 30.0  # how long a test waits for the gateway to act, 30 times its time bound
@@ -35,7 +36,8 @@ PATIENCE = 30.0  # how long a test waits for the gateway to act, 30 times its ti
 async def port(tmp_path: Path) -> AsyncIterator[int]:
     port = free_port()
     gateway = Gateway(GatewaySettings(db_url=f"sqlite:///{tmp_path / 'gw.db'}", port=port,
-                                      max_header_bytes=HEAD_LIMIT, header_timeout_seconds=HEAD_TIMEOUT))
+                                      max_header_bytes=HEAD_LIMIT, header_timeout_seconds=HEAD_TIMEOUT,
+                                      keep_alive_seconds=KEEP_ALIVE))
     await gateway.start()
     yield port
     await gateway.stop()
@@ -120,6 +122,31 @@ async def test_an_unfinished_head_is_refused_while_it_is_still_coming(port: int,
     assert sent_before_the_answer < HUGE // 4, sent_before_the_answer
 
 
+async def test_chunked_trailers_over_the_bound_are_refused_while_they_still_come(port: int) -> None:
+    """A chunked body's trailer fields go through the header buffer after the head (the review of
+    issue 53's fix: a 10 MB trailer line was held whole, before authentication); they are counted
+    as a head is, and a chunked body far over the bound with small trailers is still served."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    chunk = b"a" * (HEAD_LIMIT // 2)
+    try:
+        # a chunked body of 20 chunks (10 times the head bound) with one small trailer: read (401, no key)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ntransfer-encoding: chunked\r\n\r\n"
+                     + b"%x\r\n%s\r\n" % (len(chunk), chunk) * 20 + b"0\r\nx-t: 1\r\n\r\n")
+        assert (await _answer(reader))[0].startswith(b"HTTP/1.1 401 ")
+        # then one whose trailer line never ends
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ntransfer-encoding: chunked\r\n\r\n"
+                     b"1\r\nx\r\n0\r\nx-t: ")
+        sent = 0
+        with contextlib.suppress(ConnectionError):
+            while sent < HUGE // 4:
+                writer.write(b"a" * CHUNK)
+                sent += CHUNK
+                await writer.drain()
+        assert sent < HUGE // 4, f"the gateway still took trailer bytes after {sent}"
+    finally:
+        writer.close()
+
+
 async def test_heads_within_the_bound_are_served_with_their_bodies_and_pipelined(port: int) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
@@ -172,6 +199,18 @@ async def test_a_connection_that_sends_nothing_is_closed(port: int) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         assert await _closed(reader)
+    finally:
+        writer.close()
+
+
+async def test_a_new_connection_waits_for_its_first_byte_past_the_head_bound(port: int) -> None:
+    """A proxy may open connections ahead of use: before its first byte a connection is idle, as a
+    kept-alive one is, and is not closed at the head's bound (it was, in issue 53's first fix)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        await asyncio.sleep(3 * HEAD_TIMEOUT)
+        writer.write(b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n")
+        assert (await _answer(reader))[0].startswith(b"HTTP/1.1 200 ")
     finally:
         writer.close()
 

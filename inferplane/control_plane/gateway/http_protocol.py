@@ -15,9 +15,14 @@ gateway's CPU per request. So httptools stays, and the bytes are counted before 
   `Connection: close`) and the connection is closed, the rest never parsed. A head that begins in
   the same read as the previous request ends (pipelining) is counted from the next read on: at
   most one read's bytes (uvicorn's transports read 256 KiB at a time) beyond the bound.
-- time: a head must be complete `head_timeout` seconds after the connection opened, or after its
-  first byte on a kept-alive connection (the keep-alive timer covers the wait before that byte).
-  Otherwise the connection is closed, with a 408 first when part of a head came.
+- trailers: a chunked body's trailer fields go through the same header buffer, after the head, where
+  the body limit (which counts body bytes) never sees them. So the count goes on past the head: more
+  than `max_head_bytes` arriving with no body byte, head end or message end among them is a 431 too.
+  Bodies themselves pass (each body byte resets the count); the middleware bounds them.
+- time: a head must be complete `head_timeout` seconds after its first byte. Before that byte the
+  connection is idle and waits as long as a kept-alive one does (uvicorn's keep-alive timeout, 75 s
+  in the gateway), so a proxy that opens connections ahead of use does not race a close; an idle
+  connection is then closed without a word. A head not complete in time is a 408 and a close.
 
 After a 431 or 408 the gateway stops sending (FIN) and drops what still arrives for at most
 LINGER_SECONDS and LINGER_BYTES, then closes, as nginx's lingering close does: closing a socket at
@@ -54,12 +59,14 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._in_head = True  # the next bytes are a request head (or part of one)
-        self._head_bytes = 0
-        self._heads_done = 0
+        self._head_bytes = 0  # bytes since the last progress (body byte, head end, message end)
+        self._progress = 0  # counts those events
         self._head_timer: asyncio.TimerHandle | None = None
         self._linger_left: int | None = None  # refused: the bytes still dropped before closing
         super().connection_made(transport)
-        self._head_timer = self.loop.call_later(self.head_timeout, self._head_timed_out)
+        # idle until its first byte, as long as a kept-alive connection may be; on_message_begin
+        # then gives the head its own bound
+        self._head_timer = self.loop.call_later(self.timeout_keep_alive, self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
@@ -71,38 +78,46 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             if self._linger_left < 0:
                 self.transport.close()
             return
-        while self._in_head and not self.transport.is_closing():
+        while data and not self.transport.is_closing():
             room = self.max_head_bytes - self._head_bytes
             if len(data) <= room:
                 self._head_bytes += len(data)
-                break
-            # More than the head may still take: it must end within `room` bytes.
-            done = self._heads_done
+                super().data_received(data)
+                return
+            # More than a head (or trailers) may still take: some progress must come within `room` bytes.
+            progress, in_head = self._progress, self._in_head
             self._head_bytes = self.max_head_bytes
             super().data_received(data[:room])
-            if self._heads_done == done:
-                self._refuse(431, f"request headers over {self.max_head_bytes} bytes",
-                             "request_header_fields_too_large")
+            if self._progress == progress:
+                if self.transport.is_closing():  # the parser refused the bytes itself (a 400)
+                    return
+                what = "request headers" if in_head else "request trailers"
+                self._refuse(431, f"{what} over {self.max_head_bytes} bytes", "request_header_fields_too_large")
                 return
-            data = data[room:]  # the head ended: the rest is its body, or the next request
-        if data and not self.transport.is_closing():
-            super().data_received(data)
+            data = data[room:]  # progress: the rest is body, trailers or the next request
 
     # Parser callbacks
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._head_timer is None:  # a kept-alive connection's next request: its first byte came
-            self._head_timer = self.loop.call_later(self.head_timeout, self._head_timed_out)
+        self._stop_head_timer()  # its first byte came: the head has its own bound from now
+        self._head_timer = self.loop.call_later(self.head_timeout, self._head_timed_out)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._heads_done += 1
+        self._progress += 1
+        self._head_bytes = 0
         self._stop_head_timer()
         super().on_headers_complete()
 
+    def on_body(self, body: bytes) -> None:
+        self._progress += 1
+        self._head_bytes = 0
+        super().on_body(body)
+
     def on_message_complete(self) -> None:
         self._in_head, self._head_bytes = True, 0
+        self._progress += 1
         super().on_message_complete()
 
     # The bounds' answers
