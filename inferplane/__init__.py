@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from inferplane.worker.engine.sampling import SamplingParams
     from inferplane.worker.llm import LLM
-    from inferplane.worker.sampling import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
@@ -23,7 +23,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from inferplane.worker.sampling import SamplingParams
+        from inferplane.worker.engine.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

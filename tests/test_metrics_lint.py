@@ -67,7 +67,7 @@ def test_the_operators_metrics_pass_promtool() -> None:
 
 @pytest.mark.parametrize("runtime", ["paged", "radix", "cpu-int8"])
 def test_a_workers_metrics_pass_promtool(runtime: str) -> None:
-    from inferplane.worker import metrics as worker_metrics
+    from inferplane.worker.serve import metrics as worker_metrics
 
     stats = {key: 1.0 for key in (*worker_metrics._COUNTER_STATS, *worker_metrics._GAUGE_STATS)}
     stats |= {"gate_perplexity_ratio": 1.01, "weight_bytes": 1e6, "lora_requests:support-bot": 3.0,

@@ -9,9 +9,9 @@ import pytest
 
 from inferplane.api.deployment import ConcreteRuntime, EngineConfig, InferenceDeploymentSpec
 from inferplane.api.resolve import PRESETS, resolve
-from inferplane.worker import cli as worker_cli
-from inferplane.worker.options import EngineOptions
-from inferplane.worker.runtimes import available_runtimes, kv_manager_kind
+from inferplane.worker.engine.options import EngineOptions
+from inferplane.worker.engine.runtimes import available_runtimes, kv_manager_kind
+from inferplane.worker.serve import cli as worker_cli
 
 SPECS = [
     {},

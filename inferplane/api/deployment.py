@@ -324,7 +324,7 @@ class Rule:
 
 # The smallest resources.memory a worker can start in (api.footprint.RUNTIME_BYTES, the process
 # before any model, and room for the smallest one); what a model needs beyond it, the worker checks
-# at start against its own footprint (worker/footprint.py), since the spec does not say the model's size.
+# at start against its own footprint (worker/serve/footprint.py), since the spec does not say the model's size.
 MIN_WORKER_MEMORY = "1536Mi"
 
 

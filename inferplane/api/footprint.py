@@ -3,7 +3,7 @@ settings, before anything is loaded.
 
 A worker is given `resources.memory` as its container's limit; one that needs more is OOM-killed
 (issue 53: Gemma 3 270M on cpu-int8 held 3.3 GiB against a 2 GiB spec, and its first start peaked
-at 7 GiB). So the worker estimates its footprint at start (worker/footprint.py): it refuses to start
+at 7 GiB). So the worker estimates its footprint at start (worker/serve/footprint.py): it refuses to start
 when the model cannot fit its limit, and fits its KV pool, the one part that can give, into what
 the rest leaves. The estimate is a pure function of the model's config (vocabulary, widths, layers:
 what `api.model_config.read_model_config` reads from a GGUF header or config.json) and the resolved

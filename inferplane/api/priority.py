@@ -7,7 +7,7 @@ Key creation refuses such a key (auth.create_key), and `resolve_band` caps whate
 so a row from before that check, or a tenant's band lowered after its keys were made, cannot escape.
 The gateway resolves a request's band with
 `resolve_band` and sends it to the worker (`GenerateRequest.priority`); the worker's flow control
-(worker/fair_share.py) admits a higher band first and, when slots or blocks run out, preempts a
+(worker/engine/fair_share.py) admits a higher band first and, when slots or blocks run out, preempts a
 lower band first. Within a band, tenants share the replica fairly.
 
 The names are part of the API (admin bodies, the CLI, the CRD), so they live here, at the bottom

@@ -111,7 +111,7 @@ def _choose_runtime(spec: InferenceDeploymentSpec) -> tuple[str, str]:
     """`auto`: an embedding model → embedding; no GPU → cpu-int8; prefix-sharing traffic → radix;
     otherwise paged. The model's kind is the spec's `kind`, not read from the weights: resolve() is
     pure (the operator, the gateway's sync and local mode call it without the files), and the worker
-    refuses weights of the other kind at start-up (worker/cli.py)."""
+    refuses weights of the other kind at start-up (worker/serve/cli.py)."""
     hints = spec.workload
     if spec.runtime != "auto":
         return spec.runtime, f"runtime {spec.runtime} was requested in the spec"

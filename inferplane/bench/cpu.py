@@ -76,7 +76,7 @@ def _timed(fn) -> float:
 
 
 def _ours(llm, prompts):
-    from inferplane.worker.sampling import SamplingParams
+    from inferplane.worker.engine.sampling import SamplingParams
 
     def generate(n: int) -> None:
         llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
@@ -148,7 +148,7 @@ def _int8_only(model):
 
 
 def _cpu_summary() -> str:
-    from inferplane.worker import native
+    from inferplane.worker.ops import native
 
     flags = native.cpu_flags()
     model = ""
@@ -245,9 +245,9 @@ def main(argv: list[str]) -> int:
             os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
     import torch
 
-    from inferplane.worker import native
-    from inferplane.worker.kv.paged import blocks_for
+    from inferplane.worker.engine.kv.paged import blocks_for
     from inferplane.worker.llm import LLM
+    from inferplane.worker.ops import native
     from inferplane.worker.quant import gate
 
     if args.threads:

@@ -114,9 +114,9 @@ def estimate_for(model: str, flags: list[str]) -> dict:
     import torch
 
     from inferplane.api.model_config import read_model_config
-    from inferplane.worker import footprint
-    from inferplane.worker.cli import configure, engine_options
     from inferplane.worker.model.loader import resolve_model_path
+    from inferplane.worker.serve import footprint
+    from inferplane.worker.serve.cli import configure, engine_options
 
     parser = argparse.ArgumentParser()
     configure(parser)

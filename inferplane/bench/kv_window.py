@@ -31,7 +31,7 @@ class WindowKV:
 def measure_window_kv(engine, context: int, seed: int = 0) -> WindowKV | None:
     """Computes one `context`-token prompt on `engine` (an idle one) and reads the pools while the
     sequence still runs; None for a model without window layers."""
-    from inferplane.worker.sampling import SamplingParams
+    from inferplane.worker.engine.sampling import SamplingParams
 
     if not engine.window_layers:
         return None

@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from inferplane.worker.engine import Engine
+from inferplane.worker.engine.engine import Engine
+from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.llm import LLM, RequestOutput
-from inferplane.worker.sampling import SamplingParams
 
 _WORDS = ("account balance booking calendar city customer date delivery document email event file flight "
           "forecast hotel invoice item language list location meeting message note number order payment "

@@ -61,8 +61,8 @@ def timed_attribute(owner, name: str, spent: list[float]):
 def step_split(llm, prompt: list[int], new_tokens: int) -> StepSplit | None:
     """Batch-1 greedy decode of `new_tokens` after `prompt`, split per token; None where the
     model has no fused decode on the C kernels (nothing to split)."""
-    from inferplane.worker import native
-    from inferplane.worker.sampling import SamplingParams
+    from inferplane.worker.engine.sampling import SamplingParams
+    from inferplane.worker.ops import native
 
     kernels = native.kernels()
     head = getattr(llm.engine.loaded.model, "lm_head", None)

@@ -13,7 +13,7 @@ import importlib
 import importlib.util
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "worker": ("inferplane.worker.cli", "run one model replica as a gRPC worker"),
+    "worker": ("inferplane.worker.serve.cli", "run one model replica as a gRPC worker"),
     "bench": ("inferplane.cli.bench", "run a benchmark against its peers"),
     "operator": ("inferplane.operator.cli", "run the Kubernetes operator (kopf)"),
     "up": ("inferplane.local.cli.up", "run the whole platform on this machine"),

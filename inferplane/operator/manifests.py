@@ -144,7 +144,7 @@ def worker_container(name: str, spec: InferenceDeploymentSpec, *,
     env += [{"name": "HOME", "value": "/tmp"},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-            # The worker checks its footprint against this before loading (worker/footprint.py): a
+            # The worker checks its footprint against this before loading (worker/serve/footprint.py): a
             # model that cannot fit refuses to start with what to ask for, a KV pool that cannot is
             # fitted, instead of the container being OOM-killed. Its cgroup says the same where the
             # worker can read it; this says it wherever.

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from inferplane.worker.engine import Engine
+from inferplane.worker.engine.engine import Engine
+from inferplane.worker.engine.options import EngineOptions
+from inferplane.worker.engine.runtimes import check_runtime, prepare_weights
+from inferplane.worker.engine.sampling import SamplingParams
+from inferplane.worker.engine.sequence import Sequence
 from inferplane.worker.model.loader import load_model
-from inferplane.worker.options import EngineOptions
-from inferplane.worker.runtimes import check_runtime, prepare_weights
-from inferplane.worker.sampling import SamplingParams
-from inferplane.worker.sequence import Sequence
 
 
 @dataclass

@@ -3,7 +3,7 @@
 A request's `Constraint` compiles once per model (`GrammarCompiler`, an LRU cache) into a grammar;
 each sequence then owns a `GrammarState` that says which tokens may come next. `apply_masks` sets
 the logits of every other token to -inf for a whole batch at once, before the sampler runs, so the
-sampler (inferplane/worker/sampling.py) needs no change and its seeded draws stay batch-independent.
+sampler (inferplane/worker/engine/sampling.py) needs no change and its seeded draws stay batch-independent.
 
 The engine is llguidance, chosen by measurement (`python -m inferplane.bench.grammar`: SmolLM2's
 49,152-token vocabulary, a 10-property schema with a nested object, arrays, an enum, numbers and

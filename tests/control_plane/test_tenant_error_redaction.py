@@ -22,7 +22,7 @@ from tests.control_plane.fake_worker import RecordingWorker, complete, route_to,
 
 pytestmark = pytest.mark.usefixtures("no_proxy")
 
-INTERNAL = "CUDA error in /opt/inferplane/worker/engine.py line 812 (peer 10.42.7.19:50051)"
+INTERNAL = "CUDA error in /opt/inferplane/worker/engine/engine.py line 812 (peer 10.42.7.19:50051)"
 
 
 class FailsInternally(RecordingWorker):

@@ -187,7 +187,7 @@ def test_every_variable_used_is_defined(boards: dict[str, dict[str, Any]], name:
 def test_the_metric_kinds_agree_with_the_exporters() -> None:
     from inferplane.control_plane.autoscale.autoscaler import AutoscalerMetrics
     from inferplane.control_plane.gateway.metrics import GatewayMetrics
-    from inferplane.worker import metrics as worker_metrics
+    from inferplane.worker.serve import metrics as worker_metrics
 
     gateway = GatewayMetrics()
     AutoscalerMetrics(gateway.registry)

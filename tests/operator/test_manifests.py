@@ -62,7 +62,7 @@ def test_worker_container_carries_probes_resources_and_arguments(path: Path) -> 
     assert pod["terminationGracePeriodSeconds"] > spec.drain_grace_seconds
     limits = container["resources"]["limits"]
     assert limits["memory"] == spec.resources.memory and limits["cpu"] == spec.resources.cpu
-    # The worker reads its limit to check its footprint before loading (worker/footprint.py).
+    # The worker reads its limit to check its footprint before loading (worker/serve/footprint.py).
     env = {e["name"]: e for e in container["env"]}
     assert env["INFERPLANE_MEMORY_LIMIT"]["valueFrom"] == {
         "resourceFieldRef": {"containerName": "worker", "resource": "limits.memory"}}

@@ -46,7 +46,7 @@ def reference(q, k_cache, v_cache, tables, lens, scale, window, softcap) -> torc
 def check_cases(device: str, cases=CASES) -> float:
     """Runs the kernel on every case; raises on a difference past the case's tolerance, returns
     the largest difference seen (relative to the output's scale)."""
-    from inferplane.worker import gpu_attention
+    from inferplane.worker.ops import gpu_attention
 
     torch.manual_seed(0)
     worst = 0.0

@@ -1,4 +1,4 @@
-"""The fused GPU kernels (worker/gpu_kernels.py) against the PyTorch ops they replace (layers.py's
+"""The fused GPU kernels (worker/ops/gpu_kernels.py) against the PyTorch ops they replace (layers.py's
 path where no kernel serves), on whatever device the caller names: the CPU under Triton's
 interpreter (tests/worker/test_gpu_attention.py) or a GPU (tests/worker/test_cuda.py)."""
 
@@ -19,7 +19,7 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 def check_kernels(device: str) -> dict[str, float]:
     """Largest difference of each kernel from the PyTorch ops, in units of the dtype's epsilon at
     the output's scale; raises where one is past 2 such units."""
-    from inferplane.worker import gpu_kernels
+    from inferplane.worker.ops import gpu_kernels
 
     torch.manual_seed(0)
     worst: dict[str, float] = {}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inferplane.worker.attention import AttentionBatch, PagedKVCache, PrefillSegment, paged_attention, plan_prefills
+from inferplane.worker.ops.attention import AttentionBatch, PrefillSegment, paged_attention, plan_prefills
+from inferplane.worker.ops.kv_cache import PagedKVCache
 
 
 def _reference(q, k, v, segments, group: int, scale: float) -> torch.Tensor:

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inferplane.worker.engine import Engine
+from inferplane.worker.engine.engine import Engine
+from inferplane.worker.engine.options import EngineOptions
+from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.model.loader import load_model
-from inferplane.worker.options import EngineOptions
-from inferplane.worker.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from inferplane.worker import native
 from inferplane.worker.model.gguf_file import dequantize
+from inferplane.worker.ops import native
 from inferplane.worker.quant.block_linear import BlockLinear, quantize_blocks, reference_linear
 from inferplane.worker.quant.gguf_blocks import BLOCK_TYPES, Blocks, file_blocks
 from tests.worker.test_native import isa_kernels  # noqa: F401 (the fixture: every ISA build here)
@@ -231,9 +231,9 @@ def _as_blocks(llm) -> int:
 
 def test_the_fused_decoder_layer_over_block_layers_gives_the_op_by_op_results(tiny_llama, isa_kernels,  # noqa: F811
                                                                                monkeypatch):
+    from inferplane.worker.engine.sampling import SamplingParams
     from inferplane.worker.llm import LLM
     from inferplane.worker.model import fused_decode
-    from inferplane.worker.sampling import SamplingParams
     from tests.worker.conftest import prompts_of_lengths
 
     llm = LLM(tiny_llama, runtime="cpu-int8", device="cpu", num_kv_blocks=64, skip_quality_gate=True,

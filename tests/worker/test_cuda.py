@@ -52,7 +52,7 @@ def test_greedy_agrees_with_hf_on_cuda_with_graphs_and_eagerly(fixture, runtime,
     """float32: graphs, eager and HF give the same tokens. bfloat16: graphs and eager agree (the same
     kernels, batches padded), and HF agrees with the Triton kernel about as much as with the
     portable gather + SDPA attention (a tiny random model has near-ties that bfloat16 breaks)."""
-    from inferplane.worker import gpu_attention
+    from inferplane.worker.ops import gpu_attention
 
     path = request.getfixturevalue(fixture)
     prompts = prompts_of_lengths(LENGTHS, vocab=320, seed=7)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.llm import LLM
-from inferplane.worker.sampling import SamplingParams
 from tests.worker.conftest import one_kernel_for_every_row_count, prompts_of_lengths
 from tests.worker.test_fused_decode import tiny_gemma3  # noqa: F401 (the fixture: sliding layers, window pool)
 

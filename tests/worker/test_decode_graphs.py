@@ -1,4 +1,4 @@
-"""Decode graphs' padding and static buffers (worker/decode_graphs.py), checked on the CPU.
+"""Decode graphs' padding and static buffers (worker/engine/decode_graphs.py), checked on the CPU.
 
 CUDA graphs need a GPU (tests/worker/test_cuda.py replays them there). What a replay reads and
 writes does not: the step's rows copied into buffers sized for the largest bucket, padded up to the
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from inferplane import LLM, SamplingParams
-from inferplane.worker.attention import PagedKVCache
-from inferplane.worker.decode_graphs import DecodeGraphs, buckets
+from inferplane.worker.engine.decode_graphs import DecodeGraphs, buckets
+from inferplane.worker.ops.kv_cache import PagedKVCache
 from tests.worker.conftest import prompts_of_lengths
 from tests.worker.test_architectures import save_family
 

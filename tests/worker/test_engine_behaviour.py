@@ -108,7 +108,7 @@ def test_unknown_engine_option_is_named(tiny_llama):
 
 
 def test_step_budget_follows_measured_step_time_and_never_starves_decodes():
-    from inferplane.worker.step_budget import INITIAL_TOKENS, MIN_TOKENS, StepBudget
+    from inferplane.worker.engine.step_budget import INITIAL_TOKENS, MIN_TOKENS, StepBudget
 
     budget = StepBudget(max_tokens=2048, target_s=0.5)
     assert budget.tokens() == INITIAL_TOKENS  # nothing measured yet
@@ -127,7 +127,7 @@ def test_step_budget_follows_measured_step_time_and_never_starves_decodes():
 def test_a_long_prompt_is_chunked_while_running_sequences_keep_decoding(tiny_llama):
     """A step target far below what a step takes: the long prompt arrives in MIN_TOKENS-sized
     chunks and the sequence already running gets a token at every one of those steps."""
-    from inferplane.worker.step_budget import MIN_TOKENS
+    from inferplane.worker.engine.step_budget import MIN_TOKENS
 
     llm = LLM(tiny_llama, device="cpu", num_kv_blocks=128, step_target_ms=1)
     engine = llm.engine

@@ -10,10 +10,10 @@ import pytest
 
 from inferplane.api.deployment import InferenceDeploymentSpec
 from inferplane.api.resolve import PRESETS, resolve
-from inferplane.worker import cli as worker_cli
-from inferplane.worker.engine import Engine
+from inferplane.worker.engine.engine import Engine
+from inferplane.worker.engine.options import PRESET_DECIDED
 from inferplane.worker.llm import LLM
-from inferplane.worker.options import PRESET_DECIDED
+from inferplane.worker.serve import cli as worker_cli
 
 GENERATIVE = [name for name, preset in PRESETS.items() if preset.kv_manager is not None]
 COMPARED = (*PRESET_DECIDED, "block_size", "kv_cache_dtype", "max_model_len")

@@ -1,4 +1,4 @@
-"""Flow control on one replica (worker/fair_share.py): a tenant's fan-out or backlog cannot take
+"""Flow control on one replica (worker/engine/fair_share.py): a tenant's fan-out or backlog cannot take
 every slot from another tenant, a more urgent band goes first, and an idle tenant's share goes to
 the others. Time is counted in engine steps (the engine's own clock), never in seconds, so the
 assertions hold on a loaded machine."""
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from inferplane import LLM, SamplingParams
-from inferplane.worker.fair_share import OUTPUT_WEIGHT, FairShare
+from inferplane.worker.engine.fair_share import OUTPUT_WEIGHT, FairShare
 
 SLOTS = 8
 

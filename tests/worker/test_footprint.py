@@ -1,4 +1,4 @@
-"""Issue 53: a CPU worker knows its memory footprint (api/footprint.py, worker/footprint.py).
+"""Issue 53: a CPU worker knows its memory footprint (api/footprint.py, worker/serve/footprint.py).
 
 The estimate is checked against real workers: `inferplane worker` on SmolLM2-135M (cpu-int8), started
 as a pod's first start is (no start-up cache), its resident memory sampled until SERVING: the
@@ -20,8 +20,8 @@ import torch
 
 from inferplane.api.footprint import ESTIMATE_MARGIN, GiB, MiB, ModelSizes, estimate
 from inferplane.api.model_config import ModelConfig
-from inferplane.worker.footprint import LIMIT_ENV, MemoryTooSmall, memory_limit, plan
-from inferplane.worker.options import EngineOptions
+from inferplane.worker.engine.options import EngineOptions
+from inferplane.worker.serve.footprint import LIMIT_ENV, MemoryTooSmall, memory_limit, plan
 
 SMOLLM2 = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,

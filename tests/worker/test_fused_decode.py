@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.model import fused_decode
-from inferplane.worker.native.choice import NEVER
+from inferplane.worker.ops.native.choice import NEVER
 from inferplane.worker.quant.block_linear import BlockLinear, quantize_blocks
 from inferplane.worker.quant.int8_linear import Int8Linear
-from inferplane.worker.sampling import SamplingParams
 from tests.worker.conftest import one_kernel_for_every_row_count, prompts_of_lengths
 from tests.worker.test_native import isa_kernels  # noqa: F401 (the fixture: every ISA build here)
 
@@ -259,7 +259,7 @@ def test_the_call_looks_up_the_embedding_and_the_rope_rows_itself(model, request
 
 def _lookup_only(kernels, step, x: torch.Tensor) -> None:
     """x as a call with no layers leaves it: the lookup alone."""
-    from inferplane.worker import native
+    from inferplane.worker.ops import native
 
     rows = torch.zeros(step.rows, 1, dtype=torch.int64)
     views = [(rows[:, 0].contiguous(), rows, rows[:, 0].contiguous())] * 2
@@ -297,7 +297,7 @@ def test_greedy_steps_take_the_argmax_the_call_computed(tiny_llama, monkeypatch)
     sampling takes it instead of reading the logits again; where penalties change the logits,
     sampling finds the argmax of the changed logits itself. Either way the tokens are those of the
     layers op by op."""
-    from inferplane.worker import sampling
+    from inferplane.worker.engine import sampling
 
     llm = _llm(tiny_llama, quantize_head=True)
     prompts = prompts_of_lengths([3, 17], 320, seed=14)

@@ -1,6 +1,6 @@
 """The Triton kernels of the GPU path against what they replace: the paged decode kernel
-(worker/gpu_attention.py) against attention written out by hand, the fused norm, rotation and SiLU
-kernels (worker/gpu_kernels.py) against PyTorch's ops, and the engine through all of them against
+(worker/ops/gpu_attention.py) against attention written out by hand, the fused norm, rotation and SiLU
+kernels (worker/ops/gpu_kernels.py) against PyTorch's ops, and the engine through all of them against
 transformers.
 
 There is no GPU here, so the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set before
@@ -37,7 +37,8 @@ def test_kernel_matches_attention_by_hand_under_the_triton_interpreter():
 
 ENGINE_SCRIPT = textwrap.dedent("""
     import sys, tempfile
-    from inferplane.worker import gpu_attention, native
+    from inferplane.worker.ops import gpu_attention
+    from inferplane.worker.ops import native
     native.kernels = lambda: None  # no C kernel: every decode goes through the Triton kernel
     calls = []
     kernel = gpu_attention.paged_decode_attention
@@ -88,7 +89,7 @@ def test_the_engine_through_the_triton_kernels_decodes_as_transformers_eagerly_a
 def test_the_kernel_applies_only_on_cuda_or_under_the_interpreter(monkeypatch):
     import torch
 
-    from inferplane.worker import gpu_attention
+    from inferplane.worker.ops import gpu_attention
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q = torch.zeros(1, 4, 16)

@@ -18,10 +18,10 @@ import torch
 pytest.importorskip("llguidance")
 
 from inferplane.worker import structured  # noqa: E402
-from inferplane.worker.async_engine import AsyncEngine  # noqa: E402
-from inferplane.worker.engine import Engine  # noqa: E402
-from inferplane.worker.options import EngineOptions  # noqa: E402
-from inferplane.worker.sampling import SamplingParams  # noqa: E402
+from inferplane.worker.engine.engine import Engine  # noqa: E402
+from inferplane.worker.engine.options import EngineOptions  # noqa: E402
+from inferplane.worker.engine.sampling import SamplingParams  # noqa: E402
+from inferplane.worker.serve.async_engine import AsyncEngine  # noqa: E402
 from inferplane.worker.structured import Constraint, GrammarCompiler, GrammarError, fill_bitmasks  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 42, 7]
@@ -68,7 +68,7 @@ def test_a_100k_choice_constraint_is_refused_naming_the_field():
     assert _plain(message)
     # The worker's own parsing of the wire format refuses it the same way (its INVALID_ARGUMENT).
     from inferplane.v1 import worker_pb2
-    from inferplane.worker.server import params_from_proto
+    from inferplane.worker.serve.server import params_from_proto
 
     proto = worker_pb2.SamplingParams(constraint_kind="choice", constraint_spec=json.dumps(choices))
     with pytest.raises(GrammarError, match=r"^structured_outputs: choice: too many choices"):

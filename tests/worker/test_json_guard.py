@@ -312,7 +312,7 @@ def test_smollm2_forced_calls_and_open_objects_never_repeat_a_key(smollm2) -> No
     """The issue's case: SmolLM2 forced to call get_weather wrote `"description": ...` 25 times until
     max_tokens (greedy). Now the arguments hold declared keys only, and in an open object (json_object,
     where any key may come) no key twice; every output ends within max_tokens."""
-    from inferplane.worker.sampling import SamplingParams
+    from inferplane.worker.engine.sampling import SamplingParams
 
     call = Constraint("json_schema", call_schema([WEATHER]))
     ask = [{"role": "user", "content": "What is the weather in Oslo?"}]

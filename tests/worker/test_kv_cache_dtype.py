@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.llm import LLM
-from inferplane.worker.sampling import SamplingParams
 from tests.worker.conftest import one_kernel_for_every_row_count, prompts_of_lengths
 
 RUNTIMES = ["paged", "cpu-int8"]  # PyTorch's attention over the gathered cache; the C kernels

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from inferplane.worker.engine import StepOutput
-from inferplane.worker.metrics import WorkerMetrics
+from inferplane.worker.engine.engine import StepOutput
+from inferplane.worker.serve.metrics import WorkerMetrics
 
 
 def _finished(reason: str, ttft: float = 0.1, latency: float = 0.5, tokens: int = 5) -> StepOutput:

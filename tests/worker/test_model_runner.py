@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from inferplane.worker.model_runner import _Pack
-from inferplane.worker.sampling import SamplingParams
+from inferplane.worker.engine.model_runner import _Pack
+from inferplane.worker.engine.sampling import SamplingParams
 
 
 def test_a_packs_parts_are_views_of_one_tensor_shaped_as_added():

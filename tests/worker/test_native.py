@@ -11,8 +11,8 @@ import subprocess
 import pytest
 import torch
 
-from inferplane.worker import native
-from inferplane.worker.attention import AttentionBatch, paged_attention
+from inferplane.worker.ops import native
+from inferplane.worker.ops.attention import AttentionBatch, paged_attention
 from inferplane.worker.quant.int8_linear import Int8Linear
 
 KERNELS = native.kernels()
@@ -57,7 +57,7 @@ def test_the_isa_can_be_forced_and_an_unavailable_one_is_refused(monkeypatch, ca
         assert set(native.kernel_isas(native.kernels()).values()) == {"avx2"}
         native.kernels.cache_clear()
         monkeypatch.setenv("INFERPLANE_NATIVE_ISA", "sse2")
-        with caplog.at_level(logging.WARNING, logger="inferplane.worker.native"):
+        with caplog.at_level(logging.WARNING, logger="inferplane.worker.ops.native"):
             assert native.kernels().isa == ISAS[0]
         assert "INFERPLANE_NATIVE_ISA=sse2" in caplog.text
         assert native.supported_isas(frozenset({"avx", "avx2", "fma"})) == []  # no BMI2/F16C: no build
@@ -79,7 +79,7 @@ def test_the_emulated_avx_vnni_build_stands_in_only_where_the_real_one_cannot_ru
     native.kernels.cache_clear()
     try:
         monkeypatch.setenv("INFERPLANE_NATIVE_ISA", "avx2-vnni-emulated")
-        with caplog.at_level(logging.WARNING, logger="inferplane.worker.native"):
+        with caplog.at_level(logging.WARNING, logger="inferplane.worker.ops.native"):
             assert native.kernels().isa == ISAS[0] != "avx2-vnni-emulated"
         assert "INFERPLANE_NATIVE_ISA=avx2-vnni-emulated" in caplog.text
     finally:
@@ -90,7 +90,7 @@ def test_the_emulated_avx_vnni_build_stands_in_only_where_the_real_one_cannot_ru
 def test_the_real_avx_vnni_build_compiles_to_the_instruction_the_emulation_stands_for(tmp_path):
     """The emulated build runs the AVX-VNNI code; this checks the real build of that code compiles
     on any machine and uses the VEX vpdpbusd (the emulation's stand-in is only in the test build)."""
-    from inferplane.worker.native import build
+    from inferplane.worker.ops.native import build
 
     real, emulated = tmp_path / "real.so", tmp_path / "emulated.so"
     try:
@@ -254,7 +254,7 @@ def test_without_a_compiler_the_kernels_are_off_and_say_so(monkeypatch, tmp_path
     monkeypatch.setenv("INFERPLANE_NATIVE_DIR", str(tmp_path))
     native.kernels.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="inferplane.worker.native"):
+        with caplog.at_level(logging.WARNING, logger="inferplane.worker.ops.native"):
             assert native.kernels() is None
         assert "native kernels unavailable" in caplog.text
         monkeypatch.setenv("INFERPLANE_NATIVE", "0")
@@ -272,7 +272,7 @@ def test_a_failed_build_is_reported_with_the_compiler_message(monkeypatch, tmp_p
     monkeypatch.setenv("INFERPLANE_NATIVE_DIR", str(tmp_path / "cache"))
     native.kernels.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="inferplane.worker.native"):
+        with caplog.at_level(logging.WARNING, logger="inferplane.worker.ops.native"):
             assert native.kernels() is None
         assert "error" in caplog.text
         assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built is left to load later
@@ -353,8 +353,8 @@ def test_moe_route_is_softmax_and_topk_renormalised(isa_kernels, experts, top_k,
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])  # float16: stored rounded to nearest even
 def test_rope_and_kv_store_in_one_pass_match_the_pytorch_ops(isa_kernels, kv_dtype):
-    from inferplane.worker.attention import store_kv
     from inferplane.worker.model.layers import rope
+    from inferplane.worker.ops.kv_cache import store_kv
 
     heads, kv_heads, dim, t = 4, 2, 16, 5
     gen = torch.Generator().manual_seed(7)
@@ -379,7 +379,7 @@ def test_a_cpu_engine_says_which_isa_each_kernel_runs_on(tiny_llama, isa_kernels
     from prometheus_client import generate_latest
 
     from inferplane.worker.llm import LLM
-    from inferplane.worker.metrics import WorkerMetrics
+    from inferplane.worker.serve.metrics import WorkerMetrics
 
     stats = LLM(tiny_llama, device="cpu", num_kv_blocks=16).stats()
     on_kernels = {key.split(":")[1]: key.split(":")[2] for key in stats if key.startswith("native_kernel:")}
@@ -419,8 +419,8 @@ def test_every_isa_generates_what_pytorch_generates(tiny_llama, isa_kernels, mon
     tokens PyTorch's ops give: the int8 products are exact on every build. (A float32 KV cache: a
     float16 one rounds the last-bit differences of the two paths' float sums to whole float16 steps,
     enough to flip a near tie of this random model; test_fused_decode covers the float16 cache.)"""
+    from inferplane.worker.engine.sampling import SamplingParams
     from inferplane.worker.llm import LLM
-    from inferplane.worker.sampling import SamplingParams
     from tests.worker.conftest import prompts_of_lengths
 
     prompts = prompts_of_lengths([5, 12, 30], 320, seed=3)
@@ -437,9 +437,9 @@ def test_every_isa_generates_what_pytorch_generates(tiny_llama, isa_kernels, mon
 def test_the_fused_decoder_layer_gives_the_op_by_op_results(tiny_llama, isa_kernels, monkeypatch):
     """ip_decode_layers runs the same kernels in the same order as the layer's Python: the same tokens
     and the same logprobs, for decode batches of sequences with different context lengths."""
+    from inferplane.worker.engine.sampling import SamplingParams
     from inferplane.worker.llm import LLM
     from inferplane.worker.model import fused_decode
-    from inferplane.worker.sampling import SamplingParams
     from tests.worker.conftest import prompts_of_lengths
 
     prompts = prompts_of_lengths([3, 17, 40, 9], 320, seed=5)

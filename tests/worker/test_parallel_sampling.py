@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from inferplane.worker.kv.paged import blocks_for, fork_layout
+from inferplane.worker.engine.kv.paged import blocks_for, fork_layout
+from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.llm import LLM
-from inferplane.worker.sampling import SamplingParams
 
 from .conftest import prompts_of_lengths
 

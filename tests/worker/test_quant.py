@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from inferplane.worker import native
+from inferplane.worker.ops import native
 from inferplane.worker.quant.gate import GateAccumulator, load_eval_text, windows
 from inferplane.worker.quant.gguf_q8 import q8_0_to_per_channel
 from inferplane.worker.quant.int8_linear import (
@@ -280,7 +280,7 @@ def test_the_conversion_cache_key_follows_the_file_the_settings_and_the_switch(t
     assert ConversionCache.for_model(str(tmp_path), {}) is None  # a folder (HF checkpoint) is not hashed
     # The gate figures stored with a conversion were measured on one kernel build: another build's
     # start finds another key and measures its own.
-    from inferplane.worker import native
+    from inferplane.worker.ops import native
     from inferplane.worker.quant.convert import cache_settings
 
     keys = set()
@@ -295,8 +295,8 @@ def test_the_conversion_cache_key_follows_the_file_the_settings_and_the_switch(t
 
 
 def test_cpu_int8_llm_follows_float32_on_the_tiny_model(tiny_llama):
+    from inferplane.worker.engine.sampling import SamplingParams
     from inferplane.worker.llm import LLM
-    from inferplane.worker.sampling import SamplingParams
 
     prompts = prompts_of_lengths([5, 12, 30], 320, seed=3)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -320,8 +320,8 @@ def test_gate_needs_a_tokenizer(tiny_llama):
 
 
 def test_cpu_int8_refuses_other_devices_and_dtypes(tiny_llama):
-    from inferplane.worker.options import EngineOptions
-    from inferplane.worker.runtimes import prepare_weights
+    from inferplane.worker.engine.options import EngineOptions
+    from inferplane.worker.engine.runtimes import prepare_weights
 
     options = EngineOptions(runtime="cpu-int8", skip_quality_gate=True)
     loaded = _tiny(tiny_llama)
@@ -338,8 +338,8 @@ def test_cpu_int8_refuses_other_devices_and_dtypes(tiny_llama):
 def test_a_model_on_the_c_kernels_generates_what_the_pytorch_one_does(tiny_llama, monkeypatch):
     """Every int8 layer packed and decode attention in C, against the same model on PyTorch's ops
     only (INFERPLANE_NATIVE=0 in effect): whole forward passes, prefill and decode, 1 to 3 rows."""
+    from inferplane.worker.engine.sampling import SamplingParams
     from inferplane.worker.llm import LLM
-    from inferplane.worker.sampling import SamplingParams
 
     prompts = prompts_of_lengths([5, 12, 30], 320, seed=3)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

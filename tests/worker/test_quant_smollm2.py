@@ -46,9 +46,9 @@ def test_greedy_output_agrees_with_float32(int8_llm):
     teacher-forced agreement (both models predict each next token of float32's own output)."""
     import torch
 
+    from inferplane.worker.engine.sampling import SamplingParams
     from inferplane.worker.llm import LLM
     from inferplane.worker.quant.gate import sequence_logits
-    from inferplane.worker.sampling import SamplingParams
 
     prompts = [
         "The capital of France is",
@@ -117,10 +117,10 @@ def test_a_second_start_restores_the_conversion_from_disk(tmp_path, monkeypatch,
 
     import torch
 
+    from inferplane.worker.engine.sampling import SamplingParams
     from inferplane.worker.llm import LLM
     from inferplane.worker.quant.block_linear import BlockLinear
     from inferplane.worker.quant.int8_linear import Int8Linear
-    from inferplane.worker.sampling import SamplingParams
 
     monkeypatch.setenv("INFERPLANE_QUANT_CACHE", str(tmp_path))
     first = LLM(MODEL, runtime="cpu-int8", device="cpu", num_kv_blocks=32)

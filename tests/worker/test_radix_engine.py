@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.llm import LLM
-from inferplane.worker.sampling import SamplingParams
 
 from .conftest import prompts_of_lengths
 

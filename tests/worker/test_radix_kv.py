@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
-from inferplane.worker.kv.radix import RadixKV, RadixScheduler
-from inferplane.worker.sampling import SamplingParams
-from inferplane.worker.sequence import Sequence, SequenceStatus
+from inferplane.worker.engine.kv.radix import RadixKV, RadixScheduler
+from inferplane.worker.engine.sampling import SamplingParams
+from inferplane.worker.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 _ids = itertools.count()

@@ -14,10 +14,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from inferplane.worker.kv.radix import RadixKV
-from inferplane.worker.kv.window import NULL_BLOCK, WindowBlocks, first_kept_block
-from inferplane.worker.sampling import SamplingParams
-from inferplane.worker.sequence import Sequence
+from inferplane.worker.engine.kv.radix import RadixKV
+from inferplane.worker.engine.kv.window import NULL_BLOCK, WindowBlocks, first_kept_block
+from inferplane.worker.engine.sampling import SamplingParams
+from inferplane.worker.engine.sequence import Sequence
 
 BLOCK = 2
 NUM_BLOCKS = 14

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inferplane import LLM, SamplingParams
-from inferplane.worker.sampling import History, adjust_logits, sample
+from inferplane.worker.engine.sampling import History, adjust_logits, sample
 
 LOGITS = [2.0, -1.0, 0.5, 3.0, -2.5, 0.0]
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from inferplane import LLM, SamplingParams
-from inferplane.worker.kv.window import NULL_BLOCK, WindowBlocks, first_needed, window_pool_blocks
-from inferplane.worker.sequence import Sequence
+from inferplane.worker.engine.kv.window import NULL_BLOCK, WindowBlocks, first_needed, window_pool_blocks
+from inferplane.worker.engine.sequence import Sequence
 from tests.worker.conftest import hf_greedy, prompts_of_lengths
 from tests.worker.test_architectures import VOCAB, save_family
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import math
 
 from inferplane.bench.step_split import step_split
-from inferplane.worker import native
+from inferplane.worker.ops import native
 from tests.worker.test_native import isa_kernels  # noqa: F401 (the fixture: kernels on this CPU)
 
 
 def test_the_split_times_layers_and_head_and_restores_them(tiny_llama, isa_kernels):  # noqa: F811
+    from inferplane.worker.engine.sampling import SamplingParams
     from inferplane.worker.llm import LLM
-    from inferplane.worker.sampling import SamplingParams
 
     llm = LLM(tiny_llama, runtime="cpu-int8", device="cpu", num_kv_blocks=64, skip_quality_gate=True)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

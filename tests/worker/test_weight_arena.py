@@ -38,7 +38,7 @@ def test_place_moves_each_tensors_storage_and_keeps_the_tensor():
 
 
 def _greedy(llm, prompts):
-    from inferplane.worker.sampling import SamplingParams
+    from inferplane.worker.engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True)
     return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]

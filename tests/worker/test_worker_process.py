@@ -183,8 +183,8 @@ def test_worker_flags_are_the_engine_options_with_their_defaults() -> None:
     """One home for engine defaults: every EngineOptions field has a flag, defaulting to its value."""
     import argparse
 
-    from inferplane.worker import cli
-    from inferplane.worker.options import EngineOptions
+    from inferplane.worker.engine.options import EngineOptions
+    from inferplane.worker.serve import cli
 
     parser = argparse.ArgumentParser()
     cli.configure(parser)

@@ -25,11 +25,12 @@ from collections.abc import Callable
 import torch
 
 from inferplane.api.model_config import FULL, SLIDING, ModelConfig
-from inferplane.worker import native
-from inferplane.worker.attention import AttentionBatch, PagedKVCache
 from inferplane.worker.model import structure
 from inferplane.worker.model.layers import RMSNorm
 from inferplane.worker.model.step_inputs import StepInputs
+from inferplane.worker.ops import native
+from inferplane.worker.ops.attention import AttentionBatch
+from inferplane.worker.ops.kv_cache import PagedKVCache
 
 Segment = tuple[int, int, object]  # (first layer, end, ctypes array of LayerWeights or None: op by op)
 

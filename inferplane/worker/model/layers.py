@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferplane.api.model_config import ModelConfig, ModelLoadError
-from inferplane.worker import gpu_kernels, native
-from inferplane.worker.attention import AttentionBatch, PagedKVCache, paged_attention, store_kv
 from inferplane.worker.model.structure import WatchedModule
+from inferplane.worker.ops import gpu_kernels, native
+from inferplane.worker.ops.attention import AttentionBatch, paged_attention
+from inferplane.worker.ops.kv_cache import PagedKVCache, store_kv
 
 
 class RMSNorm(WatchedModule):

@@ -16,8 +16,6 @@ import torch
 from torch import nn
 
 from inferplane.api.model_config import FULL, SLIDING, ModelConfig
-from inferplane.worker import native
-from inferplane.worker.attention import AttentionBatch, PagedKVCache
 from inferplane.worker.model import structure
 from inferplane.worker.model.decoder import DecoderLayer
 from inferplane.worker.model.fused_decode import FusedDecode, linear_operands
@@ -25,7 +23,10 @@ from inferplane.worker.model.gemma import SandwichDecoderLayer
 from inferplane.worker.model.layers import RMSNorm, Rotary
 from inferplane.worker.model.step_inputs import StepInputs
 from inferplane.worker.model.structure import WatchedModule
-from inferplane.worker.native.choice import NEVER, crossover
+from inferplane.worker.ops import native
+from inferplane.worker.ops.attention import AttentionBatch
+from inferplane.worker.ops.kv_cache import PagedKVCache
+from inferplane.worker.ops.native.choice import NEVER, crossover
 
 
 def decoder_layer(config: ModelConfig, index: int) -> DecoderLayer:

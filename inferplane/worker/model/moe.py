@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from inferplane.api.model_config import ModelConfig
-from inferplane.worker import native
 from inferplane.worker.model.layers import MLP
 from inferplane.worker.model.structure import WatchedModule
+from inferplane.worker.ops import native
 
 
 class SparseMoE(WatchedModule):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from inferplane.api.model_config import FULL, SLIDING
-from inferplane.worker import native
+from inferplane.worker.ops import native
 
 
 class StepInputs:

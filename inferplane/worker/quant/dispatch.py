@@ -12,8 +12,8 @@ from collections.abc import Iterable
 
 import torch
 
-from inferplane.worker import native
-from inferplane.worker.native.choice import NEVER, crossover
+from inferplane.worker.ops import native
+from inferplane.worker.ops.native.choice import NEVER, crossover
 from inferplane.worker.quant.int8_linear import Int8Dispatch, Int8Linear
 
 # Beyond the largest measured row count the dynamic kernel is taken as the winner: GEMM there is

@@ -19,7 +19,8 @@ from importlib import resources
 import torch
 import torch.nn.functional as F
 
-from inferplane.worker.attention import AttentionBatch, PagedKVCache, PrefillSegment
+from inferplane.worker.ops.attention import AttentionBatch, PrefillSegment
+from inferplane.worker.ops.kv_cache import PagedKVCache
 
 DEFAULT_THRESHOLD_PCT = 2.0
 # The slice a worker scores at start-up (two windows; ~2 s for SmolLM2 on AVX-512, once per model file

@@ -39,7 +39,7 @@ from inferplane.worker.model.gguf_file import (
     q4_k_scales,
     q6_k_values,
 )
-from inferplane.worker.native import BLOCK, Q8_MIN
+from inferplane.worker.ops.native import BLOCK, Q8_MIN
 
 _QK_K = 256
 # type -> (bytes per unit, weights per unit, value bits)

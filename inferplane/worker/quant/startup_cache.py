@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 # What the conversion and its gate figures depend on: these modules, and the kernels they ran on.
 _CODE = ("convert.py", "smooth.py", "int8_linear.py", "block_linear.py", "gguf_q8.py", "gguf_blocks.py", "gate.py",
-         "startup_cache.py", "../native/kernels.c")
+         "startup_cache.py", "../ops/native/kernels.c")
 _FORMAT = 1
 
 

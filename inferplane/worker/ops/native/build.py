@@ -33,7 +33,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from inferplane.worker.native.bindings import NativeKernels
+from inferplane.worker.ops.native.bindings import NativeKernels
 
 log = logging.getLogger(__name__)
 

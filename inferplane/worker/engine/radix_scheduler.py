@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from inferplane.worker.scheduler import Scheduler, SchedulerOutput
-from inferplane.worker.sequence import Sequence, SequenceStatus
+from inferplane.worker.engine.scheduler import Scheduler, SchedulerOutput
+from inferplane.worker.engine.sequence import Sequence, SequenceStatus
 
 
 class RadixScheduler(Scheduler):

@@ -28,10 +28,10 @@ from grpc_reflection.v1alpha import reflection
 
 from inferplane.api.lora_manifest import AdapterError
 from inferplane.v1 import worker_pb2, worker_pb2_grpc
-from inferplane.worker.async_engine import AsyncEngine
 from inferplane.worker.embedding.batcher import EmbeddingBatcher
-from inferplane.worker.engine import StepOutput
-from inferplane.worker.sampling import SamplingParams
+from inferplane.worker.engine.engine import StepOutput
+from inferplane.worker.engine.sampling import SamplingParams
+from inferplane.worker.serve.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name

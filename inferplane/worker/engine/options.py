@@ -48,7 +48,7 @@ def parse_memory(value: int | float | str) -> int | float:
 
 
 def option(default: Any, help: str, *, choices: Sequence[str] | None = None, hidden: bool = False) -> Any:
-    """An engine option with what `inferplane worker` needs to offer it as a flag (see worker/cli.py)."""
+    """An engine option with what `inferplane worker` needs to offer it as a flag (see worker/serve/cli.py)."""
     return field(default=default, metadata={"help": help, "choices": choices, "hidden": hidden})
 
 

@@ -20,12 +20,12 @@ holds, which are reclaimable at any time.
 
 from __future__ import annotations
 
-from inferplane.worker.kv.block_pool import BlockPool
-from inferplane.worker.kv.paged import blocks_for, fork_blocks, fork_layout
-from inferplane.worker.kv.radix_scheduler import RadixScheduler
-from inferplane.worker.kv.radix_tree import BlockKey, Node, RadixTree, block_keys
-from inferplane.worker.kv.window import NULL_BLOCK, WindowBlocks, first_kept_block
-from inferplane.worker.sequence import Sequence
+from inferplane.worker.engine.kv.block_pool import BlockPool
+from inferplane.worker.engine.kv.paged import blocks_for, fork_blocks, fork_layout
+from inferplane.worker.engine.kv.radix_tree import BlockKey, Node, RadixTree, block_keys
+from inferplane.worker.engine.kv.window import NULL_BLOCK, WindowBlocks, first_kept_block
+from inferplane.worker.engine.radix_scheduler import RadixScheduler
+from inferplane.worker.engine.sequence import Sequence
 
 __all__ = ["RadixKV", "RadixScheduler"]
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from inferplane.api.priority import DEFAULT_RANK
-from inferplane.worker.sampling import SamplingParams
+from inferplane.worker.engine.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from inferplane.worker import gpu_attention, native
+from inferplane.worker.ops import gpu_attention, native
 
 
 @dataclass
@@ -133,65 +133,6 @@ def _group(segments: list[PrefillSegment], device: torch.device) -> PrefillGroup
     mask = (causal[None, :, :] & valid[:, None, :])[:, None]
     return PrefillGroup(gather=gather.to(device), valid=valid.to(device), rows=gather[valid].to(device),
                         mask=mask.to(device))
-
-
-class PagedKVCache:
-    """The preallocated pool: per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim].
-
-    Layers listed in `window_layers` (sliding-window layers whose window is shorter than the
-    context) keep theirs in a second tensor, `window_data`, of `num_window_blocks` blocks, addressed
-    by each sequence's window table (kv/window.py); `data` then holds the other layers only.
-
-    With `scratch_block`, each tensor has one block more than its pool hands out: the rows a CUDA
-    graph pads a decode batch with write their KV there (decode_graphs.py), never into a sequence's."""
-
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, window_layers: frozenset[int] = frozenset(),
-                 num_window_blocks: int = 0, scratch_block: bool = False):
-        self.full_layers = [i for i in range(num_layers) if i not in window_layers]
-        self.window_layers = sorted(window_layers)
-        # where each layer's K and V live: (windowed, index in its tensor)
-        self._where = {layer: (False, i) for i, layer in enumerate(self.full_layers)}
-        self._where.update({layer: (True, i) for i, layer in enumerate(self.window_layers)})
-        tail = (block_size, num_kv_heads, head_dim)
-        spare = int(scratch_block)
-        self.data = torch.zeros((len(self.full_layers), 2, num_blocks + spare, *tail), dtype=dtype, device=device)
-        self.window_data = (torch.zeros((len(self.window_layers), 2, num_window_blocks + spare, *tail), dtype=dtype,
-                                        device=device) if self.window_layers else None)
-        # the index of the scratch block in each tensor (None: no scratch block)
-        self.scratch = num_blocks if scratch_block else None
-        self.window_scratch = num_window_blocks if scratch_block else None
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-    def is_windowed(self, index: int) -> bool:
-        return self._where[index][0]
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        windowed, i = self._where[index]
-        data = self.window_data if windowed else self.data
-        return data[i, 0], data[i, 1]
-
-    def nbytes(self) -> int:
-        """What the pool takes in memory, both tensors."""
-        return sum(t.numel() * t.element_size() for t in (self.data, self.window_data) if t is not None)
-
-    def copy_block(self, source: int, destination: int, window: bool = False) -> None:
-        """Every layer's K and V of one block into another (a fork's copy of a partly filled block)."""
-        data = self.window_data if window else self.data
-        data[:, :, destination].copy_(data[:, :, source])
-
-
-def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    heads, dim = k_cache.shape[-2:]
-    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

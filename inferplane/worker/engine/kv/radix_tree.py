@@ -28,8 +28,8 @@ import heapq
 import itertools
 from collections.abc import Iterator, Sequence
 
-from inferplane.worker.kv.block_pool import BlockPool
-from inferplane.worker.kv.window import NULL_BLOCK
+from inferplane.worker.engine.kv.block_pool import BlockPool
+from inferplane.worker.engine.kv.window import NULL_BLOCK
 
 BlockKey = tuple[int, ...]
 

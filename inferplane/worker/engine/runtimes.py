@@ -19,14 +19,14 @@ import torch
 from torch import nn
 
 from inferplane.api.resolve import PRESETS
-from inferplane.worker import native
-from inferplane.worker.kv.paged import PagedKV
-from inferplane.worker.kv.window import WindowBlocks
-from inferplane.worker.native.choice import NEVER
-from inferplane.worker.options import EngineOptions
-from inferplane.worker.scheduler import Scheduler
+from inferplane.worker.engine.kv.paged import PagedKV
+from inferplane.worker.engine.kv.window import WindowBlocks
+from inferplane.worker.engine.options import EngineOptions
+from inferplane.worker.engine.scheduler import Scheduler
+from inferplane.worker.ops import native
+from inferplane.worker.ops.native.choice import NEVER
 
-_RADIX_MODULE = "inferplane.worker.kv.radix"
+_RADIX_MODULE = "inferplane.worker.engine.kv.radix"
 _QUANT_MODULE = "inferplane.worker.quant.convert"
 
 
@@ -67,7 +67,7 @@ def build_kv_manager(options: EngineOptions, num_blocks: int, windows: WindowBlo
     if kind is None:
         raise ValueError(f"runtime: {options.runtime} serves embedding models and builds no generation engine")
     if kind == "radix":
-        from inferplane.worker.kv.radix import RadixKV
+        from inferplane.worker.engine.kv.radix import RadixKV
 
         return RadixKV(num_blocks, options.block_size, windows)
     return PagedKV(num_blocks, options.block_size, windows)
@@ -75,7 +75,7 @@ def build_kv_manager(options: EngineOptions, num_blocks: int, windows: WindowBlo
 
 def build_scheduler(options: EngineOptions, kv) -> Scheduler:
     if kv_manager_kind(options) == "radix":
-        from inferplane.worker.kv.radix import RadixScheduler
+        from inferplane.worker.engine.kv.radix import RadixScheduler
 
         return RadixScheduler(kv, options.max_num_seqs, options.max_num_batched_tokens, options.step_target_ms / 1000)
     return Scheduler(kv, options.max_num_seqs, options.max_num_batched_tokens, options.step_target_ms / 1000)

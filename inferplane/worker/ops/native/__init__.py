@@ -4,7 +4,7 @@ bindings.py wraps its functions for tensors, packing.py lays weights out as they
 choice.py measures where PyTorch's own path wins. Callers use the names below.
 """
 
-from inferplane.worker.native.bindings import (
+from inferplane.worker.ops.native.bindings import (
     FLOAT32_BITS,
     KERNEL_NAMES,
     DecodeInputs,
@@ -17,7 +17,7 @@ from inferplane.worker.native.bindings import (
     float32_rows,
     kernel_isas,
 )
-from inferplane.worker.native.build import (
+from inferplane.worker.ops.native.build import (
     EMULATED_BUILDS,
     ISA_BUILDS,
     chosen_isa,
@@ -27,7 +27,7 @@ from inferplane.worker.native.build import (
     kernels_for,
     supported_isas,
 )
-from inferplane.worker.native.packing import (
+from inferplane.worker.ops.native.packing import (
     BLOCK,
     BLOCK_KINDS,
     Q8_MIN,

@@ -16,16 +16,16 @@ import torch
 
 from inferplane.api.priority import BANDS, band_rank
 from inferplane.api.tokenizer import IncrementalDetokenizer
-from inferplane.worker.attention import PagedKVCache
-from inferplane.worker.decode_graphs import DecodeGraphs, activation_bytes
-from inferplane.worker.kv.paged import blocks_for
-from inferplane.worker.kv.window import WindowBlocks, window_pool_blocks
+from inferplane.worker.engine.decode_graphs import DecodeGraphs, activation_bytes
+from inferplane.worker.engine.kv.paged import blocks_for
+from inferplane.worker.engine.kv.window import WindowBlocks, window_pool_blocks
+from inferplane.worker.engine.model_runner import ModelRunner
+from inferplane.worker.engine.options import EngineOptions, parse_memory
+from inferplane.worker.engine.runtimes import build_kv_manager, build_scheduler, kernel_isas
+from inferplane.worker.engine.sampling import SamplingParams
+from inferplane.worker.engine.sequence import Sequence
 from inferplane.worker.model.loader import LoadedModel
-from inferplane.worker.model_runner import ModelRunner
-from inferplane.worker.options import EngineOptions, parse_memory
-from inferplane.worker.runtimes import build_kv_manager, build_scheduler, kernel_isas
-from inferplane.worker.sampling import SamplingParams
-from inferplane.worker.sequence import Sequence
+from inferplane.worker.ops.kv_cache import PagedKVCache
 
 QUEUE_STAT_PREFIX = "queue:"  # stats key queue:<running|waiting>:<band>:<tenant> -> sequences
 _DECODE_SMOOTHING = 0.3  # weight of the newest decode step time in Engine.decode_step_s
@@ -550,7 +550,7 @@ class Engine:
             cuda_graph_reserve_bytes=self.graph_reserve,  # taken from the KV budget for the graphs' pool
             fair_share_preemptions=self.scheduler.fair.preemptions,
         )
-        # Per tenant and band: what flow control is doing (worker/metrics.py labels these).
+        # Per tenant and band: what flow control is doing (worker/serve/metrics.py labels these).
         for (state, tenant, band), count in self.scheduler.tenant_queues().items():
             stats[f"{QUEUE_STAT_PREFIX}{state}:{BANDS[band]}:{tenant}"] = float(count)
         if self.adapters is not None:

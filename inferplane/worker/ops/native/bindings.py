@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from inferplane.worker.native.packing import BLOCK, BLOCK_KINDS
+from inferplane.worker.ops.native.packing import BLOCK, BLOCK_KINDS
 
 # What each kernel is called in stats, metrics and bench output.
 KERNEL_NAMES = ("int8_linear", *(f"{kind}_linear" for kind in BLOCK_KINDS.values()), "f32_linear",

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inferplane.worker.kv.block_pool import BlockPool
-from inferplane.worker.kv.window import WindowBlocks
-from inferplane.worker.sequence import Sequence
+from inferplane.worker.engine.kv.block_pool import BlockPool
+from inferplane.worker.engine.kv.window import WindowBlocks
+from inferplane.worker.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import functools
 
 import torch
 
-from inferplane.worker import gpu_kernels
+from inferplane.worker.ops import gpu_kernels
 
 _TILE = 64  # positions per loop step
 

@@ -104,7 +104,7 @@ def _cgroup_limit_files(root: Path, proc_cgroup: Path) -> list[Path]:
 
 def plan(config, options, *, model_path: str, device_type: str, max_model_len: int, limit: int | None,
          strict: bool | None = None) -> MemoryPlan | None:
-    """The footprint of serving `config` with the settled `options` (worker/options.py) under
+    """The footprint of serving `config` with the settled `options` (worker/engine/options.py) under
     `limit`; MemoryTooSmall if it cannot fit. None where there is nothing to estimate (a GPU
     worker, whose weights and KV live in GPU memory; the embedding runtime)."""
     if device_type != "cpu" or options.runtime == "embedding":

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from inferplane.worker.attention import AttentionBatch, PagedKVCache
-from inferplane.worker.kv.paged import blocks_for
+from inferplane.worker.engine.kv.paged import blocks_for
+from inferplane.worker.ops.attention import AttentionBatch
+from inferplane.worker.ops.kv_cache import PagedKVCache
 
 
 def buckets(max_rows: int) -> list[int]:

@@ -10,11 +10,12 @@ from collections.abc import Callable
 
 import torch
 
-from inferplane.worker.attention import AttentionBatch, PagedKVCache, PrefillSegment
-from inferplane.worker.kv.window import first_kept_block
+from inferplane.worker.engine.kv.window import first_kept_block
+from inferplane.worker.engine.sampling import History, Sampled, SamplingParams, given_token_logprobs, sample
+from inferplane.worker.engine.scheduler import ScheduledSequence
 from inferplane.worker.model.llama import LlamaForCausalLM
-from inferplane.worker.sampling import History, Sampled, SamplingParams, given_token_logprobs, sample
-from inferplane.worker.scheduler import ScheduledSequence
+from inferplane.worker.ops.attention import AttentionBatch, PrefillSegment
+from inferplane.worker.ops.kv_cache import PagedKVCache
 
 
 class _Pack:

@@ -14,11 +14,11 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING
 
-from inferplane.worker.options import EngineOptions
+from inferplane.worker.engine.options import EngineOptions
 
 if TYPE_CHECKING:
-    from inferplane.worker.metrics import WorkerMetrics
-    from inferplane.worker.server import WorkerState
+    from inferplane.worker.serve.metrics import WorkerMetrics
+    from inferplane.worker.serve.server import WorkerState
 
 
 def _flag_type(annotation: str) -> type | None:
@@ -56,10 +56,10 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 
 
 def _build_engine(args: argparse.Namespace):
-    from inferplane.worker import footprint
-    from inferplane.worker.engine import Engine
+    from inferplane.worker.engine.engine import Engine
+    from inferplane.worker.engine.runtimes import check_runtime, prepare_weights
     from inferplane.worker.model.loader import load_model
-    from inferplane.worker.runtimes import check_runtime, prepare_weights
+    from inferplane.worker.serve import footprint
 
     check_runtime(args.runtime)
     options = engine_options(args)
@@ -84,14 +84,14 @@ def _build_engine(args: argparse.Namespace):
 
 
 def _memory_plan(model: str, options: EngineOptions, device):
-    """The footprint against the memory limit, before anything is loaded (worker/footprint.py):
+    """The footprint against the memory limit, before anything is loaded (worker/serve/footprint.py):
     MemoryTooSmall (the start fails with its message) where the model cannot fit; a warning where
     the KV pool was fitted below what was asked for."""
     import logging
 
     from inferplane.api.model_config import read_model_config
-    from inferplane.worker import footprint
     from inferplane.worker.model.loader import resolve_model_path
+    from inferplane.worker.serve import footprint
 
     if device.type != "cpu":  # the weights and KV live in GPU memory, which the engine sizes itself
         return None
@@ -160,8 +160,8 @@ def _build_embedder(args: argparse.Namespace):
 
 def _install_engine(state: WorkerState, args: argparse.Namespace, built) -> tuple[WorkerMetrics, str]:
     """A generative engine into the worker's state: (its metrics, the ready line's details)."""
-    from inferplane.worker.async_engine import AsyncEngine
-    from inferplane.worker.metrics import WorkerMetrics
+    from inferplane.worker.serve.async_engine import AsyncEngine
+    from inferplane.worker.serve.metrics import WorkerMetrics
 
     engine, report, state.adapter_source = built
     state.extra_stats = {k: float(v) for k, v in report.items()}
@@ -182,7 +182,7 @@ def _install_engine(state: WorkerState, args: argparse.Namespace, built) -> tupl
 def _install_embedder(state: WorkerState, args: argparse.Namespace, built) -> tuple[WorkerMetrics, str]:
     """An embedding model's batcher into the worker's state: (its metrics, the ready line's details)."""
     from inferplane.worker.embedding.batcher import EmbeddingBatcher
-    from inferplane.worker.metrics import WorkerMetrics
+    from inferplane.worker.serve.metrics import WorkerMetrics
 
     encoder, options = built
     state.info = dict(model=state.model, runtime=args.runtime, max_model_len=encoder.max_model_len,
@@ -200,7 +200,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     from prometheus_client import start_http_server
 
-    from inferplane.worker.server import WorkerServer, WorkerState, print_line
+    from inferplane.worker.serve.server import WorkerServer, WorkerState, print_line
 
     embedding = args.runtime == "embedding"
     build, install = (_build_embedder, _install_embedder) if embedding else (_build_engine, _install_engine)

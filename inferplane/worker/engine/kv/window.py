@@ -20,8 +20,8 @@ Invariants:
 
 from __future__ import annotations
 
-from inferplane.worker.kv.block_pool import BlockPool
-from inferplane.worker.sequence import Sequence
+from inferplane.worker.engine.kv.block_pool import BlockPool
+from inferplane.worker.engine.sequence import Sequence
 
 NULL_BLOCK = 0
 

@@ -20,9 +20,9 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from inferplane.worker.fair_share import FairShare
-from inferplane.worker.sequence import Sequence, SequenceStatus
-from inferplane.worker.step_budget import StepBudget
+from inferplane.worker.engine.fair_share import FairShare
+from inferplane.worker.engine.sequence import Sequence, SequenceStatus
+from inferplane.worker.engine.step_budget import StepBudget
 
 RECENT_TENANT_S = 300.0  # how long a tenant's queue figures stay reported (as 0) after its work ends
 

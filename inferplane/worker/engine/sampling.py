@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from inferplane.worker import native
+from inferplane.worker.ops import native
 
 MAX_N = 128  # OpenAI's bound on choices per request
 

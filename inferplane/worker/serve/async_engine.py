@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from inferplane.worker.engine import Engine, StepOutput
-from inferplane.worker.sampling import SamplingParams
+from inferplane.worker.engine.engine import Engine, StepOutput
+from inferplane.worker.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
