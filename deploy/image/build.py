@@ -116,7 +116,7 @@ import importlib.util, json
 import torch
 import inferplane.control_plane, inferplane.operator, inferplane.worker
 from inferplane.api.model_resolution import builtin_model_path
-from inferplane.worker import native
+from inferplane.worker.ops import native
 assert float(torch.ones(2) @ torch.ones(2)) == 2.0
 model = builtin_model_path("smollm2-135m")
 kernels = native.kernels() if native.supported_isas() else None
