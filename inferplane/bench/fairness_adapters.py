@@ -38,7 +38,9 @@ from pathlib import Path
 import httpx
 
 from inferplane.api.lora_manifest import ATTENTION_MODULES, CONFIG_FILE, WEIGHTS_FILE
-from inferplane.bench.fairness import ADAPTER_CASES, CHAT, FloodProcess, Health, Probe, Tenants, _row, poll_health
+from inferplane.bench.fairness_harness import CHAT, FloodProcess, Health, Probe, Tenants, poll_health, row
+
+ADAPTER_CASES = ("adapter-poison", "adapter-patterns")  # the cases this module runs
 
 RANK = 8
 MAX_LORAS = 4  # slots: the two tenants' own adapters and what the flood gets registered
@@ -378,7 +380,7 @@ async def run_cases(args: argparse.Namespace, t: Tenants, setup: AdapterSetup, c
     reference = {m: Counter(texts).most_common(1)[0][0] for m, texts in alone.texts.items()}
     print(f"\nadapters: the interactive tenant alternates the base and its adapter ({OWN['interactive']}), "
           f"greedy, max_tokens {ANSWER_TOKENS}; {MAX_LORAS} slots, rank {RANK}", flush=True)
-    print(_row("adapters alone", alone.probe, health, alone.probe.pct(0.99)), flush=True)
+    print(row("adapters alone", alone.probe, health, alone.probe.pct(0.99)), flush=True)
     print("      answers alone: " + ", ".join(f"{m} {text!r}" for m, text in reference.items()), flush=True)
     unsteady = {m: len(set(texts)) for m, texts in alone.texts.items() if len(set(texts)) > 1}
     if unsteady:
@@ -392,7 +394,7 @@ async def run_cases(args: argparse.Namespace, t: Tenants, setup: AdapterSetup, c
         answers, h, report = await _measure(t, models, args.samples, flood, args.warmup)
         assert report is not None
         ratio = answers.probe.pct(0.99) / alone.probe.pct(0.99)
-        print(_row(case, answers.probe, h, alone.probe.pct(0.99)), flush=True)
+        print(row(case, answers.probe, h, alone.probe.pct(0.99)), flush=True)
         for line in _report_lines(report):
             print(line, flush=True)
         mismatches = answers.mismatches(reference)

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 
 from inferplane.api.lora_manifest import CONFIG_FILE, WEIGHTS_FILE, BaseShape, read_manifest
 from inferplane.api.model_config import read_model_config
-from inferplane.bench import fairness
+from inferplane.bench import fairness, fairness_harness
 from inferplane.bench.fairness_adapters import (
     ADAPTER_CASES,
     NESTED,
@@ -144,8 +144,8 @@ def test_the_adapter_cases_are_selected_as_the_other_floods(setup: AdapterSetup)
 
 @pytest.mark.slow  # a worker and a gateway process, each importing torch
 def test_the_harness_serves_each_tenant_its_adapter_and_refuses_poisoned_ones(tmp_path: Path) -> None:
-    from inferplane.bench.fairness import Tenants
     from inferplane.bench.fairness_adapters import probe_answers
+    from inferplane.bench.fairness_harness import Tenants
     from inferplane.bench.gateway_harness import free_port, start_gateway, start_worker, stop_worker, wait_serving
     from inferplane.bench.tiny_model import make_tiny_model
 
@@ -168,7 +168,7 @@ def test_the_harness_serves_each_tenant_its_adapter_and_refuses_poisoned_ones(tm
             assert answers.probe.errors == 0
             assert answers.texts["tiny"] != answers.texts[OWN["interactive"]]  # the adapter is applied
             other = http.post("/v1/chat/completions", headers=t.headers("flood"),
-                              json={"model": OWN["interactive"], "messages": fairness.CHAT, "max_tokens": 2})
+                              json={"model": OWN["interactive"], "messages": fairness_harness.CHAT, "max_tokens": 2})
             assert other.status_code == 404
             for poison, folder in setup.poisoned.items():
                 body = {"source": str(folder), "base": "tiny", "name": f"flood-{poison}".lower().replace("_", "-")}

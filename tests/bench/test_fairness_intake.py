@@ -12,7 +12,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from inferplane.bench import fairness
+from inferplane.bench import fairness, fairness_harness
 from inferplane.bench.gateway_harness import _create_key, free_port
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
 
@@ -22,7 +22,7 @@ def test_the_cases_are_listed_with_what_they_send() -> None:
     assert cases["slow-heads"].heads and cases["slow-heads"].copies >= 2
     refused = cases["refused-prompts"]
     assert refused.tenant == fairness.LIMITED
-    body = json.dumps({"model": "tiny", "messages": fairness.CHAT, **refused.extra})
+    body = json.dumps({"model": "tiny", "messages": fairness_harness.CHAT, **refused.extra})
     assert 900_000 < len(body) < 1 << 20  # about a megabyte, within the gateway's body limit
 
 
@@ -32,7 +32,7 @@ async def test_an_unfinished_head_ends_when_the_gateway_closes_it(tmp_path: Path
     await gateway.start()
     try:
         for slow in (True, False):  # a minute of dribbling, 64 MiB: both cut short
-            await asyncio.wait_for(fairness._unfinished_head(f"http://127.0.0.1:{port}", slow=slow), 30)
+            await asyncio.wait_for(fairness_harness._unfinished_head(f"http://127.0.0.1:{port}", slow=slow), 30)
     finally:
         await gateway.stop()
 
