@@ -151,9 +151,10 @@ class FakeWorker:
                     msg.usage.completion_tokens = self.tokens
                 self.messages.append(msg)
 
-    async def stream(self, prepared, params: worker_pb2.SamplingParams):
+    async def stream(self, prepared):
         if not self.messages:
-            self.make(prepared.choices, prepared.n, prepared.prompts if params.HasField("prompt_logprobs") else None)
+            scored = prepared.params.HasField("prompt_logprobs")
+            self.make(prepared.choices, prepared.n, prepared.prompts if scored else None)
         for msg in self.messages:
             self.handed.append((self.loop.turns if self.loop else 0, bool(msg.prompt_logprobs)))
             yield msg
@@ -496,7 +497,7 @@ async def test_the_answer_is_json_dumps_of_openais_dicts_byte_for_byte(monkeypat
                                                  "logprobs": logprobs, "echo": echo, "stream": stream})
         prompts, top = [tok.encode(p) for p in body.prompts], logprobs or 0
     principal = Principal(subject="k", tenant_id="t", scopes=frozenset(), via="key")
-    prepared = PreparedRequest("rid", principal, ServedModel("m", tok, 4096), prompts, 5, n=n)
+    prepared = PreparedRequest("rid", principal, ServedModel("m", tok, 4096), prompts, body.sampling_params(5))
     msgs = _messages(prepared.choices, 6, top, prompts if echo and logprobs is not None else None, n)
     shape = (completions._ChatShape if chat else completions._TextShape)(body, prepared)
     reference = _Reference(tok, body, prompts, n, "rid", shape.created)

@@ -87,7 +87,7 @@ async def test_chat_template_kwargs_reach_the_template(gateway):  # noqa: F811
     gateway.catalog.put(ServedModel(name="m", tokenizer=tokenizer, max_model_len=4096))
     prompts: list[str] = []
 
-    async def worker(prepared, params):  # stands in for the replica: notes the prompt it would get
+    async def worker(prepared):  # stands in for the replica: notes the prompt it would get
         prompts.append(tokenizer.decode(prepared.token_ids, skip_special_tokens=False))
         yield worker_pb2.GenerateResponse(text="4", token_ids=[20], finished=True, finish_reason="stop",
                                           usage=worker_pb2.Usage(completion_tokens=1))

@@ -46,8 +46,7 @@ REFUSED: dict[str, Any] = {name: "x" for name in UNSERVED}
 
 def worker_view(model: type, body: dict) -> tuple:
     request = model.model_validate(body)
-    want_logprobs = bool(request.logprobs) if model is ChatCompletionRequest else request.logprobs is not None
-    return request.default_max_tokens(), request.sampling_params(16, want_logprobs=want_logprobs).SerializeToString()
+    return request.asked_max_tokens(), request.sampling_params(16).SerializeToString()
 
 
 @pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest], ids=lambda m: m.__name__)

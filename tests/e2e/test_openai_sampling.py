@@ -71,12 +71,12 @@ def test_the_grpc_api_carries_every_sampling_field_into_the_same_validation() ->
                                        repetition_penalty=1.2, min_tokens=2, logprobs=True, top_logprobs=3,
                                        logit_bias={7: -5.0})
     chat = rest_body("m", params, messages=[{"role": "user", "content": "hi"}])
-    mapped = chat.sampling_params(4, want_logprobs=True)
+    mapped = chat.sampling_params(4)
     assert (mapped.presence_penalty, mapped.frequency_penalty, mapped.min_tokens, mapped.top_logprobs) == \
         (0.5, -0.5, 2, 3)
     assert mapped.repetition_penalty == pytest.approx(1.2) and dict(mapped.logit_bias) == {7: -5.0}
     text = rest_body("m", params, prompt="hi")
-    assert text.sampling_params(4, want_logprobs=True).top_logprobs == 3
+    assert text.sampling_params(4).top_logprobs == 3
 
 
 async def test_a_prompt_of_token_ids_answers_as_its_text_does(client, in_process_gateway) -> None:

@@ -414,11 +414,9 @@ class Completions:
         self.ctx = ctx
 
     async def text(self, body: CompletionRequest, principal: Principal) -> Response:
-        prepared = await self.ctx.inference.prepare(principal, body.model, prompts=body.prompts, n=body.n,
-                                                    max_tokens=body.default_max_tokens())
+        prepared = await self.ctx.inference.prepare(principal, body, prompts=body.prompts)
         with self.ctx.inference.settled_on_error(prepared):
-            params = body.sampling_params(prepared.max_tokens, want_logprobs=body.logprobs is not None)
-            return await self._respond(_TextShape(body, prepared), params)
+            return await self._respond(_TextShape(body, prepared))
 
     async def chat(self, body: ChatCompletionRequest, principal: Principal) -> Response:
         try:
@@ -426,17 +424,15 @@ class Completions:
             tools = ChatTools(body.tool_dicts(), template_messages(body.messages)) if body.offers_tools else None
         except ValueError as exc:
             return error_response(400, str(exc), "invalid_value", "messages")
-        prepared = await self.ctx.inference.prepare(principal, body.model, messages=messages, n=body.n,
-                                                    max_tokens=body.default_max_tokens(), tools=tools,
+        prepared = await self.ctx.inference.prepare(principal, body, messages=messages, tools=tools,
                                                     chat_template_kwargs=body.chat_template_kwargs)
         with self.ctx.inference.settled_on_error(prepared):
-            params = body.sampling_params(prepared.max_tokens, want_logprobs=body.logprobs)
-            return await self._respond(_ChatShape(body, prepared), params)
+            return await self._respond(_ChatShape(body, prepared))
 
-    async def _respond(self, shape: _Shape, params: worker_pb2.SamplingParams) -> Response:
+    async def _respond(self, shape: _Shape) -> Response:
         if shape.body.stream:
-            return await self._respond_streaming(shape, params)
-        first, stream = await self._open(shape.prepared, params)
+            return await self._respond_streaming(shape)
+        first, stream = await self._open(shape.prepared)
         choices = {i: _Choice(shape.arrays, shape.json.item) for i in range(shape.prepared.choices)}
         await shape.absorb(choices[first.index], first)
         async for msg in stream:
@@ -444,11 +440,11 @@ class Completions:
         self._count_tokens(shape.prepared, {i: c.final for i, c in choices.items() if c.final is not None})
         return PiecewiseJSONResponse(await shape.whole(choices))
 
-    async def _respond_streaming(self, shape: _Shape, params: worker_pb2.SamplingParams) -> Response:
+    async def _respond_streaming(self, shape: _Shape) -> Response:
         """A failure in the first moments (no replica, bad input) is still a proper HTTP status; a
         request still queued after HEADER_WAIT gets its headers and then SSE comments as
         keep-alives, so a client with a read timeout does not give up while it waits."""
-        opening = asyncio.ensure_future(self._open(shape.prepared, params))
+        opening = asyncio.ensure_future(self._open(shape.prepared))
         try:
             done, _ = await asyncio.wait({opening}, timeout=HEADER_WAIT)
         except BaseException:
@@ -459,10 +455,10 @@ class Completions:
             return self._sse(shape, _opened(first, stream))
         return self._sse(shape, _opened_with_keepalives(opening))
 
-    async def _open(self, prepared: PreparedRequest, params: worker_pb2.SamplingParams):
+    async def _open(self, prepared: PreparedRequest):
         """Starts the worker stream and waits for its first message, so that failures before
         the first token still become a proper HTTP status instead of a broken stream."""
-        stream = self.ctx.inference.stream(prepared, params)
+        stream = self.ctx.inference.stream(prepared)
         start = time.perf_counter()
         first = await anext(stream)
         self.ctx.metrics.ttft.labels(prepared.model.name).observe(time.perf_counter() - start)

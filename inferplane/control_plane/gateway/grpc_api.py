@@ -121,9 +121,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             except ValidationError as exc:
                 raise ValueError(validation_message(exc.errors())[0]) from None
             chat = isinstance(body, ChatCompletionRequest)
-            offered = ChatTools(body.tool_dicts(), prompt["messages"]) if chat and body.offers_tools else None
-            prepared = await self.ctx.inference.prepare(principal, body.model, max_tokens=body.default_max_tokens(),
-                                                        n=body.n, tools=offered, **prompt)
+            if chat:
+                offered = ChatTools(body.tool_dicts(), prompt["messages"]) if body.offers_tools else None
+                given: dict[str, Any] = {"messages": prompt["messages"], "tools": offered}
+            else:
+                given = {"prompts": body.prompts}
+            prepared = await self.ctx.inference.prepare(principal, body, stop_token_ids=params.stop_token_ids,
+                                                        ignore_eos=params.ignore_eos, **given)
             # A forced call, or tool_choice auto with a template that has a tool-call format: the
             # choice's text is held back and answered whole, with its calls.
             forced = chat and body.forced_tools is not None
@@ -131,10 +135,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             names = {t.function.name for t in body.forced_tools} if forced else {t.name for t in tools}
             held: dict[int, list[str]] = {}
             with self.ctx.inference.settled_on_error(prepared):
-                worker_params = body.sampling_params(prepared.max_tokens, want_logprobs=params.logprobs)
-                worker_params.stop_token_ids.extend(params.stop_token_ids)
-                worker_params.ignore_eos = params.ignore_eos
-                async for msg in self.ctx.inference.stream(prepared, worker_params):
+                async for msg in self.ctx.inference.stream(prepared):
                     out = inference_pb2.CompleteResponse(id=prepared.request_id, text=msg.text, index=msg.index,
                                                          finished=msg.finished, finish_reason=msg.finish_reason)
                     if calling:

@@ -21,6 +21,27 @@ key may spend in a minute and what the tenant has left this month: such a reques
 
 An embeddings request takes the same path (`prepare_embedding`, then `embed`): the same keys,
 limits, quota, routing and usage, its reservation and its bill being its input tokens.
+
+One route for the sampling parameters, whichever API a request came by (REST `/v1/completions`
+and `/v1/chat/completions`, through FastAPI or the fast path, and the gRPC API, which validates
+its call as the REST body it amounts to):
+
+  body (openai_types.py) → `prepare` → `PreparedRequest.params` (worker_pb2.SamplingParams) →
+  `stream` wraps it, untouched, in one GenerateRequest per prompt → worker (serve/server.py:
+  `params_from_proto`, then `engine.add_request` validates it)
+
+and each layer checks what only it can know, once:
+
+- the body checks each field on its own: its type and range (max_tokens and
+  max_completion_tokens in [1, 2**32), the wire's uint32), a 400 naming the field;
+- `prepare` checks what depends on the prompt and the limits: every prompt leaves room in the
+  context for the max_tokens asked (400 naming max_tokens), or, none asked, works one out (the
+  room, capped by the key's per-minute tokens and the tenant's quota); it reserves prompt +
+  choices x max_tokens and builds the worker's SamplingParams, every field set once
+  (`SamplingRequest.sampling_params`);
+- the worker checks what arrives over gRPC once (`SamplingParams.validate` in
+  `Engine.add_request`), since other clients than this gateway may call it: the ranges again,
+  max_tokens against its own context and KV pool, min_tokens against max_tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +49,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -57,6 +78,7 @@ from inferplane.control_plane.errors import (
 )
 from inferplane.control_plane.gateway.catalog import Catalog, ServedModel
 from inferplane.control_plane.gateway.metrics import GatewayMetrics
+from inferplane.control_plane.gateway.openai_types import SamplingRequest
 from inferplane.control_plane.gateway.prompt_bound import byte_bound
 from inferplane.control_plane.gateway.tool_formats import tool_format
 from inferplane.control_plane.limits import KeyLimiter, KeyLimits, QuotaTracker
@@ -86,19 +108,24 @@ class ChatTools:
 @dataclass
 class PreparedRequest:
     """One request: one prompt, or several (`/v1/completions` takes a list), each answered with
-    `n` choices; choice `index` is prompt `index // n`'s."""
+    `n` choices; choice `index` is prompt `index // n`'s. `params`: what the worker samples by,
+    finished (max_tokens settled); None for an embeddings request, which generates nothing."""
 
     request_id: str
     principal: Principal
     model: ServedModel
     prompts: list[list[int]]
-    max_tokens: int
-    n: int = 1
+    params: worker_pb2.SamplingParams | None = None
     reserved: int = 0  # tokens held against the key's limit and the tenant's quota until settled
     settled: bool = False
     tool_format: str | None = None  # the template's tool-call format, when tools were rendered into it
     priority: str = DEFAULT_BAND  # the band the worker schedules its sequences in (priority.resolve_band)
     hold: SequenceHold | None = None  # its sequences counted against concurrency limits until settled
+
+    @property
+    def n(self) -> int:
+        """Choices per prompt."""
+        return self.params.n if self.params is not None else 1
 
     @property
     def token_ids(self) -> list[int]:
@@ -174,17 +201,19 @@ class InferenceService:
             raise InvalidInput(message, code="wrong_model_kind", param="model")
         return model
 
-    async def prepare(self, principal: Principal, model_name: str, *, prompt: str | None = None,
-                      messages: list[dict[str, str]] | None = None, max_tokens: int | None = None,
-                      prompt_ids: list[int] | None = None, prompts: list[str | list[int]] | None = None,
-                      n: int = 1, tools: ChatTools | None = None,
-                      chat_template_kwargs: dict[str, Any] | None = None) -> PreparedRequest:
-        """`prompt` (text), `messages` (through the chat template), `prompt_ids` (token ids the
-        worker checks against its vocabulary) or `prompts` (several of either); `n` choices each.
-        `tools`: rendered through a chat template that has a tool-call format (tool_formats.py),
-        with the messages in the form such templates read. `chat_template_kwargs`: extra template
-        variables (vLLM's field; Qwen3's `enable_thinking`)."""
-        model = self.served(principal, model_name, "generate")
+    async def prepare(self, principal: Principal, body: SamplingRequest, *,
+                      prompts: list[str | list[int]] | None = None, messages: list[dict[str, str]] | None = None,
+                      tools: ChatTools | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+                      stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> PreparedRequest:
+        """The request `body` asks for (its model, n choices, max_tokens, sampling), on `prompts`
+        (text or token ids the worker checks against its vocabulary) or `messages` (through the
+        chat template). `tools`: rendered through a chat template that has a tool-call format
+        (tool_formats.py), with the messages in the form such templates read.
+        `chat_template_kwargs`: extra template variables (vLLM's field; Qwen3's `enable_thinking`).
+        `stop_token_ids`, `ignore_eos`: the gRPC API's fields, which no REST body has.
+
+        Returns it admitted, its worker SamplingParams finished (see the module docstring)."""
+        model = self.served(principal, body.model, "generate")
         fmt = tool_format(model.tokenizer.chat_template) if tools is not None else None
         if messages is not None:
             try:  # the request model refuses reserved names already; this names the field for other callers
@@ -192,8 +221,7 @@ class InferenceService:
             except ValueError as exc:
                 raise InvalidInput(str(exc), code="invalid_value", param="chat_template_kwargs") from exc
         await self.charge_request(principal)
-        if prompts is None:
-            prompts = [list(prompt_ids) if prompt_ids is not None else prompt or ""]
+        prompts = prompts or []
         chars = sum(len(p) for p in prompts if isinstance(p, str))
         if messages is not None:
             chars += sum(len(str(m.get("content") or "")) for m in messages)
@@ -201,14 +229,12 @@ class InferenceService:
         large = chars > OFF_LOOP_TEXT_CHARS
         token_lists = await off_loop(large, lambda: _tokenize(model, prompts, messages, fmt, tools,
                                                               chat_template_kwargs, large))
-        param = "messages" if messages is not None else "prompt"
-        room = min(self._room(model, token_ids, max_tokens, param) for token_ids in token_lists)
         prompt_tokens = sum(len(t) for t in token_lists)
-        choices = len(token_lists) * n
-        with self._counted_refusal(principal):
-            max_tokens = max_tokens if max_tokens is not None else self._implicit_max_tokens(
-                principal, _limits(principal), prompt_tokens, room, choices)
-        prepared = PreparedRequest(uuid.uuid4().hex, principal, model, token_lists, max_tokens, n=n,
+        choices = len(token_lists) * body.n
+        max_tokens = self._max_tokens(principal, model, token_lists, body.asked_max_tokens(),
+                                      "messages" if messages is not None else "prompt", prompt_tokens, choices)
+        params = body.sampling_params(max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+        prepared = PreparedRequest(uuid.uuid4().hex, principal, model, token_lists, params,
                                    reserved=prompt_tokens + choices * max_tokens, tool_format=fmt,
                                    priority=_band(principal, model))
         await self.admit(prepared, sequences=choices)
@@ -219,7 +245,7 @@ class InferenceService:
         """An embeddings request, its inputs already tokenized and checked (embeddings.py): it
         reserves its input tokens (nothing is generated) and holds one sequence however many inputs
         it has, since its inputs run in a few forwards and keep nothing on the worker afterwards."""
-        prepared = PreparedRequest(uuid.uuid4().hex, principal, model, token_lists, max_tokens=0,
+        prepared = PreparedRequest(uuid.uuid4().hex, principal, model, token_lists,
                                    reserved=sum(len(t) for t in token_lists), priority=_band(principal, model))
         await self.admit(prepared, sequences=1)
         return prepared
@@ -279,6 +305,18 @@ class InferenceService:
             self._count_admission(principal, "rate_limited")
             raise
 
+    def _max_tokens(self, principal: Principal, model: ServedModel, token_lists: list[list[int]],
+                    asked: int | None, param: str, prompt_tokens: int, choices: int) -> int:
+        """The request's max_tokens, its one check against the prompts: the one `asked` for, if
+        every prompt (in order) leaves room for it in the context (400 naming max_tokens, or the
+        prompt when one leaves no room at all), else the room the longest leaves, capped as
+        `_implicit_max_tokens` says. The body checked its range already."""
+        room = min(self._room(model, token_ids, asked, param) for token_ids in token_lists)
+        if asked is not None:
+            return asked
+        with self._counted_refusal(principal):
+            return self._implicit_max_tokens(principal, _limits(principal), prompt_tokens, room, choices)
+
     @staticmethod
     def _room(model: ServedModel, token_ids: list[int], max_tokens: int | None, param: str) -> int:
         """Tokens a prompt leaves to generate in the context (400 if none, or fewer than max_tokens)."""
@@ -327,21 +365,21 @@ class InferenceService:
             self.settle(prepared, 0, served=False)
             raise
 
-    async def stream(self, prepared: PreparedRequest,
-                     params: worker_pb2.SamplingParams) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    async def stream(self, prepared: PreparedRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        """The worker's answers to a prepared request: each prompt sent, with `prepared.params` as
+        they are, to a replica of its model (its adapter's base), routed by prefix and load;
+        settled at the end however it ends."""
         model = prepared.model
         tenant = prepared.principal.tenant_id
         salt = ""
         if model.cache_isolation == "tenant" and tenant is not None:
             salt = tenant_cache_salt(tenant, self.salt_secret)
-        params.max_tokens = prepared.max_tokens
-        params.n = prepared.n
         completion_tokens = 0
         served = False  # a worker answered: only then is there anything to bill
 
         def replica_stream(token_ids: list[int], part: int) -> AsyncIterator[worker_pb2.GenerateResponse]:
             request_id = prepared.request_id if len(prepared.prompts) == 1 else f"{prepared.request_id}-{part}"
-            request = worker_pb2.GenerateRequest(request_id=request_id, params=params, cache_salt=salt,
+            request = worker_pb2.GenerateRequest(request_id=request_id, params=prepared.params, cache_salt=salt,
                                                  token_ids=worker_pb2.TokenIds(ids=token_ids), tenant=tenant or "",
                                                  priority=prepared.priority, adapter=adapter)
 

@@ -1,5 +1,9 @@
 """OpenAI-compatible request bodies, validated by pydantic, and their mapping to sampling params.
 
+Each body checks the range of its own fields (max_tokens in [1, 2**32), as the wire type holds);
+what depends on the prompt (max_tokens against the context left) is `InferenceService.prepare`'s
+to check, and it builds the worker's `SamplingParams` once, with `SamplingRequest.sampling_params`.
+
 Unknown fields are ignored (clients send assorted extras). OpenAI parameters this server does not
 serve (the deprecated functions, audio, suffix, best_of, ...) are refused
 with a 400 naming them when they ask for something, never silently dropped; their neutral values
@@ -10,6 +14,7 @@ OpenAI's: `"5"` is not a number.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -78,7 +83,9 @@ class StreamOptions(_Base):
     include_usage: bool = False
 
 
-class _Sampling(_Base):
+class SamplingRequest(_Base):
+    """The fields every generation body has (completions and chat): what the worker samples by."""
+
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -141,11 +148,20 @@ class _Sampling(_Base):
                 raise ValueError(f"token {key}: bias must be in [-100, 100], got {bias}")
         return value
 
-    def default_max_tokens(self) -> int | None:
+    def asked_max_tokens(self) -> int | None:
+        """The cap the client asked for (None: none; `prepare` then works one out)."""
         return self.max_tokens
+
+    def logprobs_wanted(self) -> bool:
+        """Whether each output token comes with its logprob (the two bodies say so differently)."""
+        raise NotImplementedError
 
     def top_logprobs_wanted(self) -> int:
         return 0
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """Alternatives per prompt token to score (None: the prompt is not scored)."""
+        return None
 
     def constraint(self) -> tuple[str, str]:
         """The structured-output constraint (kind, spec) the worker applies: vLLM's extensions here."""
@@ -155,7 +171,7 @@ class _Sampling(_Base):
         return extension_constraint(self.structured_outputs, self.guided_regex, self.guided_choice, self.guided_json)
 
     @model_validator(mode="after")
-    def _one_extension(self) -> _Sampling:
+    def _one_extension(self) -> SamplingRequest:
         try:
             self.extension_constraint()
         except ValueError as exc:
@@ -163,35 +179,45 @@ class _Sampling(_Base):
             raise PydanticCustomError("invalid_value", "{message}", {"message": message, "param": name}) from None
         return self
 
-    def sampling_params(self, max_tokens: int, want_logprobs: bool) -> worker_pb2.SamplingParams:
+    def sampling_params(self, max_tokens: int, *, stop_token_ids: Sequence[int] = (),
+                        ignore_eos: bool = False) -> worker_pb2.SamplingParams:
+        """The worker's sampling parameters, every field set here and only here. `max_tokens` is
+        the one `prepare` settled (asked for and checked against the context, or worked out);
+        `stop_token_ids` and `ignore_eos` are the gRPC API's own fields, which no REST body has."""
         kind, spec = self.constraint()
-        params = worker_pb2.SamplingParams(
+        want_logprobs = self.logprobs_wanted()
+        return worker_pb2.SamplingParams(
             constraint_kind=kind, constraint_spec=spec,
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0,
-            stop=list(self.stop or []), logprobs=want_logprobs,
-            top_logprobs=self.top_logprobs_wanted() if want_logprobs else 0,
+            seed=self.seed, stop=list(self.stop or []), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+            logprobs=want_logprobs, top_logprobs=self.top_logprobs_wanted() if want_logprobs else 0,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()}, n=self.n,
+            prompt_logprobs=self.prompt_logprobs_wanted(),
         )
-        if self.seed is not None:
-            params.seed = self.seed
-        return params
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="a string, token ids, or a list of either (each prompt gets n choices)")
     max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
 
+    def logprobs_wanted(self) -> bool:
+        return self.logprobs is not None
+
     def top_logprobs_wanted(self) -> int:
         return self.logprobs or 0
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """The echoed prompt's tokens come with logprobs too."""
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt")
     @classmethod
@@ -215,12 +241,6 @@ class CompletionRequest(_Sampling):
             raise PydanticCustomError("invalid_value", "{prompts} prompts x n={n} is more than {most} choices",
                                       {"prompts": len(self.prompts), "n": self.n, "most": MAX_CHOICES, "param": "n"})
         return self
-
-    def sampling_params(self, max_tokens: int, want_logprobs: bool) -> worker_pb2.SamplingParams:
-        params = super().sampling_params(max_tokens, want_logprobs)
-        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens come with logprobs too
-            params.prompt_logprobs = self.logprobs
-        return params
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -252,7 +272,7 @@ class ChatMessage(_Base):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
@@ -330,10 +350,14 @@ class ChatCompletionRequest(_Sampling):
         return constraint(self.response_format, self.forced_tools) if self.forced_tools or (
             self.response_format is not None and self.response_format.type != "text") else self.extension_constraint()
 
+    def logprobs_wanted(self) -> bool:
+        return self.logprobs
+
     def top_logprobs_wanted(self) -> int:
         return self.top_logprobs or 0
 
-    def default_max_tokens(self) -> int | None:
+    def asked_max_tokens(self) -> int | None:
+        """OpenAI's newer name first; max_tokens is its deprecated alias."""
         return self.max_completion_tokens or self.max_tokens
 
 
