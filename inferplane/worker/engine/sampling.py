@@ -57,7 +57,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
 
     def validate(self, prompt_len: int, max_model_len: int) -> int:
-        """Checks every field; returns the effective max_tokens. Errors name the field."""
+        """Checks every field; returns the effective max_tokens (max_tokens, or the room the prompt
+        leaves when it is None), which each of the request's sequences keeps as its own
+        `Sequence.max_tokens`. Errors name the field (the gateway's 400 names it too).
+
+        The worker's one check of a request, whichever way it came (gRPC or the Python API): the
+        gateway checks the same ranges before it reserves anything, but the worker cannot assume
+        that every caller is the gateway."""
         if prompt_len <= 0:
             raise ValueError("prompt: must not be empty")
         if prompt_len >= max_model_len:

@@ -24,7 +24,7 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    max_tokens: int
+    max_tokens: int  # the effective cap, never None (SamplingParams.validate: params' or the context's room)
     generator: torch.Generator
     cache_salt: str = ""
     output_token_ids: list[int] = field(default_factory=list)

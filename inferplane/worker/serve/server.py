@@ -38,7 +38,11 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
 def params_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
-    """Proto3 has no 'unset' for scalars: 0 max_tokens means up to the context, 0 top_p means 1."""
+    """The engine's SamplingParams for a Generate call's, converted and not checked: the engine
+    checks them once, with the prompt (`SamplingParams.validate`, from `Engine.add_request`), for
+    whoever called (the gateway, which checked the ranges and settled max_tokens already; a
+    benchmark or any other gRPC client, which did not). Proto3 has no 'unset' for scalars: 0
+    max_tokens means up to the context (None), 0 top_p, repetition_penalty or n mean 1."""
     return SamplingParams(
         max_tokens=p.max_tokens or None,
         temperature=p.temperature,
