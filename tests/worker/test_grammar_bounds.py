@@ -22,7 +22,8 @@ from inferplane.worker.engine.engine import Engine  # noqa: E402
 from inferplane.worker.engine.options import EngineOptions  # noqa: E402
 from inferplane.worker.engine.sampling import SamplingParams  # noqa: E402
 from inferplane.worker.serve.async_engine import AsyncEngine  # noqa: E402
-from inferplane.worker.structured import Constraint, GrammarCompiler, GrammarError, fill_bitmasks  # noqa: E402
+from inferplane.worker.structured import Constraint, GrammarCompiler, GrammarError, constraints, fill_bitmasks  # noqa: E402
+from inferplane.worker.structured.compiler import _refusal  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 42, 7]
 INTERNAL = ("assert", "panic", "u16", "backtrace", "unwrap", "<state>", "rust", "too many expressions")
@@ -120,7 +121,7 @@ def test_a_limit_llguidance_hits_is_a_plain_refusal(engine):
 
 def test_an_internal_panic_never_reaches_the_client():
     raw = ("panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n<backtrace>\n  0: <unknown>")
-    message = structured._refusal(Constraint("choice", ["a", "b"]), raw)
+    message = _refusal(Constraint("choice", ["a", "b"]), raw)
     assert message == "structured_outputs: choice: too large or complex for the grammar engine"
 
 
@@ -130,7 +131,7 @@ def test_an_internal_panic_never_reaches_the_client():
 @pytest.fixture
 def unchecked_repeats(monkeypatch):
     """Lets nested counted repetitions past the static check, to reach llguidance's fuel bounds."""
-    monkeypatch.setattr(structured, "LIMITS", structured.GrammarLimits(max_regex_repeat=10**12), raising=False)
+    monkeypatch.setattr(constraints, "LIMITS", structured.GrammarLimits(max_regex_repeat=10**12), raising=False)
 
 
 def test_a_pattern_llguidance_gives_up_on_at_once_is_refused_when_compiling(engine, unchecked_repeats):

@@ -1,5 +1,5 @@
-"""Issue 53: no JSON object of a structured output repeats a key (worker/json_guard.py), and a forced
-tool call's arguments take only the keys the function declares (gateway call_schema).
+"""Issue 53: no JSON object of a structured output repeats a key (worker/structured/json_guard.py),
+and a forced tool call's arguments take only the keys the function declares (gateway call_schema).
 
 Checked on two real tokenizers (the tiny model's byte-level one, where a key closes only with a
 lone quote, and SmolLM2's 49k BPE, where `":`, `",` and friends close it too), with token
@@ -19,8 +19,8 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
 from inferplane.control_plane.gateway.structured_outputs import Tool, call_schema  # noqa: E402
-from inferplane.worker.json_guard import MAX_NUMBER_CHARS  # noqa: E402
 from inferplane.worker.structured import Constraint, GrammarCompiler, apply_masks, fill_bitmasks  # noqa: E402
+from inferplane.worker.structured.json_guard import MAX_NUMBER_CHARS  # noqa: E402
 from tests.worker.test_structured import _load  # noqa: E402
 
 OPEN_SCHEMAS = [  # every one lets undeclared keys in somewhere

@@ -1,4 +1,4 @@
-"""Structured outputs (inferplane/worker/structured.py) on two real tokenizers: the tiny test model's
+"""Structured outputs (inferplane/worker/structured/) on two real tokenizers: the tiny test model's
 byte-level one (258 tokens in a 320-wide vocab, so padding ids exist) and SmolLM2's (49,152 tokens).
 
 Outputs come from random sampling through `apply_masks`, as the worker would sample: seeded random

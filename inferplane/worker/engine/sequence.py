@@ -46,7 +46,7 @@ class Sequence:
     output_text: str = ""
     # Radix bookkeeping: tree nodes this sequence holds locked (kv/radix.py).
     locked_nodes: list = field(default_factory=list)
-    # Structured output: the grammar state (worker/structured.py) that has accepted every output token.
+    # Structured output: the grammar state (worker/structured/state.py) that has accepted every output token.
     grammar: Any = None
     # n > 1: the request id callers know (request_id is unique per sequence) and this choice's index.
     group_id: str = ""

@@ -1,7 +1,7 @@
 """What a grammar cannot say about the JSON a model writes: no object repeats a key, no number
 runs on.
 
-JSON Schema (and so llguidance, the grammar engine: structured.py) lets an object hold properties it
+JSON Schema (and so llguidance, the grammar engine: compiler.py) lets an object hold properties it
 does not declare unless `additionalProperties: false`, and a context-free grammar cannot say "every
 key differs" for keys it does not list: llguidance writes each *declared* property at most once,
 but undeclared (additional or pattern) keys may repeat. A small model then writes
@@ -12,7 +12,7 @@ bound, and the same model, once its keys were fixed, wrote `"lat":12.2231231231.
 So beside the grammar, each JSON-constrained sequence carries a `JsonTracker` that reads its output
 bytes as they are accepted: the open objects, the keys each one already holds (decoded: `\\n` and
 `\\u000a` are the same key), inside a key the bytes written so far, and the length of a number
-being written. structured.py then clears from the mask that llguidance filled:
+being written. Its `GrammarState` (state.py) then clears from the mask that llguidance filled:
 - while a key is open, the tokens that would close it as one of its object's earlier keys. The
   tokens that can close a string are indexed once per tokenizer (`TokenIndex`: the decoded text
   before a token's closing quote -> its ids), so a step costs a dictionary lookup per earlier key
