@@ -225,7 +225,7 @@ def test_soft_capped_decode_attention_equals_the_explicit_softmax(isa_kernels, w
 def test_decode_attention_split_into_parts_of_a_context_equals_one_softmax(isa_kernels, lengths, window, kv_dtype,
                                                                             softcap, dim, monkeypatch):
     """Fewer sequences than two a thread, with contexts long enough: each context is attended in
-    parts on different threads and the parts merged (kernels.c merge_parts). The merged answer is
+    parts on different threads and the parts merged (csrc/attention.c merge_parts). The merged answer is
     the one softmax over the whole (windowed, soft-capped) context, including a sequence too short
     to give every part a token (an empty part) beside a long one, and scores far apart."""
     q, k_cache, v_cache, batch = _decode_case(lengths, 6, 2, dim=dim, block_size=16, kv_dtype=kv_dtype)

@@ -27,11 +27,14 @@ from typing import Any
 
 import torch
 
+from inferplane.worker.ops.native.build import source_digest as native_source_digest
+
 log = logging.getLogger(__name__)
 
-# What the conversion and its gate figures depend on: these modules, and the kernels they ran on.
+# What the conversion and its gate figures depend on: these modules, and the kernels they ran on (every C
+# file of them: native_source_digest).
 _CODE = ("convert.py", "smooth.py", "int8_linear.py", "block_linear.py", "gguf_q8.py", "gguf_blocks.py", "gate.py",
-         "startup_cache.py", "../ops/native/kernels.c")
+         "startup_cache.py")
 _FORMAT = 1
 
 
@@ -80,6 +83,7 @@ def _code_hash() -> str:
     here = Path(__file__).parent
     for name in _CODE:
         h.update((here / name).read_bytes())
+    h.update(native_source_digest().encode())
     return h.hexdigest()[:16]
 
 

@@ -1,7 +1,8 @@
-"""The worker's C kernels (kernels.c), compiled for this CPU on first use and loaded with ctypes:
-build.py builds and loads one library per instruction set (why C, and why at run time: there),
-bindings.py wraps its functions for tensors, packing.py lays weights out as they read them, and
-choice.py measures where PyTorch's own path wins. Callers use the names below.
+"""The worker's C kernels (csrc/: a file per op, compiled as one unit through csrc/kernels.c), built
+for this CPU on first use and loaded with ctypes: build.py builds and loads one library per
+instruction set (why C, and why at run time: there), bindings.py wraps its functions for tensors,
+packing.py lays weights out as they read them, and choice.py measures where PyTorch's own path wins.
+Callers use the names below.
 """
 
 from inferplane.worker.ops.native.bindings import (

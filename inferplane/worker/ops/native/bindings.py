@@ -1,6 +1,7 @@
-"""ctypes bindings of the C kernels (kernels.c): the structures the C side reads and `NativeKernels`,
-the loaded library with tensor-level wrappers that check what the C side assumes (contiguous float32
-rows, the packed layouts of packing.py) before handing it pointers.
+"""ctypes bindings of the C kernels (csrc/; the ops' entry points are declared in csrc/kernels.h, the
+decoder layer's with its structures in csrc/decode_layers.c): the structures the C side reads and
+`NativeKernels`, the loaded library with tensor-level wrappers that check what the C side assumes
+(contiguous float32 rows, the packed layouts of packing.py) before handing it pointers.
 """
 
 from __future__ import annotations
@@ -16,24 +17,26 @@ from inferplane.worker.ops.native.packing import BLOCK, BLOCK_KINDS
 KERNEL_NAMES = ("int8_linear", *(f"{kind}_linear" for kind in BLOCK_KINDS.values()), "f32_linear",
                 "decode_attention", "rms_norm", "silu_mul",
                 "gelu_mul", "rope_store_kv", "argmax", "moe_route")
+# The bits ip_features reports (csrc/kernels.h IP_FEATURE_*).
 _FEATURE_INT8_LINEAR = 1
 _FEATURE_F32_LINEAR = 2
 _FEATURE_BLOCK_LINEAR = 4  # ip_block_linear: GGUF blocks of 4, 5, 6 or 8 bits
 _FEATURE_HALF_KV = 8  # float16 KV caches (F16C)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-FLOAT32_BITS = 32  # a layer linear's `bits` where its weight is plain float32 [n, k] (kernels.c's IP_FLOAT32_BITS)
+# A layer linear's `bits` where its weight is plain float32 [n, k] (decode_layers.c's IP_FLOAT32_BITS).
+FLOAT32_BITS = 32
 
 
 class LinearOperands(ctypes.Structure):
-    """kernels.c's ip_linear: one linear as the layer kernels read it, packed int8 with its scale,
+    """decode_layers.c's ip_linear: one linear as the layer kernels read it, packed int8 with its scale,
     or GGUF blocks (NULL scale) of `bits`, or float32 (bits FLOAT32_BITS); n outputs; bias or NULL."""
 
     _fields_ = [("w", _P), ("s", _P), ("bias", _P), ("bits", _I), ("n", _I)]
 
 
 class MoeWeights(ctypes.Structure):
-    """kernels.c's ip_moe: a Mixture-of-Experts MLP, its router and each expert's gate_up and down
+    """decode_layers.c's ip_moe: a Mixture-of-Experts MLP, its router and each expert's gate_up and down
     (arrays of LinearOperands, n_experts long)."""
 
     _fields_ = [("router", LinearOperands), ("gate_up", _P), ("down", _P), ("n_experts", _I), ("top_k", _I),
@@ -41,11 +44,11 @@ class MoeWeights(ctypes.Structure):
 
 
 class LayerWeights(ctypes.Structure):
-    """One decoder layer as ip_decode_layers reads it (kernels.c's ip_layer_weights): the norms, the
+    """One decoder layer as ip_decode_layers reads it (decode_layers.c's ip_layer_weights): the norms, the
     four linears (qkv, o, gate_up, down) as packed int8 weight + scale, or GGUF blocks with a NULL
     scale and their `bits`, biases or NULL, the layer's K and V caches; Gemma's query/key and sandwich
     norms (NULL where none), a sliding layer's window, attention view and rope tables, and Gemma 2's
-    score soft-cap (0: none; kernels.c says how); a MoE layer's experts (a MoeWeights, or NULL: the
+    score soft-cap (0: none; decode_layers.c says how); a MoE layer's experts (a MoeWeights, or NULL: the
     dense MLP in linears 2 and 3)."""
 
     _fields_ = [("norm1", _P), ("norm2", _P), ("w", _P * 4), ("s", _P * 4), ("bias", _P * 4),
@@ -55,14 +58,14 @@ class LayerWeights(ctypes.Structure):
 
 
 class DecodeTail(ctypes.Structure):
-    """kernels.c's ip_decode_tail: the final norm's weight (NULL: none) and eps, and the head (its w
+    """decode_layers.c's ip_decode_tail: the final norm's weight (NULL: none) and eps, and the head (its w
     NULL: none) with the logits buffer it writes and the buffer of each row's argmax (NULL: none)."""
 
     _fields_ = [("norm", _P), ("eps", ctypes.c_float), ("head", LinearOperands), ("logits", _P), ("argmax", _P)]
 
 
 class DecodeInputs(ctypes.Structure):
-    """kernels.c's ip_decode_inputs: each row's token id and position, the embedding table and its
+    """decode_layers.c's ip_decode_inputs: each row's token id and position, the embedding table and its
     multiplier (0.0: none), the whole cos and signed-sin tables of the model's rope and of the sliding
     layers' own, and the tables' row counts, from which the call looks up x and the rope rows itself."""
 
@@ -71,13 +74,13 @@ class DecodeInputs(ctypes.Structure):
 
 
 class AttnView(ctypes.Structure):
-    """kernels.c's ip_attn_view: one pool's slots, block tables and context lengths for a step."""
+    """decode_layers.c's ip_attn_view: one pool's slots, block tables and context lengths for a step."""
 
     _fields_ = [("slots", _P), ("block_tables", _P), ("context_lens", _P), ("max_blocks", _I)]
 
 
 class RopeTables(ctypes.Structure):
-    """kernels.c's ip_rope: cos and signed sin for each row's position."""
+    """decode_layers.c's ip_rope: cos and signed sin for each row's position."""
 
     _fields_ = [("cos", _P), ("signed_sin", _P)]
 

@@ -1,4 +1,4 @@
-"""Building and loading the C kernels: one build of kernels.c per instruction set, for this CPU.
+"""Building and loading the C kernels: one build of csrc/ per instruction set, for this CPU.
 
 Why C and why at run time: at decode sizes (a few to a few dozen rows) PyTorch's eager CPU ops spend
 more time on per-call work than on arithmetic. `torch._int_mm` reorders the int8 weight on every
@@ -10,11 +10,15 @@ per int8 linear than `_int_mm` for SmolLM2's shapes, and a third of the time for
 at ~140 tokens of context.
 
 One source, one build per instruction set (ISA_BUILDS, best first): AVX-512 VNNI, AVX2 with
-AVX-VNNI, plain AVX2 + FMA. `kernels()` loads the best build this CPU can run, or the one
+AVX-VNNI, plain AVX2 + FMA. The source is csrc/: kernels.c, the one file compiled, includes each
+op's part (int8_linear.c, attention.c, ...) and the headers they share (common.h: the ISA macros
+and the vector layer), so the compiler sees one translation unit and inlines every static helper
+where it is used. `kernels()` loads the best build this CPU can run, or the one
 `INFERPLANE_NATIVE_ISA` names (how the tests run the AVX2 code on an AVX-512 machine);
 `kernels_for(isa)` loads a given one. A C compiler is the only requirement (no PyTorch headers, so
 a build takes about a second); libraries are cached under `INFERPLANE_NATIVE_DIR` (default
-`~/.cache/inferplane/native`), keyed by the ISA, the source, the compiler and the CPU's flags.
+`~/.cache/inferplane/native`), keyed by the ISA, every C file of the source (source_digest), the
+compiler and the CPU's flags.
 Without a compiler, on another architecture, on an x86 CPU older than AVX2, or with
 `INFERPLANE_NATIVE=0`, `kernels()` returns None and callers keep their PyTorch paths: the kernels
 change speed, never results beyond float rounding.
@@ -37,7 +41,7 @@ from inferplane.worker.ops.native.bindings import NativeKernels
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.c")
+SOURCE = Path(__file__).with_name("csrc") / "kernels.c"  # the translation unit; it includes the files beside it
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-Wall")
 _X86_64_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})
 _X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
@@ -48,7 +52,7 @@ ISA_BUILDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "avx2": (("-march=x86-64-v3",), _X86_64_V3),
 }
 # Test builds: an ISA_BUILDS entry's code on a CPU that lacks its one extra instruction, which the
-# build does in exact operations of the CPU it runs on (kernels.c IP_EMULATE_AVX_VNNI). Why: no
+# build does in exact operations of the CPU it runs on (csrc/common.h IP_EMULATE_AVX_VNNI). Why: no
 # machine here has AVX-VNNI (Intel's hybrid client CPUs do), so its build's tiles never ran.
 # Never chosen by kernels(); the tests load them with kernels_for. Name -> (compiler flags, the
 # cpuinfo flags it needs, the build it stands in for).
@@ -92,6 +96,23 @@ def emulated_isas(flags: frozenset[str] | None = None) -> list[str]:
             if needs <= flags and stands_for not in real]
 
 
+def source_files() -> list[Path]:
+    """Every C file a build reads: SOURCE and the parts and headers beside it that it includes."""
+    return sorted(path for path in SOURCE.parent.iterdir() if path.suffix in (".c", ".h") and path.is_file())
+
+
+def source_digest() -> str:
+    """SHA-256 of every C file's name and text, so an edit to any part or header makes a new build (and
+    a new int8 conversion cache key, quant/startup_cache.py). Each name and text is framed by its
+    length, so no two different sets of files hash alike."""
+    h = hashlib.sha256()
+    for path in source_files():
+        data = path.read_bytes()
+        h.update(f"{len(path.name)}:{path.name}:{len(data)}:".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
 def _compiler_flags(isa: str) -> tuple[str, ...]:
     return ISA_BUILDS[isa][0] if isa in ISA_BUILDS else EMULATED_BUILDS[isa][0]
 
@@ -109,7 +130,7 @@ def _build(compiler: str, isa: str, target: Path) -> None:
 
 def library_path(compiler: str, isa: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + _compiler_flags(isa)), version,
+    key = hashlib.sha256("\0".join([source_digest(), " ".join(FLAGS + _compiler_flags(isa)), version,
                                     _cpu_flags_line(), platform.machine()]).encode()).hexdigest()[:16]
     return _cache_dir() / f"kernels-{isa}-{key}.so"
 

@@ -11,7 +11,7 @@ import torch
 # A GGUF block layout's name by its value bits (ip_block_linear reads each; see pack_blocks).
 BLOCK_KINDS = {4: "q4_1", 5: "q5_1", 6: "q6_k", 8: "q8_0"}
 BLOCK = 32  # inputs per GGUF block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; a K-quant's sub-block)
-Q8_MIN = -128  # 8-bit blocks hold Q8_0's int8 values + 128, so m = Q8_MIN * d (kernels.c's QB_Q8_MIN)
+Q8_MIN = -128  # 8-bit blocks hold Q8_0's int8 values + 128, so m = Q8_MIN * d (block_linear.c's QB_Q8_MIN)
 
 
 def int8_shape_supported(out_features: int, in_features: int) -> bool:
