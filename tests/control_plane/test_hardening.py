@@ -140,6 +140,7 @@ async def test_405_names_every_method_the_path_takes(gateway):
     transport = httpx.ASGITransport(create_asgi_app(gateway.context))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
         assert (await client.get("/v1/completions")).headers["allow"] == "POST"
+        assert (await client.get("/alerts/v1/webhook")).headers["allow"] == "POST"  # a route of an included router
         reply = await client.put("/admin/v1/tenants")
     assert reply.status_code == 405 and reply.headers["allow"] == "GET, POST"
     assert reply.json()["error"]["message"] == "Method Not Allowed"

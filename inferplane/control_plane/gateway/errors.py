@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -148,11 +148,24 @@ def _allowed_methods(request: Request) -> str:
     from starlette.routing import Match
 
     methods: set[str] = set()
-    for route in request.app.router.routes:
+    for route in _routes(request.app.router.routes):
         match, _ = route.matches(request.scope)
         if match is not Match.NONE:
             methods |= set(getattr(route, "methods", None) or ())
     return ", ".join(sorted(methods))
+
+
+def _routes(routes: Sequence[Any]) -> Iterator[Any]:
+    """`routes` with the routes of the routers included among them in their place: recent FastAPI
+    keeps an included router as one entry (its `original_router`), which names no methods of its
+    own; older FastAPI copied the router's routes into the app. (The gateway includes its routers
+    without a prefix, so their routes match the request's whole path.)"""
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        if included is None:
+            yield route
+        else:
+            yield from _routes(included.routes)
 
 
 def sse_error(exc: BaseException) -> str:
