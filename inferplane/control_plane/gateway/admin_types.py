@@ -2,8 +2,8 @@
 
 The admin API stores what it is given, so every string has a maximum length and every integer is
 an integer: without them a tenant admin could store a key with a 50 MB name, and `true` or `"5"`
-was taken for 1 or 5. The limits live here, once; the request models in `rest.py` and
-`alerts_api.py` name them. A value over a limit is a 422 naming the field, like every other admin
+was taken for 1 or 5. The limits live here, once; the request models of the admin routers
+(`routes/`) name them. A value over a limit is a 422 naming the field, like every other admin
 body error.
 """
 

@@ -1,0 +1,13 @@
+"""The REST gateway's routes, one `APIRouter` per domain; `rest.create_app` includes them in order.
+
+  alerts      Alertmanager's webhook, a tenant's alerts, its webhook URLs
+  service     /healthz, /readyz and the root banner (not in the OpenAPI schema)
+  inference   the OpenAI-compatible tenant API: models, completions, chat, embeddings
+  usage       a tenant's token usage
+  tenants     /admin/v1/tenants
+  keys        /admin/v1/keys
+  registry    /admin/v1/models and /admin/v1/adapters
+
+`dependencies` is what they share: the gateway's context (on `app.state`), the authenticated
+caller, and what a caller may manage.
+"""
