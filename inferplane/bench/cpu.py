@@ -245,7 +245,7 @@ def main(argv: list[str]) -> int:
             os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
     import torch
 
-    from inferplane.worker.engine.kv.paged import blocks_for
+    from inferplane.worker.engine.kv.block_pool import blocks_for
     from inferplane.worker.llm import LLM
     from inferplane.worker.ops import native
     from inferplane.worker.quant import gate

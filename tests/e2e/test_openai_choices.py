@@ -9,7 +9,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from inferplane.v1 import worker_pb2, worker_pb2_grpc
-from inferplane.worker.engine.kv.paged import fork_layout
+from inferplane.worker.engine.kv.manager import fork_layout
 from tests.e2e.conftest import openai_client
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from inferplane.worker.engine.kv.paged import blocks_for, fork_layout
+from inferplane.worker.engine.kv.block_pool import blocks_for
+from inferplane.worker.engine.kv.manager import fork_layout
 from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.llm import LLM
 

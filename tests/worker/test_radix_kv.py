@@ -8,7 +8,8 @@ import itertools
 import pytest
 import torch
 
-from inferplane.worker.engine.kv.radix import RadixKV, RadixScheduler
+from inferplane.worker.engine.kv.radix import RadixKV
+from inferplane.worker.engine.radix_scheduler import RadixScheduler
 from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.engine.sequence import Sequence, SequenceStatus
 

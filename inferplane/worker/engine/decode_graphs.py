@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from inferplane.worker.engine.kv.paged import blocks_for
+from inferplane.worker.engine.kv.block_pool import blocks_for
 from inferplane.worker.ops.attention import AttentionBatch
 from inferplane.worker.ops.kv_cache import PagedKVCache
 

@@ -17,7 +17,7 @@ import torch
 from inferplane.api.priority import BANDS, band_rank
 from inferplane.api.tokenizer import IncrementalDetokenizer
 from inferplane.worker.engine.decode_graphs import DecodeGraphs, activation_bytes
-from inferplane.worker.engine.kv.paged import blocks_for
+from inferplane.worker.engine.kv.block_pool import blocks_for
 from inferplane.worker.engine.kv.window import WindowBlocks, window_pool_blocks
 from inferplane.worker.engine.model_runner import ModelRunner
 from inferplane.worker.engine.options import EngineOptions, parse_memory

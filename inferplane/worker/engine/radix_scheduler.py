@@ -22,12 +22,15 @@ from __future__ import annotations
 
 from collections import deque
 
+from inferplane.worker.engine.kv.radix import RadixKV
 from inferplane.worker.engine.scheduler import Scheduler, SchedulerOutput
 from inferplane.worker.engine.sequence import Sequence, SequenceStatus
 
 
 class RadixScheduler(Scheduler):
-    def __init__(self, kv, max_num_seqs: int, max_num_batched_tokens: int, step_target_s: float = 0.0, *,
+    """The scheduler with the cache-aware order above; its KV manager is a RadixKV, whose tree it peeks."""
+
+    def __init__(self, kv: RadixKV, max_num_seqs: int, max_num_batched_tokens: int, step_target_s: float = 0.0, *,
                  fcfs_threshold: int = 128, aging_tokens_per_step: float = 16.0):
         super().__init__(kv, max_num_seqs, max_num_batched_tokens, step_target_s)
         self.fcfs_threshold = fcfs_threshold

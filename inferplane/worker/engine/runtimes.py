@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from inferplane.api.resolve import PRESETS
+from inferplane.worker.engine.kv.manager import KVManager
 from inferplane.worker.engine.kv.paged import PagedKV
 from inferplane.worker.engine.kv.window import WindowBlocks
 from inferplane.worker.engine.options import EngineOptions
@@ -61,7 +62,7 @@ def kv_manager_kind(options: EngineOptions) -> str | None:
     return kind
 
 
-def build_kv_manager(options: EngineOptions, num_blocks: int, windows: WindowBlocks | None = None):
+def build_kv_manager(options: EngineOptions, num_blocks: int, windows: WindowBlocks | None = None) -> KVManager:
     check_runtime(options.runtime)
     kind = kv_manager_kind(options)
     if kind is None:
@@ -73,9 +74,9 @@ def build_kv_manager(options: EngineOptions, num_blocks: int, windows: WindowBlo
     return PagedKV(num_blocks, options.block_size, windows)
 
 
-def build_scheduler(options: EngineOptions, kv) -> Scheduler:
+def build_scheduler(options: EngineOptions, kv: KVManager) -> Scheduler:
     if kv_manager_kind(options) == "radix":
-        from inferplane.worker.engine.kv.radix import RadixScheduler
+        from inferplane.worker.engine.radix_scheduler import RadixScheduler
 
         return RadixScheduler(kv, options.max_num_seqs, options.max_num_batched_tokens, options.step_target_ms / 1000)
     return Scheduler(kv, options.max_num_seqs, options.max_num_batched_tokens, options.step_target_ms / 1000)

@@ -21,6 +21,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from inferplane.worker.engine.fair_share import FairShare
+from inferplane.worker.engine.kv.manager import KVManager
 from inferplane.worker.engine.sequence import Sequence, SequenceStatus
 from inferplane.worker.engine.step_budget import StepBudget
 
@@ -44,7 +45,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv, max_num_seqs: int, max_num_batched_tokens: int, step_target_s: float = 0.0):
+    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int, step_target_s: float = 0.0):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -1,1 +1,1 @@
-"""KV cache managers: which blocks a sequence owns, and (radix) which it can reuse."""
+"""KV cache managers: which blocks a sequence owns, and (radix) which it can reuse (manager.py: the interface)."""

@@ -9,6 +9,11 @@ from __future__ import annotations
 from collections import deque
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens' KV."""
+    return (num_tokens + block_size - 1) // block_size
+
+
 class OutOfBlocks(Exception):
     """Raised internally when an allocation cannot be met; the KV managers check `num_free` first."""
 

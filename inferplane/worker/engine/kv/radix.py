@@ -20,34 +20,21 @@ holds, which are reclaimable at any time.
 
 from __future__ import annotations
 
-from inferplane.worker.engine.kv.block_pool import BlockPool
-from inferplane.worker.engine.kv.paged import blocks_for, fork_blocks, fork_layout
+from inferplane.worker.engine.kv.manager import KVManager
 from inferplane.worker.engine.kv.radix_tree import BlockKey, Node, RadixTree, block_keys
 from inferplane.worker.engine.kv.window import NULL_BLOCK, WindowBlocks, first_kept_block
-from inferplane.worker.engine.radix_scheduler import RadixScheduler
 from inferplane.worker.engine.sequence import Sequence
 
-__all__ = ["RadixKV", "RadixScheduler"]
 
-
-class RadixKV:
+class RadixKV(KVManager):
     name = "radix"
 
     def __init__(self, num_blocks: int, block_size: int, windows: WindowBlocks | None = None):
-        self.pool = BlockPool(num_blocks)
-        self.block_size = block_size
-        self.windows = windows  # the sliding layers' pool, for models that have them
+        super().__init__(num_blocks, block_size, windows)
         self.tree = RadixTree(self.pool, windows.pool if windows is not None else None)
-        self.peak_blocks_used = 0
-        self.prefix_query_tokens = 0
-        self.prefix_hit_tokens = 0
         # First-admission lookups, counted only once the admission succeeds: a sequence may be
         # matched several times before it gets in, and a preempted one must not count again.
         self._pending_query: dict[Sequence, tuple[int, int]] = {}
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
 
     def namespace(self, seq: Sequence) -> str:
         """A request's prefixes are matched only among requests with the same cache salt.
@@ -79,9 +66,6 @@ class RadixKV:
     def peek_match(self, seq: Sequence) -> int:
         """Tokens `match_prefix` would find now, without locking or touching anything."""
         return self.tree.peek(self.namespace(seq), self._matchable_keys(seq)) * self.block_size
-
-    def _note_peak(self) -> None:
-        self.peak_blocks_used = max(self.peak_blocks_used, self.blocks_used())
 
     # -- the KV-manager interface -----------------------------------------------------------------
 
@@ -116,11 +100,17 @@ class RadixKV:
                 return depth
         return 0
 
-    def _window_room(self, seq: Sequence, total: int) -> bool:
-        """Whether the window pool can give `seq` a table of `total` blocks, evicting cache for it."""
+    def _reserve(self, blocks: int, window_blocks: int) -> bool:
+        """Evicts the least recently used cache for what the pools lack; evicts nothing for a
+        main-pool shortfall the cache cannot cover (the allocation would fail anyway)."""
+        short = blocks - self.pool.num_free
+        if short > 0:
+            if short > self.tree.evictable_blocks:
+                return False
+            self.tree.evict(short)
         if self.windows is None:
             return True
-        short = self.windows.missing(seq, total) - self.windows.pool.num_free
+        short = window_blocks - self.windows.pool.num_free
         if short <= 0:
             return True
         if short > self.tree.evictable_windows():
@@ -129,79 +119,42 @@ class RadixKV:
         return True
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
-        needed = total - len(seq.block_table)
-        if needed > 0:
-            short = needed - self.pool.num_free
-            if short > 0:
-                if short > self.tree.evictable_blocks:
-                    return False  # evict nothing for an allocation that would fail anyway
-                self.tree.evict(short)
-        if not self._window_room(seq, total):
+        """As every manager's; a first admission's prefix lookup counts once it got in."""
+        if not super().allocate(seq, num_new_tokens):
             return False
-        if needed > 0:
-            seq.block_table.extend(self.pool.allocate(needed))
-        if self.windows is not None:
-            self.windows.grow(seq, total)
         query = self._pending_query.pop(seq, None)
         if query is not None:
             self.prefix_query_tokens += query[0]
             self.prefix_hit_tokens += query[1]
-        self._note_peak()
         return True
 
-    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
-        """Shares the parent's computed prompt with `child` (n > 1). The parent's whole prompt blocks
-        are in the tree already (`on_computed`), so the child borrows them as any prefix hit does;
-        only the partly filled block is copied (`fork_blocks`)."""
-        _, partial = fork_layout(child.num_prompt_tokens, self.block_size)
-        if partial and self.pool.num_free < 1:
-            if self.tree.evictable_blocks < 1:
-                return None
-            self.tree.evict(1)
-        if partial and self.windows is not None and self.windows.pool.num_free < 1:
-            if self.tree.evict_windows(1) < 1:
-                return None
+    def _share_prompt(self, parent: Sequence, child: Sequence, shared: int) -> None:
+        """The parent's whole prompt blocks are in the tree already (`on_computed`), so the child
+        borrows them as any prefix hit does."""
         self.match_prefix(child)
-        copies = fork_blocks(self.pool, parent, child, self.block_size, self.windows)
-        if copies is None:  # cannot happen after the eviction above; undone for safety
-            self.free(child)
-            child.num_computed_tokens = child.num_cached_tokens = 0
-        self._note_peak()
-        return copies
 
     def on_computed(self, seq: Sequence) -> None:
         """Publishes prompt blocks as soon as they are computed, so that followers waiting on this
         prefix start early; decode blocks wait until the sequence ends."""
         if seq.num_computed_tokens <= seq.num_prompt_tokens:
             self._insert(seq)
-        if self.windows is not None:  # after the insert: the tree keeps what the sequence lets go
-            self.windows.trim(seq)
+        super().on_computed(seq)  # after the insert: the tree keeps what the sequence lets go
 
     def free(self, seq: Sequence) -> None:
+        """Its computed blocks join the tree first, so the tree keeps them as cache."""
         self._pending_query.pop(seq, None)
         if seq.block_table:
             self._insert(seq)
-        for block in seq.block_table:
-            self.pool.release(block)
         self._relock(seq, None)
-        seq.block_table = []
-        if self.windows is not None:
-            self.windows.free(seq)
+        super().free(seq)
 
     def stats(self) -> dict[str, int]:
-        return {
-            "blocks_total": self.pool.num_blocks,
-            "blocks_used": self.blocks_used(),
-            "peak_blocks_used": self.peak_blocks_used,
-            "blocks_cached": self.blocks_cached(),
-            "prefix_query_tokens": self.prefix_query_tokens,
-            "prefix_hit_tokens": self.prefix_hit_tokens,
-            "evicted_blocks": self.tree.evicted_blocks,
-            "tree_nodes": self.tree.num_nodes,
-            **(self.windows.stats() if self.windows is not None else {}),
-            **({"window_evicted_blocks": self.tree.evicted_window_blocks} if self.windows is not None else {}),
-        }
+        stats = super().stats()
+        stats.update(blocks_cached=self.blocks_cached(), evicted_blocks=self.tree.evicted_blocks,
+                     tree_nodes=self.tree.num_nodes)
+        if self.windows is not None:
+            stats["window_evicted_blocks"] = self.tree.evicted_window_blocks
+        return stats
 
     # -- internals --------------------------------------------------------------------------------
 
