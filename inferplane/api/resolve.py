@@ -42,7 +42,7 @@ class RuntimePreset:
     # the same memory and half the bytes each decode step's attention reads (SmolLM2's perplexity
     # moved -0.1% and +0.25% in two runs, tests/worker/test_kv_cache_dtype.py).
     kv_cache_dtype: str = "auto"
-    # Greedy decode steps per call where the engine can run a burst (worker Engine._burst_steps):
+    # Greedy decode steps per call where the engine can run a burst (worker engine/decode_bursts.py):
     # only cpu-int8's fused C decode does; 8 keeps a new request's wait under 8 steps.
     decode_steps: int = 1
 

@@ -435,7 +435,7 @@ def main(argv: list[str]) -> int:
             ppl = peer.perplexity(tokens[: args.ppl_tokens], gate.DEFAULT_WINDOW)
             print(f"{name}: perplexity {ppl:.3f} ({peer.perplexity_note}, detokenized with the model's tokenizer "
                   "and tokenized again by llama.cpp; its estimator, not the windows of the lines above)")
-    if args.window_context and dense.engine.window_layers:
+    if args.window_context and dense.engine.pools.window_layers:
         from inferplane.bench.kv_window import measure_window_kv
 
         one = LLM(args.model, runtime="paged", device="cpu", max_num_seqs=1,

@@ -33,7 +33,7 @@ def measure_window_kv(engine, context: int, seed: int = 0) -> WindowKV | None:
     sequence still runs; None for a model without window layers."""
     from inferplane.worker.engine.sampling import SamplingParams
 
-    if not engine.window_layers:
+    if not engine.pools.window_layers:
         return None
     vocab = engine.loaded.config.vocab_size
     prompt = torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -41,9 +41,9 @@ def measure_window_kv(engine, context: int, seed: int = 0) -> WindowKV | None:
     while not seq.output_token_ids:
         engine.step()
     stats = engine.stats()
-    per_main, per_window = engine.kv_block_bytes()
+    per_main, per_window = engine.pools.block_bytes
     figures = WindowKV(
-        context=context, window=engine.window,
+        context=context, window=engine.pools.window,
         held_bytes=int(stats["blocks_used"] * per_main + stats["window_blocks_used"] * per_window),
         peak_bytes=int(stats["peak_blocks_used"] * per_main + stats["window_peak_blocks_used"] * per_window),
         no_window_bytes=int(stats["blocks_used"] * (per_main + per_window)))

@@ -76,7 +76,7 @@ def step_split(llm, prompt: list[int], new_tokens: int) -> StepSplit | None:
         llm.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
         return time.perf_counter() - start, layers[0], head_time[0]
 
-    # decode_steps: a burst of greedy steps in one call (Engine._burst_steps), the same layers
+    # decode_steps: a burst of greedy steps in one call (engine/decode_bursts.py), the same layers
     with timed_attribute(kernels, "decode_layers", layers), timed_attribute(kernels, "decode_steps", layers), \
             timed_attribute(head, "forward", head_time):
         run(new_tokens + 1)  # warm

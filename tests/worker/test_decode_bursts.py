@@ -1,4 +1,4 @@
-"""Bursts of greedy decode steps in one C call (Engine._burst_steps, native ip_decode_steps): the
+"""Bursts of greedy decode steps in one C call (engine/decode_bursts.py, native ip_decode_steps): the
 tokens single steps give, a stop inside a burst ending the request where single steps end it, and
 no burst where one would change what a request gets or make a waiting request wait longer."""
 
@@ -170,11 +170,12 @@ def test_a_burst_takes_no_longer_than_a_step_is_meant_to(tiny_llama):
                        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     engine.step()  # the prompt (the next token's position is 3: 13 more fit in its block)
     plan = engine.scheduler.schedule()
-    engine.decode_step_s = None
-    assert engine._burst_steps(plan.scheduled) == 1
-    engine.decode_step_s = 0.2
-    assert engine._burst_steps(plan.scheduled) == 2
-    engine.decode_step_s = 0.3
-    assert engine._burst_steps(plan.scheduled) == 1
+    bursts = engine.bursts
+    bursts.decode_step_s = None
+    assert bursts.steps_for(plan.scheduled, someone_waiting=False) == 1
+    bursts.decode_step_s = 0.2
+    assert bursts.steps_for(plan.scheduled, someone_waiting=False) == 2
+    bursts.decode_step_s = 0.3
+    assert bursts.steps_for(plan.scheduled, someone_waiting=False) == 1
     engine.options.step_target_ms = 0  # off: the block, max_tokens and decode_steps bound it
-    assert engine._burst_steps(plan.scheduled) == 8
+    assert bursts.steps_for(plan.scheduled, someone_waiting=False) == 8

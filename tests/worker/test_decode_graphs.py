@@ -36,10 +36,10 @@ def _with_uncaptured_graphs(llm: LLM) -> DecodeGraphs:
     old = engine.cache
     window_blocks = old.window_data.shape[2] if old.window_data is not None else 0
     cache = PagedKVCache(num_blocks=old.num_blocks, num_window_blocks=window_blocks, scratch_block=True,
-                         **engine._cache_shape())
+                         **engine.pools.cache_shape)
     engine.cache = engine.runner.cache = cache
     graphs = DecodeGraphs(engine.loaded.model, cache, engine.options.max_num_seqs, engine.max_model_len,
-                          engine.window if engine.window_layers else None, capture=False)
+                          engine.pools.window, capture=False)
     engine.runner.graphs = graphs
     return graphs
 
@@ -70,7 +70,7 @@ def tiny_gemma3(tmp_path_factory) -> str:
 def test_padded_decode_with_a_window_pool_equals_the_plain_engine(tiny_gemma3):
     expected, _, _ = _run(tiny_gemma3, graphs=False)
     got, graphs, llm = _run(tiny_gemma3, graphs=True)
-    assert llm.engine.window_layers  # the sliding layers' KV is in its own pool, with its own tables
+    assert llm.engine.pools.window_layers  # the sliding layers' KV is in its own pool, with its own tables
     assert got == expected
     assert graphs.replays > 0
 

@@ -47,7 +47,7 @@ def engine(tmp_path_factory) -> Engine:
 
 @pytest.fixture(scope="module")
 def compiler(engine) -> GrammarCompiler:
-    return engine.grammar_compiler()
+    return engine.intake.grammar_compiler()
 
 
 def _run(engine: Engine, request_id: str) -> list:

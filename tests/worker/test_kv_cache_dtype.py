@@ -61,7 +61,7 @@ def test_smollm2s_perplexity_with_a_float16_cache(capsys):
     for dtype in ("float32", "float16"):
         llm = LLM("smollm2-135m", runtime="cpu-int8", device="cpu", kv_cache_dtype=dtype, max_num_batched_tokens=64,
                   num_kv_blocks=96)
-        ids = llm.engine.tokenize(load_eval_text())[:1024]
+        ids = llm.engine.intake.tokenize(load_eval_text())[:1024]
         out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
         scored = [lp.logprob for lp in out.prompt_logprobs[1:]]
         ppl[dtype] = math.exp(-sum(scored) / len(scored))

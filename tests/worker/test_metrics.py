@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from inferplane.worker.engine.engine import StepOutput
+from inferplane.worker.engine.outputs import StepOutput
 from inferplane.worker.serve.metrics import WorkerMetrics
 
 

@@ -183,7 +183,7 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSequence], steps: int = 1) -> Sampled:
         """The sampled token (and logprobs) for each sequence that completed its tokens, in batch order.
         `steps` > 1: the engine found every row a greedy decode with room for that many tokens in its
-        last block (Engine._burst_steps); where the fused decode runs them in one call, `bursts`
+        last block (decode_bursts.py); where the fused decode runs them in one call, `bursts`
         holds each row's tokens of the steps run (fewer after a step in which a row's token is a
         stop token or EOS), else one step ran.
         Runs in inference mode, entered here only where the caller's loop does not hold it already

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from inferplane.worker.engine.engine import Engine, StepOutput
+from inferplane.worker.engine.engine import Engine
+from inferplane.worker.engine.outputs import StepOutput
 from inferplane.worker.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ class AsyncEngine:
     def _cached(self, constraint) -> bool:
         """Whether the grammar is compiled already (then attached to the constraint, so the engine
         thread only copies it); GrammarError if the cache holds its refusal. False: compile first."""
-        compiler = self.engine._grammars
+        compiler = self.engine.intake.grammars
         return compiler is not None and compiler.prepare_cached(constraint)
 
     def _compile(self, sub: _Submit) -> None:
@@ -142,7 +143,7 @@ class AsyncEngine:
                 return  # aborted while it waited for a compile thread: nothing to compile
         error: BaseException | None = None
         try:
-            self.engine.grammar_compiler().prepare(sub.params.constraint)
+            self.engine.intake.grammar_compiler().prepare(sub.params.constraint)
         except ValueError as exc:  # GrammarError: a 400 naming the field
             error = exc
         except Exception as exc:  # never leave the request hanging

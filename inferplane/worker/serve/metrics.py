@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from inferplane.api import metric_names as m
-from inferplane.worker.engine.engine import QUEUE_STAT_PREFIX, StepOutput
+from inferplane.worker.engine.outputs import StepOutput
+from inferplane.worker.engine.stats import QUEUE_STAT_PREFIX
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2)

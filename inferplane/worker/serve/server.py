@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from inferplane.api.lora_manifest import AdapterError
 from inferplane.v1 import worker_pb2, worker_pb2_grpc
 from inferplane.worker.embedding.batcher import EmbeddingBatcher
-from inferplane.worker.engine.engine import StepOutput
+from inferplane.worker.engine.outputs import StepOutput
 from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.serve.async_engine import AsyncEngine
 
