@@ -18,7 +18,7 @@ import time
 import torch
 
 from inferplane import LLM, SamplingParams
-from inferplane.worker.model import fused_decode
+from inferplane.worker.ops import fused_decode
 
 
 def save_moe(path: str, args: argparse.Namespace) -> str:

@@ -1,4 +1,4 @@
-"""The fused GPU kernels (worker/ops/gpu_kernels.py) against the PyTorch ops they replace (layers.py's
+"""The fused GPU kernels (worker/ops/gpu_kernels.py) against the PyTorch ops they replace (the ops'
 path where no kernel serves), on whatever device the caller names: the CPU under Triton's
 interpreter (tests/worker/test_gpu_attention.py) or a GPU (tests/worker/test_cuda.py)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inferplane.worker.model.layers import rope
+from inferplane.worker.ops.rope import rope
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

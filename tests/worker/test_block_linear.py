@@ -233,7 +233,7 @@ def test_the_fused_decoder_layer_over_block_layers_gives_the_op_by_op_results(ti
                                                                                monkeypatch):
     from inferplane.worker.engine.sampling import SamplingParams
     from inferplane.worker.llm import LLM
-    from inferplane.worker.model import fused_decode
+    from inferplane.worker.ops import fused_decode
     from tests.worker.conftest import prompts_of_lengths
 
     llm = LLM(tiny_llama, runtime="cpu-int8", device="cpu", num_kv_blocks=64, skip_quality_gate=True,

@@ -1,4 +1,4 @@
-"""The whole-model fused decode (model/fused_decode.py, native ip_decode_layers): one C call per
+"""The whole-model fused decode (ops/fused_decode.py, native ip_decode_layers): one C call per
 decode step, the same answers as the layers op by op, its pointer plan built once and rebuilt when a
 layer's modules change, and runs of fusable layers around one that must run op by op."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inferplane.worker.engine.sampling import SamplingParams
-from inferplane.worker.model import fused_decode
+from inferplane.worker.ops import fused_decode
 from inferplane.worker.ops.native.choice import NEVER
 from inferplane.worker.quant.block_linear import BlockLinear, quantize_blocks
 from inferplane.worker.quant.int8_linear import Int8Linear
@@ -187,7 +187,7 @@ def test_the_final_norm_and_the_head_run_in_the_steps_one_call(head, tiny_llama,
     llm = _llm(tiny_llama, quantize_head=head == "quantized")
     model = llm.engine.loaded.model
     if head != "quantized":
-        model.head_torch_from_rows = NEVER if head == "float32 on its C kernel" else 1
+        model.head_kernel.torch_from_rows = NEVER if head == "float32 on its C kernel" else 1
     prompts = prompts_of_lengths([3, 17, 40, 9], 320, seed=11)
     params = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=True)] + [PARAMS] * 3
     head_rows = []
@@ -235,8 +235,6 @@ def test_the_call_looks_up_the_embedding_and_the_rope_rows_itself(model, request
     """Every decode step's C call gets the token ids and positions and looks up x (Gemma: times its
     multiplier) and each rope's rows itself (Gemma 3: the sliding layers' own tables), and answers
     as the same steps with the lookups made in PyTorch, and as the layers op by op."""
-    from inferplane.worker.model.step_inputs import StepInputs
-
     llm = _llm(request.getfixturevalue(model))
     config = llm.engine.loaded.model.config
     prompts = prompts_of_lengths([3, 17, 40, 9], 320, seed=13)
@@ -249,7 +247,7 @@ def test_the_call_looks_up_the_embedding_and_the_rope_rows_itself(model, request
     assert {inputs.vocab for inputs in seen} == {config.vocab_size}
     assert all((inputs.cos[0] != inputs.cos[1]) == gemma for inputs in seen)  # the sliding layers' own rope
     with monkeypatch.context() as patch:
-        patch.setattr(StepInputs, "lookups", lambda self: None)
+        patch.setattr(fused_decode, "decode_inputs", lambda step: None)
         seen = _record_inputs(isa_kernels, patch)
         in_python = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, PARAMS)]
     assert seen and all(inputs is None for inputs in seen)
@@ -264,7 +262,7 @@ def _lookup_only(kernels, step, x: torch.Tensor) -> None:
     rows = torch.zeros(step.rows, 1, dtype=torch.int64)
     views = [(rows[:, 0].contiguous(), rows, rows[:, 0].contiguous())] * 2
     kernels.decode_layers(x, (native.LayerWeights * 0)(), 1e-6, (1, 1, 16, 16), None, views, 16, 1.0,
-                          inputs=step.lookups())
+                          inputs=fused_decode.decode_inputs(step))
 
 
 def test_the_lookup_is_the_embedding_times_its_multiplier_and_refuses_ids_outside_it(tiny_gemma3, isa_kernels):  # noqa: F811
@@ -331,9 +329,9 @@ def test_the_heads_operands_are_kept_until_its_crossover_moves(tiny_llama):
     assert model.fused_head(1) is not None
 
     model = _llm(tiny_llama, quantize_head=False).engine.loaded.model  # a float32 head on its C kernel
-    model.head_torch_from_rows = NEVER
+    model.head_kernel.torch_from_rows = NEVER
     assert model.fused_head(1) is not None
-    model.head_torch_from_rows = 1  # PyTorch's GEMM from one row on
+    model.head_kernel.torch_from_rows = 1  # PyTorch's GEMM from one row on
     assert model.fused_head(1) is None
 
 
@@ -347,8 +345,8 @@ def test_a_reassigned_rope_table_is_checked_again(tiny_llama):
     model = _llm(tiny_llama).engine.loaded.model
 
     def lookups():
-        return StepInputs(torch.tensor([3]), torch.tensor([5]), model.model.embed_tokens, None,
-                          {FULL: model.rotary}).lookups()
+        return fused_decode.decode_inputs(StepInputs(torch.tensor([3]), torch.tensor([5]), model.model.embed_tokens,
+                                                     None, {FULL: model.rotary}))
 
     table = model.rotary.cos
     assert lookups().cos[0] == table.data_ptr()

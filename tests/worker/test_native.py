@@ -282,7 +282,7 @@ def test_a_failed_build_is_reported_with_the_compiler_message(monkeypatch, tmp_p
 
 @pytest.mark.parametrize("rows", [1, 3, 9])
 def test_rms_norm_and_the_residual_add_before_it(isa_kernels, rows):
-    from inferplane.worker.model.layers import RMSNorm
+    from inferplane.worker.ops.norm import RMSNorm
 
     torch.manual_seed(rows)
     norm = RMSNorm(40, 1e-5)
@@ -353,8 +353,7 @@ def test_moe_route_is_softmax_and_topk_renormalised(isa_kernels, experts, top_k,
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])  # float16: stored rounded to nearest even
 def test_rope_and_kv_store_in_one_pass_match_the_pytorch_ops(isa_kernels, kv_dtype):
-    from inferplane.worker.model.layers import rope
-    from inferplane.worker.ops.kv_cache import store_kv
+    from inferplane.worker.ops.rope import rope, store_kv
 
     heads, kv_heads, dim, t = 4, 2, 16, 5
     gen = torch.Generator().manual_seed(7)
@@ -439,7 +438,7 @@ def test_the_fused_decoder_layer_gives_the_op_by_op_results(tiny_llama, isa_kern
     and the same logprobs, for decode batches of sequences with different context lengths."""
     from inferplane.worker.engine.sampling import SamplingParams
     from inferplane.worker.llm import LLM
-    from inferplane.worker.model import fused_decode
+    from inferplane.worker.ops import fused_decode
     from tests.worker.conftest import prompts_of_lengths
 
     prompts = prompts_of_lengths([3, 17, 40, 9], 320, seed=5)

@@ -7,7 +7,7 @@ import mmap
 
 import torch
 
-from inferplane.worker.model import structure
+from inferplane.worker.ops import structure
 from inferplane.worker.quant.weight_arena import ALIGN, decode_operands, place
 from tests.worker.conftest import prompts_of_lengths
 from tests.worker.test_quant import needs_native_int8

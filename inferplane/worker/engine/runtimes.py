@@ -119,6 +119,6 @@ def kernel_isas(model: nn.Module) -> dict[str, str]:
         if kind not in kinds:
             isas.pop(f"{kind}_linear", None)
     head = getattr(model, "lm_head", None)
-    if type(head) is not nn.Linear or getattr(model, "head_torch_from_rows", NEVER) <= 1:
+    if type(head) is not nn.Linear or getattr(getattr(model, "head_kernel", None), "torch_from_rows", NEVER) <= 1:
         isas["f32_linear"] = "torch"
     return isas

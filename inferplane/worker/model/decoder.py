@@ -5,9 +5,10 @@ each added to the residual. Gemma's sandwich of norms (gemma.py) is this layer w
 from __future__ import annotations
 
 from inferplane.api.model_config import FULL, SLIDING, ModelConfig
-from inferplane.worker.model.layers import MLP, Attention, RMSNorm
+from inferplane.worker.model.layers import MLP, Attention
 from inferplane.worker.model.moe import SparseMoE
-from inferplane.worker.model.structure import WatchedModule
+from inferplane.worker.ops.norm import RMSNorm
+from inferplane.worker.ops.structure import WatchedModule
 
 
 class DecoderLayer(WatchedModule):

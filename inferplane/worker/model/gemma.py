@@ -17,7 +17,7 @@ import torch
 
 from inferplane.api.model_config import ModelConfig
 from inferplane.worker.model.decoder import DecoderLayer
-from inferplane.worker.model.layers import RMSNorm
+from inferplane.worker.ops.norm import RMSNorm
 
 
 class SandwichDecoderLayer(DecoderLayer):

@@ -1,7 +1,12 @@
-"""The parts of the Llama block in plain PyTorch, gpt-fast style: RMSNorm, rotary embeddings (with
-the config's scaling: linear, Llama 3, YaRN, LongRoPE), attention over the paged cache and the gated
-MLP. decoder.py puts them together as the block; the families' differences (gemma.py, moe.py) are
-built from them too. Module and parameter names follow HF's so a safetensors state dict loads as it is.
+"""The parts of the Llama block in plain PyTorch, gpt-fast style: rotary embedding tables (with the
+config's scaling: linear, Llama 3, YaRN, LongRoPE), attention over the paged cache and the gated MLP.
+decoder.py puts them together as the block; the families' differences (gemma.py, moe.py) are built
+from them too. Module and parameter names follow HF's so a safetensors state dict loads as it is.
+
+Where a step has a kernel, these call an op of the ops wing (inferplane/worker/ops/): RMSNorm
+(ops/norm.py), the rotation with the KV write (ops/rope.py), attention (ops/attention.py) and the
+gated activation (ops/activation.py). Each op chose its backend (C, Triton or PyTorch) itself, once
+per device and dtype: nothing here names a backend.
 """
 
 from __future__ import annotations
@@ -9,44 +14,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inferplane.api.model_config import ModelConfig, ModelLoadError
-from inferplane.worker.model.structure import WatchedModule
-from inferplane.worker.ops import gpu_kernels, native
-from inferplane.worker.ops.attention import AttentionBatch, paged_attention
-from inferplane.worker.ops.kv_cache import PagedKVCache, store_kv
-
-
-class RMSNorm(WatchedModule):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = native.kernels()
-        if kernels is not None and x.dim() == 2 and native.float32_rows(x, self.weight):
-            return kernels.rms_norm(x, self.weight, self.eps)
-        if x.dim() == 2 and x.dtype == self.weight.dtype and gpu_kernels.serves(x, self.weight):
-            return gpu_kernels.rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, its norm): the residual add and the next norm, one pass on the CPU and on the
-        GPU. Updates x in place there; x is the layer's own running sum, which nothing else reads."""
-        kernels = native.kernels()
-        if kernels is not None and x.dim() == 2 and native.float32_rows(x, delta, self.weight):
-            return x, kernels.rms_norm(x, self.weight, self.eps, delta=delta)
-        if (x.dim() == 2 and x.dtype == delta.dtype == self.weight.dtype
-                and gpu_kernels.serves(x, delta, self.weight)):
-            return x, gpu_kernels.rms_norm(x, self.weight, self.eps, delta=delta)
-        x = x + delta
-        return x, self(x)
+from inferplane.worker.ops.activation import GatedActivation
+from inferplane.worker.ops.attention import AttentionBatch, PagedAttention
+from inferplane.worker.ops.kv_cache import PagedKVCache
+from inferplane.worker.ops.norm import RMSNorm
+from inferplane.worker.ops.rope import RotaryKVWrite
+from inferplane.worker.ops.structure import WatchedModule
 
 
 def rope_inv_freq(config: ModelConfig, theta: float | None = None, scaled: bool = True) -> torch.Tensor:
@@ -113,7 +89,7 @@ class Rotary(nn.Module):
             emb = torch.cat([freqs, freqs], dim=-1)
             cos, sin = emb.cos(), emb.sin()
         # rotate_half(x) = [-x2, x1] = roll(x, half) * [-1.., +1..]: the sign lives in the sin table,
-        # so a rotation is one roll and a fused multiply-add (rope()).
+        # so a rotation is one roll and a fused multiply-add (ops/rope.py).
         sign = torch.cat([-torch.ones(half), torch.ones(half)])
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin * sign, persistent=False)
@@ -121,11 +97,6 @@ class Rotary(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] positions → cos and signed sin, each [T, 1, head_dim]."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d] rotated by the tables of its positions (x * cos + rotate_half(x) * sin)."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class Attention(WatchedModule):
@@ -149,6 +120,8 @@ class Attention(WatchedModule):
         self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=False)
+        self.rotate_and_store = RotaryKVWrite(config.num_heads, config.num_kv_heads, hd)
+        self.attend = PagedAttention(self.scale, window=self.window, softcap=self.softcap)
 
     def _head_norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.q_norm is None:
@@ -166,32 +139,14 @@ class Attention(WatchedModule):
         if self.qkv_proj is None:
             q, k = self._head_norms(self.q_proj(x).view(t, heads, hd), self.k_proj(x).view(t, kv_heads, hd))
             v = self.v_proj(x).view(t, kv_heads, hd)
-            if gpu_kernels.rope_store_applies(q, k, v, *rope_tables, k_cache, v_cache):
-                # rotation and the KV write in one kernel (q and k rotated in place)
-                gpu_kernels.rope_store(q, k, v, *rope_tables, batch.slot_mapping, k_cache, v_cache)
-            else:
-                q, k = rope(q, *rope_tables), rope(k, *rope_tables)
-                store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-            return self.o_proj(self._attend(q, k, v, k_cache, v_cache, batch).reshape(t, -1))
-        qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, hd)  # q and k adjacent: one rotation for both
-        if self.q_norm is not None:  # normed in place, before the rotation (as the fused decode does)
-            qkv[:, :heads], qkv[:, heads : heads + kv_heads] = self._head_norms(qkv[:, :heads],
-                                                                             qkv[:, heads : heads + kv_heads])
-        kernels = native.kernels()
-        if (kernels is not None and hd <= 512 and native.float32_rows(qkv, *rope_tables)
-                and kernels.reads_kv_cache(k_cache)):
-            # rotation and the KV write in one pass over the rows
-            kernels.rope_store_kv(qkv, heads, kv_heads, *rope_tables, batch.slot_mapping, k_cache, v_cache)
-            q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
+            q, k = self.rotate_and_store(q, k, v, *rope_tables, batch.slot_mapping, k_cache, v_cache)
         else:
-            qk = rope(qkv[:, : heads + kv_heads], *rope_tables)
-            q, k = qk[:, :heads], qk[:, heads:]
-            store_kv(k_cache, v_cache, k, qkv[:, heads + kv_heads :], batch.slot_mapping)
-        out = self._attend(q, k, qkv[:, heads + kv_heads :], k_cache, v_cache, batch)
-        return self.o_proj(out.reshape(t, -1))
-
-    def _attend(self, q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
-        return paged_attention(q, k, v, k_cache, v_cache, batch, self.scale, window=self.window, softcap=self.softcap)
+            qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, hd)  # q and k adjacent: one rotation for both
+            if self.q_norm is not None:  # normed in place, before the rotation (as the fused decode does)
+                qkv[:, :heads], qkv[:, heads : heads + kv_heads] = self._head_norms(qkv[:, :heads],
+                                                                                 qkv[:, heads : heads + kv_heads])
+            q, k, v = self.rotate_and_store.fused(qkv, *rope_tables, batch.slot_mapping, k_cache, v_cache)
+        return self.o_proj(self.attend(q, k, v, k_cache, v_cache, batch).reshape(t, -1))
 
 
 class MLP(WatchedModule):
@@ -200,24 +155,13 @@ class MLP(WatchedModule):
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
         size = intermediate_size or config.intermediate_size
-        self.gelu = config.hidden_act == "gelu_tanh"
         self.gate_up_proj: nn.Module | None = None  # fused gate and up, like Attention.qkv_proj
         self.gate_proj = nn.Linear(config.hidden_size, size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, size, bias=False)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
-
-    def _act(self, gate: torch.Tensor) -> torch.Tensor:
-        return F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        self.act = GatedActivation(gelu=config.hidden_act == "gelu_tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
-            kernels = native.kernels()
-            if kernels is not None and gate_up.dim() == 2 and native.float32_rows(gate_up):
-                return self.down_proj(kernels.gelu_mul(gate_up) if self.gelu else kernels.silu_mul(gate_up))
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(self._act(gate) * up)
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if not self.gelu and gpu_kernels.serves(gate, up) and gate.dtype == up.dtype:
-            return self.down_proj(gpu_kernels.silu_mul(gate, up))
-        return self.down_proj(self._act(gate) * up)
+            return self.down_proj(self.act.fused(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))

@@ -6,8 +6,13 @@ Qwen3-MoE (moe.py) swap the MLP for experts; Phi-3 is the block with fused weigh
 and LongRoPE. Sliding-window layers differ only in the window their attention is given.
 
 Tokens of all sequences in a step are flattened into one [T] axis, so every linear layer runs
-as one matmul over the whole batch; only attention looks at sequence boundaries (attention.py).
+as one matmul over the whole batch; only attention looks at sequence boundaries (ops/attention.py).
 Module and parameter names follow HF's so a safetensors state dict loads as it is.
+
+Two ops of the ops wing run at this level: the output head's kernel (ops/head.py: chosen by rows,
+against a crossover measured at start-up) and, on the CPU under cpu-int8, the fused decode
+(ops/fused_decode.py), which runs a decode step's layers, final norm and head in one C call where
+it can; the model runs its layers one by one wherever it does not.
 """
 
 from __future__ import annotations
@@ -16,17 +21,16 @@ import torch
 from torch import nn
 
 from inferplane.api.model_config import FULL, SLIDING, ModelConfig
-from inferplane.worker.model import structure
 from inferplane.worker.model.decoder import DecoderLayer
-from inferplane.worker.model.fused_decode import FusedDecode, linear_operands
 from inferplane.worker.model.gemma import SandwichDecoderLayer
-from inferplane.worker.model.layers import RMSNorm, Rotary
+from inferplane.worker.model.layers import Rotary
 from inferplane.worker.model.step_inputs import StepInputs
-from inferplane.worker.model.structure import WatchedModule
-from inferplane.worker.ops import native
 from inferplane.worker.ops.attention import AttentionBatch
+from inferplane.worker.ops.fused_decode import FusedDecode
+from inferplane.worker.ops.head import HeadKernel
 from inferplane.worker.ops.kv_cache import PagedKVCache
-from inferplane.worker.ops.native.choice import NEVER, crossover
+from inferplane.worker.ops.norm import RMSNorm
+from inferplane.worker.ops.structure import WatchedModule
 
 
 def decoder_layer(config: ModelConfig, index: int) -> DecoderLayer:
@@ -61,10 +65,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
         self.rotary_local = local_rotary(config, max_positions)
-        self.head_torch_from_rows = NEVER  # set by measure_head_kernel: PyTorch's head from here on
+        self.head_kernel = HeadKernel()  # which kernel runs lm_head for a call's rows (measure_head_kernel)
         self.fused_decode = FusedDecode(config, self.model)  # decode steps in one C call, where they can
         self.adapters = None  # lora.AdapterSlots once lora.install wrapped the projections
-        self._fused_head: tuple = (None, None, None)  # (what fused_head's answer depends on, it, what is held)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                 batch: AttentionBatch) -> torch.Tensor:
@@ -96,82 +99,21 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x), None, None
 
     def fused_head(self, rows: int) -> tuple | None:
-        """The head's operands (fused_decode.linear_operands' shape) for the fused decode's C call,
-        where compute_logits would run that same C kernel on `rows` rows and nothing follows it (no
-        soft-cap); None otherwise: the head then runs here, after the call. The same tuple while
-        nothing it depends on changes (the fused decode then reuses what it made of it): worked out
-        each step, it was 20 us of a batch-1 decode step run with caches the weights had swept."""
-        head = self.lm_head
-        dispatch = getattr(head, "dispatch", None)
-        held = (head, getattr(head, "weight", None), getattr(head, "bias", None), native.kernels())
-        # by identity (the objects are held with the answer, so no id is reused while it is kept)
-        key = (rows, *map(id, held), self.head_torch_from_rows, None if dispatch is None else dispatch.version,
-               structure.version())
-        if self._fused_head[0] != key:
-            self._fused_head = (key, self._head_operands(rows), held)
-        return self._fused_head[1]
-
-    def _head_operands(self, rows: int) -> tuple | None:
-        head = self.lm_head
+        """The head's operands for the fused decode's C call, where compute_logits would run that
+        same C kernel on `rows` rows and nothing follows it; None otherwise (a soft-cap follows
+        Gemma 2's head): the head then runs here, after the call (HeadKernel.fused_operands)."""
         if self.config.final_logit_softcap is not None:
             return None
-        if type(head) is nn.Linear:  # float32: _head_logits' C kernel below its measured crossover
-            if self._float_head_kernel(rows) is None:
-                return None
-            return head.weight, None, native.FLOAT32_BITS, head.bias, head.out_features
-        if not hasattr(head, "float_rows") or rows >= head.float_rows():  # below it: head() runs its C kernel
-            return None
-        return linear_operands(head)
+        return self.head_kernel.fused_operands(self.lm_head, rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self._head_logits(hidden)
+        logits = self.head_kernel.logits(self.lm_head, hidden)
         cap = self.config.final_logit_softcap
         if cap is not None:  # Gemma 2
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.lm_head
-        if type(head) is nn.Linear and hidden.device.type == "cpu":
-            # The head is the biggest weight and sampled rows are few: the C kernel reads the tall
-            # weight in place (2.2x PyTorch's speed for one row of SmolLM2's head on AVX-512), up to
-            # the row count where PyTorch measured faster at start-up (measure_head_kernel).
-            kernels = self._float_head_kernel(hidden.shape[0]) if hidden.dtype == torch.float32 else None
-            if kernels is not None:
-                return kernels.f32_linear(hidden, head.weight, head.bias)
-            return self._torch_logits(hidden)
-        return head(hidden).float()
-
-    def _float_head_kernel(self, rows: int) -> native.NativeKernels | None:
-        """The C kernel that runs the float32 head (an nn.Linear) for `rows` float32 CPU rows: below
-        the crossover measured at start-up and where it reads the weight; None: PyTorch's product.
-        The one rule for _head_logits and for the fused decode's call (fused_head)."""
-        kernels = native.kernels()
-        if kernels is None or rows >= self.head_torch_from_rows or not kernels.f32_weight_applies(self.lm_head.weight):
-            return None
-        return kernels
-
-    def _torch_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.lm_head
-        if head.bias is None and hidden.shape[0] > 1:
-            # [V, H] @ [H, M] rather than [M, H] @ [H, V]: the same product, but the CPU's GEMM
-            # blocks the tall weight better (16 rows of SmolLM2's head: 14.7 against 20.3 ms).
-            return torch.mm(head.weight, hidden.t()).t().float()
-        return head(hidden).float()
-
     def measure_head_kernel(self, max_rows: int = 16) -> int:
-        """Times the C head kernel against PyTorch's product on this CPU and keeps the kernel below
-        the measured crossover; returns it (choice.NEVER: the kernel won throughout)."""
-        head = self.lm_head
-        kernels = native.kernels()
-        self.head_torch_from_rows = NEVER
-        if type(head) is not nn.Linear or head.weight.device.type != "cpu" or kernels is None:
-            return NEVER
-        probe = torch.zeros(1, head.in_features, dtype=head.weight.dtype)
-        if not kernels.f32_linear_applies(probe, head.weight):
-            return NEVER
-        rows = [r for r in (1, 2, 4, 8, 16, 32) if r <= max_rows]
-        self.head_torch_from_rows = crossover(lambda x: kernels.f32_linear(x, head.weight, head.bias),
-                                              self._torch_logits,
-                                              lambda n: torch.randn(n, head.in_features), rows)
-        return self.head_torch_from_rows
+        """Times the head's C kernel against PyTorch's product on this CPU, at start-up
+        (HeadKernel.measure); returns the crossover (choice.NEVER: the kernel won throughout)."""
+        return self.head_kernel.measure(self.lm_head, max_rows)

@@ -7,7 +7,7 @@ probabilities renormalised to sum to 1 where the model says so (Mixtral always; 
 Experts run grouped: tokens are sorted by the expert they were routed to, and each expert that
 received any runs once over all its rows (one matmul per expert per step, never a loop per token).
 Each expert is the dense `MLP` module, so cpu-int8 quantizes and packs experts as it does any linear,
-and the fused CPU decode (fused_decode.py, native moe_mlp) runs the same steps in C.
+and the fused CPU decode (ops/fused_decode.py, native moe_mlp) runs the same steps in C.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from torch import nn
 
 from inferplane.api.model_config import ModelConfig
 from inferplane.worker.model.layers import MLP
-from inferplane.worker.model.structure import WatchedModule
-from inferplane.worker.ops import native
+from inferplane.worker.ops.router import ExpertRouter
+from inferplane.worker.ops.structure import WatchedModule
 
 
 class SparseMoE(WatchedModule):
@@ -26,26 +26,15 @@ class SparseMoE(WatchedModule):
         super().__init__()
         self.top_k = config.experts_per_token
         self.normalize = config.normalize_expert_weights
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # the router
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # the router's scores (HF's name)
         self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.router = ExpertRouter(self.top_k, self.normalize)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in x's dtype, expert ids [T, k]) for each token. Float32 rows on the CPU
-        are scored and routed by the C kernels the fused decode uses (the same bits either way).
-        cpu-int8 keeps the router in float32: it is tiny, and routing is where quantization hurts."""
-        kernels = native.kernels()
-        on_kernels = kernels is not None and x.dim() == 2 and native.float32_rows(x)
-        if on_kernels and type(self.gate) is nn.Linear and kernels.f32_linear_applies(x, self.gate.weight):
-            logits = kernels.f32_linear(x, self.gate.weight, self.gate.bias)  # the fused decode's router product
-        else:
-            logits = self.gate(x)
-        if on_kernels and native.float32_rows(logits):
-            return kernels.moe_route(logits, self.top_k, self.normalize)
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        """(weights [T, k] in x's dtype, expert ids [T, k]) for each token (ops/router.py: on float32
+        CPU rows, the C kernels the fused decode routes with). cpu-int8 keeps the router in float32:
+        it is tiny, and routing is where quantization hurts."""
+        return self.router(x, self.gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)

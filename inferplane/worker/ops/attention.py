@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache.
+"""Attention over the paged KV cache: `PagedAttention`, the op an attention layer calls.
 
 On the CPU, in float32, decodes run in a C kernel that reads each sequence's KV blocks where they
 lie in the cache (worker/native; 3x faster than gather + SDPA at ~140 tokens of context). On CUDA,
@@ -11,7 +11,8 @@ query axis, so grouped-query attention needs no repeat). Prefill chunks that sta
 (nothing cached yet) and have similar lengths run as one padded SDPA call with a causal,
 per-sequence mask: a burst of short prompts (many clients each sending a few dozen tokens) would
 otherwise cost a handful of kernel launches per sequence per layer. Chunks that continue a cached
-sequence, and long ones, run one sequence each.
+sequence, and long ones, run one sequence each. Which decode kernel runs is chosen once per layer,
+device and dtype (`choose_decode`), where the layer first decodes.
 
 Sliding-window layers (Gemma, Mistral, Phi-3) pass `window`: a query at position p sees keys at
 positions p - window < k <= p, the rule transformers applies; the masks below add that bound, and
@@ -22,6 +23,7 @@ the C and Triton decode kernels cap them themselves.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -170,38 +172,93 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     return torch.matmul(weights, values)
 
 
+class PagedAttention:
+    """One attention layer's op: its scale, sliding window (None: the whole context) and score
+    soft-cap (None: none), and the decode kernel chosen once per device and dtype of the queries and
+    of the cache (`choose_decode`)."""
+
+    def __init__(self, scale: float, window: int | None = None, softcap: float | None = None):
+        self.scale, self.window, self.softcap = scale, window, softcap
+        self._decode: dict[tuple[torch.device, torch.dtype, torch.dtype], DecodeKernel] = {}
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        decode = None
+        if batch.num_decodes:
+            key = (q.device, q.dtype, k_cache.dtype)
+            decode = self._decode.get(key)
+            if decode is None:
+                decode = self._decode[key] = choose_decode(q, k_cache)
+        return paged_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.window, self.softcap, decode)
+
+
+# A decode kernel: (the decode rows' q [B, heads, d], k_cache, v_cache, the batch, scale, window,
+# softcap) -> [B, heads, d].
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionBatch, float, int | None, float | None],
+                        torch.Tensor]
+
+
+def choose_decode(q: torch.Tensor, k_cache: torch.Tensor) -> DecodeKernel:
+    """The decode kernel for queries of q's device and dtype over a cache like k_cache: C where the
+    kernels read them (float32 queries on the CPU), Triton where it serves them (CUDA, or its
+    interpreter), else the gather + SDPA in PyTorch. The C kernel checks each call's layout (the
+    queries' strides, the tables' dtype) and hands a call it does not read to the next in line."""
+    kernels = native.kernels() if q.device.type == "cpu" and q.dtype == torch.float32 else None
+    otherwise = _triton_decode if gpu_attention.applies(q, k_cache) else _gather_decode
+    if kernels is not None and kernels.reads_kv_cache(k_cache):
+        return _c_decode(kernels, otherwise)
+    return otherwise
+
+
+def _c_decode(kernels: native.NativeKernels, otherwise: DecodeKernel) -> DecodeKernel:
+    def decode(q, k_cache, v_cache, batch, scale, window, softcap):
+        tables, lens = batch.decode_block_tables, batch.decode_context_lens
+        if q.stride(2) == 1 and q.stride(1) == q.shape[2] and native.decode_views_read(tables, lens):
+            return kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window, softcap)
+        return otherwise(q, k_cache, v_cache, batch, scale, window, softcap)
+
+    return decode
+
+
+def _triton_decode(q, k_cache, v_cache, batch, scale, window, softcap):
+    return gpu_attention.paged_decode_attention(q, k_cache, v_cache, batch.decode_block_tables,
+                                                batch.decode_context_lens, scale, window, softcap)
+
+
+def _gather_decode(q, k_cache, v_cache, batch, scale, window, softcap):
+    """Each decode's blocks gathered into a contiguous copy, then one SDPA call for all of them
+    (the query heads of a KV group laid out as a short query axis: no repeat for grouped queries)."""
+    nd, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    whole_context = window is None or batch.decode_max_len <= window  # the window limits nothing yet
+    max_len = batch.decode_max_len
+    keys = _gather(k_cache, batch.decode_block_tables, max_len).to(q.dtype).transpose(1, 2)  # [B, kvh, L, d]
+    values = _gather(v_cache, batch.decode_block_tables, max_len).to(q.dtype).transpose(1, 2)
+    query = q.view(nd, kv_heads, heads // kv_heads, dim)
+    mask = batch.decode_mask(q.dtype, None if whole_context else window)
+    return _attend(query, keys, values, mask, False, scale, softcap).reshape(nd, heads, dim)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, batch: AttentionBatch, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, decode: DecodeKernel | None = None) -> torch.Tensor:
     """q: [T, heads, d]; k, v: this step's [T, kv_heads, d] (already stored). Returns [T, heads, d].
+    `decode`: the kernel for the decode rows (PagedAttention's choice; None: choose_decode's now).
 
     Where the cache holds a narrower dtype than q (a float16 cache under float32 compute), prefill
     attends to this step's k and v as the cache holds them, rounded, as every later step and every
     reader of a cached prefix does: a prompt computes the same whether it came in one chunk or
     several, from the prefix cache or not, or forked (n > 1)."""
-    heads, dim = q.shape[1:]
+    heads = q.shape[1]
     if k_cache.dtype != q.dtype and batch.prefills:
         k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
     kv_heads = k.shape[1]
     group = heads // kv_heads
     out = torch.empty_like(q)
     nd = batch.num_decodes
-    kernels = native.kernels() if q.device.type == "cpu" else None
-    whole_context = window is None or batch.decode_max_len <= window  # the window limits nothing yet
-    if (nd and kernels is not None
-            and kernels.decode_attention_applies(q, k_cache, batch.decode_block_tables, batch.decode_context_lens)):
-        out[:nd] = kernels.paged_decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables,
-                                                  batch.decode_context_lens, scale, window, softcap)
-    elif nd and gpu_attention.applies(q, k_cache):
-        out[:nd] = gpu_attention.paged_decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables,
-                                                        batch.decode_context_lens, scale, window, softcap)
-    elif nd:
-        max_len = batch.decode_max_len
-        keys = _gather(k_cache, batch.decode_block_tables, max_len).to(q.dtype).transpose(1, 2)  # [B, kvh, L, d]
-        values = _gather(v_cache, batch.decode_block_tables, max_len).to(q.dtype).transpose(1, 2)
-        query = q[:nd].view(nd, kv_heads, group, dim)
-        mask = batch.decode_mask(q.dtype, None if whole_context else window)
-        out[:nd] = _attend(query, keys, values, mask, False, scale, softcap).reshape(nd, heads, dim)
+    if nd:
+        decode = decode or choose_decode(q, k_cache)
+        out[:nd] = decode(q[:nd], k_cache, v_cache, batch, scale, window, softcap)
     groups, alone = batch.prefill_plan(q.device)
     for g in groups:
         query, keys, values = (x[g.gather].permute(0, 2, 1, 3) for x in (q, k, v))  # [P, heads, L, d]

@@ -7,13 +7,14 @@ launches, not the bytes, set the time (even replayed from a CUDA graph, where a 
 about 1-2 us of device time). Fused, they are three or four kernels a layer.
 
 Each kernel rounds where the PyTorch ops it replaces round (to the tensors' dtype after the same
-steps), so the GPU path computes what layers.py's PyTorch path computes, only in fewer passes:
+steps), so the GPU path computes what the ops' PyTorch paths (norm.py, rope.py, activation.py)
+compute, only in fewer passes:
 - RMSNorm: x in float32, times rsqrt(mean(x^2) + eps), rounded to x's dtype, times the weight;
   with a residual, x + delta is rounded to x's dtype first (and written back: the running sum);
 - rotation: x * cos rounded, then + roll(x, d/2) * signed sin in one rounding (torch.addcmul);
 - SiLU: silu(gate) rounded, times up, rounded.
 
-`serves()` says where they run: CUDA tensors, or any tensor under Triton's interpreter
+`runs_on()` and `serves()` say where they run: CUDA tensors, or any tensor under Triton's interpreter
 (TRITON_INTERPRET=1, how the CPU tests run them).
 """
 
@@ -39,6 +40,12 @@ def triton_installed() -> bool:
     except ImportError:
         return False
     return True
+
+
+def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether these kernels can serve tensors of this device and dtype, layout aside: what an op
+    asks once, where it chooses its backend (`serves` checks the tensors themselves)."""
+    return dtype in DTYPES and (device.type == "cuda" or interpreting()) and triton_installed()
 
 
 def serves(*tensors: torch.Tensor) -> bool:

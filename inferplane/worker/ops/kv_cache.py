@@ -1,7 +1,7 @@
 """The KV tensor store: the preallocated K and V blocks every attention layer reads and writes.
 
 Which block belongs to which sequence is the engine's business (engine/kv/); this module only holds
-the tensors and the one write every backend shares (`store_kv`).
+the tensors. A step's keys and values are written by the rotary op (rope.py), which rotates them.
 """
 
 from __future__ import annotations
@@ -60,9 +60,3 @@ class PagedKVCache:
         data = self.window_data if window else self.data
         data[:, :, destination].copy_(data[:, :, source])
 
-
-def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    heads, dim = k_cache.shape[-2:]
-    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

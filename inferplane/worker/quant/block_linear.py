@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from inferplane.worker.model.structure import WatchedModule
 from inferplane.worker.ops import native
+from inferplane.worker.ops.structure import WatchedModule
 from inferplane.worker.quant.gguf_blocks import Blocks
 from inferplane.worker.quant.int8_linear import Int8Dispatch
 

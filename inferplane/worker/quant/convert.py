@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from inferplane.worker.model.layers import RMSNorm
 from inferplane.worker.model.moe import SparseMoE
 from inferplane.worker.ops import native
 from inferplane.worker.ops.native.choice import NEVER
+from inferplane.worker.ops.norm import RMSNorm
 from inferplane.worker.quant import gate
 from inferplane.worker.quant.block_linear import BlockLinear
 from inferplane.worker.quant.dispatch import calibrate, calibrate_packed, default_min_rows

@@ -29,9 +29,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from inferplane.worker.model.structure import WatchedModule
 from inferplane.worker.ops import native
 from inferplane.worker.ops.native.choice import NEVER
+from inferplane.worker.ops.structure import WatchedModule
 
 QMAX = 127  # symmetric: -127..127, so that negating a weight never overflows
 

@@ -29,7 +29,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from inferplane.worker.model import structure
+from inferplane.worker.ops import structure
 
 HUGE_PAGE = 2 * 2**20
 ALIGN = 64  # a cache line: every tensor starts on one

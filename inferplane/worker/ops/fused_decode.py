@@ -1,9 +1,17 @@
-"""Decode steps of a CPU-quantized model in one C call per run of layers (native ip_decode_layers).
+"""Decode steps of a CPU-quantized model in one C call per run of layers (native ip_decode_layers):
+the backend of a whole decoder layer, where the C kernels read every part of it.
 
 Why: each decoder layer's own fused call (rope, attention, four linears, norms) cost tens of
 microseconds of Python and ctypes argument handling per step, about a third of SmolLM2's batch-1
 step on the CPU. Here the pointers to every layer's weights and KV cache are packed into one C
 array once; a step then costs one call, whatever the number of layers.
+
+What the plan reads of a model (model/llama.py owns one plan): the body's `layers` and final `norm`;
+per layer its `self_attn` (qkv_proj, o_proj, q_norm and k_norm or None, layer_index, head_dim,
+window, softcap), its `mlp` (gate_up_proj and down_proj, or a MoE's gate, experts, top_k and
+normalize), its norms (input_layernorm, post_attention_layernorm, and Gemma's
+pre/post_feedforward_layernorm where it has them) and its `rope_kind`. A layer the C call cannot run
+is run as the module it is (`layer(x, tables, cache, batch)`), so a layer only has to name its parts.
 
 Invariants:
 - A plan's pointers are valid while the model's modules and tensors are the objects it was built
@@ -14,25 +22,44 @@ Invariants:
   or below it runs as float32 GEMM, so its layer runs op by op. The runs of fusable layers per row
   count are cached under the dispatchers' versions, which every threshold change bumps.
 - The C code runs the same kernels in the same order as the layers' Python: the same bits. A MoE
-  layer's router scores and routes with the C kernels in Python too (moe.py), so this holds there.
+  layer's router scores and routes with the C kernels in Python too (router.py), so this holds there.
 """
 
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from inferplane.api.model_config import FULL, SLIDING, ModelConfig
-from inferplane.worker.model import structure
-from inferplane.worker.model.layers import RMSNorm
-from inferplane.worker.model.step_inputs import StepInputs
-from inferplane.worker.ops import native
+from inferplane.worker.ops import native, structure
 from inferplane.worker.ops.attention import AttentionBatch
 from inferplane.worker.ops.kv_cache import PagedKVCache
+from inferplane.worker.ops.norm import RMSNorm
 
 Segment = tuple[int, int, object]  # (first layer, end, ctypes array of LayerWeights or None: op by op)
+
+
+class DecodeStep(Protocol):
+    """A forward pass's token ids and positions [T] (int64), with the embedding, its multiplier (or
+    None) and the rotaries by rope kind that they index (model/step_inputs.py's StepInputs)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    embedding: torch.nn.Module
+    multiplier: float | None
+    rotaries: dict[str, torch.nn.Module]
+
+    @property
+    def rows(self) -> int: ...
+
+    def x(self) -> torch.Tensor: ...
+
+    def tables(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 class FusedDecode:
@@ -136,7 +163,7 @@ class FusedDecode:
             self._segments[key] = found
         return found
 
-    def forward(self, step: StepInputs, cache: PagedKVCache, batch: AttentionBatch,
+    def forward(self, step: DecodeStep, cache: PagedKVCache, batch: AttentionBatch,
                 head: Callable[[int], tuple | None] | None = None, steps: int = 1,
                 stop_ids: frozenset[int] = frozenset()
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
@@ -148,7 +175,7 @@ class FusedDecode:
         one step runs as without it. Fused
         runs in C and the rest op by op; None where the step is not decode rows only or the C kernels
         do not apply (the caller then runs every layer). Where the first run of layers is fused and
-        the step's sources allow it (StepInputs.lookups), its C call looks up x and the rope rows
+        the step's sources allow it (decode_inputs), its C call looks up x and the rope rows
         itself. `head(rows)`: the head's operands where the model would run the same C kernel for
         that many rows (else None). Where the last run of layers is fused, the final norm and that
         head run in its C call: a PyTorch op right after the layers ran with the caches their weights
@@ -168,7 +195,7 @@ class FusedDecode:
             views.append(_decode_view(batch.window))
         if not self._caches_read or any(view is None for view in views):
             return None
-        lookups = step.lookups()
+        lookups = decode_inputs(step)
         # x: a buffer the C call fills, or the embedded rows, which must then be float32 rows
         x = torch.empty(rows, self.config.hidden_size, dtype=torch.float32) if lookups is not None else step.x()
         if lookups is None and (x.dim() != 2 or not native.float32_rows(
@@ -243,7 +270,7 @@ def linear_operands(lin: torch.nn.Module) -> tuple | None:
 
 def _router_operands(gate: torch.nn.Module) -> tuple | None:
     """A MoE router's operands: cpu-int8 keeps it float32 (bits FLOAT32_BITS, read where the float32
-    kernel reads it, the test SparseMoE.route makes too); a quantized one as any linear's."""
+    kernel reads it, the test router.ExpertRouter makes too); a quantized one as any linear's."""
     if type(gate) is not torch.nn.Linear:
         return linear_operands(gate)
     kernels = native.kernels()
@@ -271,3 +298,55 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
 def _linear(operands: tuple) -> native.LinearOperands:
     weight, scale, bits, bias, outputs = operands
     return native.LinearOperands(_pointer(weight), _pointer(scale), _pointer(bias), bits, outputs)
+
+
+def decode_inputs(step: DecodeStep) -> native.DecodeInputs | None:
+    """The C call's own lookups of a step's rows (x and the rope rows), where the sources are what
+    it reads (a plain float32 embedding table, int64 ids and positions, float32 rope tables, all
+    contiguous on the CPU); None otherwise. The caller keeps this object alive while the call runs.
+    The tables are checked once for each set of them (_table_lookups); a step checks its ids and
+    positions. What the call writes is what step.x() and step.tables() compute: the embedding's
+    rows (times the multiplier rounded to float32, Gemma's) and the rope tables' rows."""
+    ids, positions = step.input_ids, step.positions
+    if not (ids.dtype is torch.int64 and positions.dtype is torch.int64 and ids.is_cpu and positions.is_cpu
+            and ids.is_contiguous() and positions.is_contiguous()):
+        return None
+    tables = _table_lookups(step.embedding, step.multiplier, step.rotaries)
+    if tables is None:
+        return None
+    found = native.DecodeInputs.from_buffer_copy(tables)
+    found.token_ids, found.positions = ids.data_ptr(), positions.data_ptr()
+    return found
+
+
+# Per embedding module: (the tables its lookups were checked with, their DecodeInputs without ids
+# and positions, or None where the C call does not read them). Weak: a dropped model drops its entry.
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _table_lookups(embedding: nn.Module, multiplier: float | None,
+                   rotaries: dict[str, nn.Module]) -> native.DecodeInputs | None:
+    """DecodeInputs naming the embedding and rope tables (ids and positions unset), or None where the
+    C call does not read them; checked once for each set of tables (the same rotaries and multiplier
+    over the same storage: a reassigned tensor has another address and is checked again)."""
+    if type(embedding) is not nn.Embedding or embedding.max_norm is not None:
+        return None
+    full = rotaries[FULL]
+    local = rotaries.get(SLIDING, full)
+    weight = embedding.weight
+    tables = (full.cos, full.sin, local.cos, local.sin)
+    key = (full, local, multiplier, weight.data_ptr(), *(t.data_ptr() for t in tables))
+    checked = _CHECKED.get(embedding)
+    if checked is not None and checked[0] == key:
+        return checked[1]
+    found = None
+    scale = 0.0 if multiplier is None else float(torch.tensor(multiplier, dtype=torch.float32))
+    # a multiplier that rounds to 0.0 is not looked up in C: 0.0 means "none" to the C side
+    if (native.float32_rows(weight, *tables) and full.cos.shape == local.cos.shape
+            and (multiplier is None or scale != 0.0)):
+        found = native.DecodeInputs(None, None, weight.data_ptr(), scale)
+        found.cos[0], found.signed_sin[0] = full.cos.data_ptr(), full.sin.data_ptr()
+        found.cos[1], found.signed_sin[1] = local.cos.data_ptr(), local.sin.data_ptr()
+        found.vocab, found.max_positions = weight.shape[0], full.cos.shape[0]
+    _CHECKED[embedding] = (key, found)
+    return found
