@@ -136,7 +136,7 @@ class FusedDecode:
 
     def _experts(self, moe: torch.nn.Module, operands: list[tuple]) -> native.MoeWeights:
         """A MoE layer's router and experts (operands: the router's, every expert's gate_up, then
-        every expert's down) as kernels.c's ip_moe; kept alive with the plan."""
+        every expert's down) as csrc/decode_layers.c's ip_moe; kept alive with the plan."""
         count = len(moe.experts)
         gate_up = (native.LinearOperands * count)(*(_linear(o) for o in operands[1:1 + count]))
         down = (native.LinearOperands * count)(*(_linear(o) for o in operands[1 + count:]))
@@ -258,7 +258,7 @@ class FusedDecode:
 
 
 def linear_operands(lin: torch.nn.Module) -> tuple | None:
-    """(weight, scale, bits, bias, outputs) of a linear as kernels.c's ip_linear reads it: packed int8
+    """(weight, scale, bits, bias, outputs) of a linear as csrc/decode_layers.c's ip_linear reads it: packed int8
     with its scale (bits 0) or GGUF blocks (no scale, their bits); None where the C kernels do not
     read it."""
     found = lin.fused_operands() if hasattr(lin, "fused_operands") else None

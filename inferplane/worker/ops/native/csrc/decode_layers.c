@@ -91,7 +91,7 @@ static int moe_mlp(const float *h, int64_t b, int64_t hidden, const ip_moe *M, i
  * output, norm3 is the MLP's input norm and norm4 norms the MLP's output (NULL where a family has
  * none). A sliding layer has its window, its KV addressed through the window view (its own pool)
  * and, in Gemma 3, its own rope tables. Python builds an array of these once
- * (model/fused_decode.py), so a decode step passes one pointer for the whole model. */
+ * (ops/fused_decode.py), so a decode step passes one pointer for the whole model. */
 typedef struct {
     const float *norm1, *norm2;
     const uint8_t *w[4];
