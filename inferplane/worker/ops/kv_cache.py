@@ -55,6 +55,23 @@ class PagedKVCache:
         """What the pool takes in memory, both tensors."""
         return sum(t.numel() * t.element_size() for t in (self.data, self.window_data) if t is not None)
 
+    def block_payload(self, block: int, window: bool = False) -> bytes:
+        """Every layer's K and V of one block as bytes ([layers, 2, block_size, kv_heads, head_dim] in
+        the pool's dtype): what the KV tiers store when the block leaves the pool."""
+        data = self.window_data if window else self.data
+        return data[:, :, block].contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+    def load_block(self, block: int, payload: bytes | bytearray, window: bool = False) -> None:
+        """The inverse of `block_payload`: a stored block's bytes back into block `block` of the pool."""
+        data = self.window_data if window else self.data
+        target = data[:, :, block]
+        if len(payload) != target.numel() * target.element_size():
+            raise ValueError(f"payload: {len(payload)} bytes, a block of this pool is "
+                             f"{target.numel() * target.element_size()}")
+        writable = payload if isinstance(payload, bytearray) else bytearray(payload)  # frombuffer shares it
+        stored = torch.frombuffer(writable, dtype=torch.uint8).view(target.dtype).view(target.shape)
+        target.copy_(stored)
+
     def copy_block(self, source: int, destination: int, window: bool = False) -> None:
         """Every layer's K and V of one block into another (a fork's copy of a partly filled block)."""
         data = self.window_data if window else self.data

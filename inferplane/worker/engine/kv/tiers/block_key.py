@@ -1,0 +1,36 @@
+"""A KV block's name in the tiers: a chained hash, as vLLM's prefix cache names its blocks.
+
+Block i's key hashes block i-1's key and block i's tokens, so a key stands for the whole prefix up
+to the block's end: equal keys mean equal tokens from the first one, which is what makes the KV
+reusable. The chain starts from the namespace (the tenant's cache salt and the adapter; see
+`RadixKV.namespace`), so the same tokens under another tenant or adapter get other keys: a tenant
+can neither read nor probe another tenant's blocks by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+KEY_BYTES = 16  # 128-bit names: collisions are out of reach at any cache size
+
+
+def namespace_root(namespace: str) -> bytes:
+    """The chain's start for a namespace (what block 0's key hashes as its parent)."""
+    return hashlib.blake2b(b"inferplane-kv-namespace\x00" + namespace.encode(), digest_size=KEY_BYTES).digest()
+
+
+def chain_keys(namespace: str, tokens: Sequence[int], block_size: int, parent: bytes | None = None) -> list[bytes]:
+    """The keys of every full block of `tokens` (a partly filled last block has none: its KV is not
+    final). `parent` continues a chain whose previous block's key it is; by default the chain
+    starts at the namespace's root."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    previous = namespace_root(namespace) if parent is None else parent
+    keys = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        block = array("q", tokens[start:start + block_size]).tobytes()
+        previous = hashlib.blake2b(previous + block, digest_size=KEY_BYTES).digest()
+        keys.append(previous)
+    return keys

@@ -1,0 +1,125 @@
+"""The tiers in order: host memory, then disk.
+
+A block leaving the pool is `put` into memory; what memory evicts spills to disk; what the disk
+evicts is gone. `get` looks in memory, then on disk, and moves a disk hit back to memory (a block
+just read is the likeliest to be read again: the next turn of the same conversation). Every read is
+checked against the layout and the block's key (record.py); a record that fails is removed from
+its tier and counted as a miss, with its reason.
+
+One lock guards both tiers: blocks are put from the engine's thread and read from a loader
+thread, so that a sequence waiting for its KV never holds up the step.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from inferplane.worker.engine.kv.tiers.disk_tier import DiskTier
+from inferplane.worker.engine.kv.tiers.layout import KVLayout
+from inferplane.worker.engine.kv.tiers.memory_tier import MemoryTier
+from inferplane.worker.engine.kv.tiers.record import Miss, Part, decode, encode
+
+
+def open_tiers(layout: KVLayout, *, memory_bytes: int = 0, disk_root: str | os.PathLike[str] | None = None,
+               disk_bytes: int = 0) -> TieredKVStore:
+    """The store for `layout`: a memory tier of `memory_bytes` (none if 0) and, given a root, a
+    disk tier of `disk_bytes` in the root's folder for this layout, so that workers of other models
+    or settings sharing the root neither read nor evict each other's blocks."""
+    memory = MemoryTier(memory_bytes) if memory_bytes > 0 else None
+    disk = DiskTier(Path(disk_root) / layout.fingerprint().hex(), disk_bytes) if disk_root is not None else None
+    return TieredKVStore(layout, memory, disk)
+
+
+def record_name(key: bytes, part: Part) -> bytes:
+    """A record's name in a tier: the block's key and which pool's layers it holds."""
+    return key + bytes([part])
+
+
+@dataclass
+class TierCounters:
+    hits: Counter[str] = field(default_factory=Counter)  # by tier name
+    misses: int = 0  # not held by any tier
+    rejected: Counter[str] = field(default_factory=Counter)  # held, but failed a check: by reason
+    stored: Counter[str] = field(default_factory=Counter)  # records written, by tier name
+    evicted: Counter[str] = field(default_factory=Counter)  # records dropped for room, by tier name
+
+
+class TieredKVStore:
+    """Blocks of one `layout` in a memory tier and (optionally) a disk tier below it."""
+
+    def __init__(self, layout: KVLayout, memory: MemoryTier | None = None, disk: DiskTier | None = None):
+        if memory is None and disk is None:
+            raise ValueError("a tiered store needs a memory tier, a disk tier or both")
+        self.layout = layout
+        self.memory = memory
+        self.disk = disk
+        self.counters = TierCounters()
+        self._lock = threading.Lock()
+
+    def put(self, key: bytes, payload: bytes | memoryview, part: Part = Part.MAIN) -> None:
+        """Stores one block's payload (its KV bytes in the layout's shape) under `key`."""
+        record = encode(self.layout, key, payload, part)
+        name = record_name(key, part)
+        with self._lock:
+            if self.memory is not None:
+                self.counters.stored[self.memory.name] += 1
+                spilled = self.memory.put(name, record)
+                self.counters.evicted[self.memory.name] += sum(n != name for n, _ in spilled)
+            else:
+                spilled = [(name, record)]
+            if self.disk is not None:
+                for spilled_name, spilled_record in spilled:
+                    self.counters.stored[self.disk.name] += 1
+                    self.counters.evicted[self.disk.name] += len(self.disk.put(spilled_name, spilled_record))
+
+    def where(self, key: bytes, part: Part = Part.MAIN) -> str | None:
+        """The tier that holds the block (unchecked: a later `get` may still reject it), or None."""
+        name = record_name(key, part)
+        with self._lock:
+            for tier in (self.memory, self.disk):
+                if tier is not None and name in tier:
+                    return tier.name
+        return None
+
+    def get(self, key: bytes, part: Part = Part.MAIN) -> bytearray | None:
+        """The block's payload, checked, or None (a miss)."""
+        name = record_name(key, part)
+        with self._lock:
+            for tier in (self.memory, self.disk):
+                if tier is None:
+                    continue
+                record = tier.get(name)
+                if record is None:
+                    continue
+                payload = decode(self.layout, key, record, part)
+                if isinstance(payload, Miss):
+                    tier.remove(name)
+                    self.counters.rejected[payload.reason] += 1
+                    continue
+                self.counters.hits[tier.name] += 1
+                if tier is self.disk and self.memory is not None:
+                    for spilled_name, spilled_record in self.memory.put(name, record):
+                        if spilled_name != name:
+                            self.disk.put(spilled_name, spilled_record)
+                return payload
+            self.counters.misses += 1
+            return None
+
+    def stats(self) -> dict[str, float]:
+        """Flat figures for the worker's stats: records and bytes per tier, hits, misses, rejects."""
+        out: dict[str, float] = {"kv_tier_misses_total": float(self.counters.misses)}
+        with self._lock:
+            for tier in (self.memory, self.disk):
+                if tier is None:
+                    continue
+                out[f"kv_tier_blocks:{tier.name}"] = float(len(tier))
+                out[f"kv_tier_bytes:{tier.name}"] = float(tier.used)
+                out[f"kv_tier_hits_total:{tier.name}"] = float(self.counters.hits[tier.name])
+                out[f"kv_tier_stored_total:{tier.name}"] = float(self.counters.stored[tier.name])
+                out[f"kv_tier_evicted_total:{tier.name}"] = float(self.counters.evicted[tier.name])
+            out["kv_tier_rejected_total"] = float(sum(self.counters.rejected.values()))
+        return out

@@ -1,0 +1,182 @@
+"""The KV tiers keep blocks byte for byte, hand back nothing they cannot vouch for, and keep
+tenants' blocks apart by name (inferplane/worker/engine/kv/tiers/)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from inferplane.worker.engine.kv.tiers.block_key import chain_keys
+from inferplane.worker.engine.kv.tiers.disk_tier import DiskTier
+from inferplane.worker.engine.kv.tiers.layout import KVLayout
+from inferplane.worker.engine.kv.tiers.memory_tier import MemoryTier
+from inferplane.worker.engine.kv.tiers.record import HEADER, Miss, Part, decode, encode
+from inferplane.worker.engine.kv.tiers.store import TieredKVStore, open_tiers, record_name
+from inferplane.worker.ops.kv_cache import PagedKVCache
+
+LAYOUT = KVLayout(model_digest="sha256:" + "ab" * 32, dtype="float16", block_size=4, layers=3, kv_heads=2,
+                  head_dim=8, window_layers=1)
+
+
+def filled_cache(seed: int = 0, blocks: int = 6) -> PagedKVCache:
+    """A pool shaped as LAYOUT (layer 1 windowed) holding random KV in every block."""
+    cache = PagedKVCache(num_layers=LAYOUT.layers + LAYOUT.window_layers, num_blocks=blocks,
+                         block_size=LAYOUT.block_size, num_kv_heads=LAYOUT.kv_heads, head_dim=LAYOUT.head_dim,
+                         dtype=torch.float16, device=torch.device("cpu"), window_layers=frozenset({1}),
+                         num_window_blocks=blocks)
+    gen = torch.Generator().manual_seed(seed)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen).half())
+    cache.window_data.copy_(torch.randn(cache.window_data.shape, generator=gen).half())
+    return cache
+
+
+# --- names ------------------------------------------------------------------------------------------
+
+
+def test_a_key_names_the_whole_prefix_and_its_namespace() -> None:
+    tokens = list(range(100, 113))  # three full blocks of 4 and one token over
+    keys = chain_keys("tenant-a", tokens, 4)
+    assert len(keys) == 3 and len(set(keys)) == 3
+    # The same prefix gives the same keys; a later token changes no earlier key.
+    assert chain_keys("tenant-a", tokens[:8], 4) == keys[:2]
+    # A change in block 0 changes every key after it: a key stands for everything before it.
+    changed = chain_keys("tenant-a", [7, *tokens[1:]], 4)
+    assert not set(changed) & set(keys)
+    # Another namespace (tenant salt, adapter) never gets the same names for the same tokens.
+    assert not set(chain_keys("tenant-b", tokens, 4)) & set(keys)
+    assert not set(chain_keys("tenant-a\x00lora:x@1", tokens, 4)) & set(keys)
+    # A chain continued from a key is the chain computed whole.
+    assert chain_keys("tenant-a", tokens[4:], 4, parent=keys[0]) == keys[1:]
+
+
+def test_a_layout_fingerprint_changes_with_every_field() -> None:
+    changes = [{"model_digest": "sha256:" + "cd" * 32}, {"dtype": "bfloat16"}, {"block_size": 8}, {"layers": 4},
+               {"kv_heads": 1}, {"head_dim": 16}, {"window_layers": 0}]
+    prints = {LAYOUT.fingerprint()} | {replace(LAYOUT, **c).fingerprint() for c in changes}
+    assert len(prints) == len(changes) + 1
+    with pytest.raises(ValueError, match="dtype"):
+        replace(LAYOUT, dtype="int3")
+
+
+# --- records ----------------------------------------------------------------------------------------
+
+
+def test_a_record_gives_its_payload_back_only_to_the_reader_it_was_written_for() -> None:
+    cache = filled_cache()
+    key, other_key = chain_keys("t", list(range(8)), 4)
+    payload = cache.block_payload(2)
+    assert len(payload) == LAYOUT.block_bytes()
+    record = encode(LAYOUT, key, payload)
+    assert decode(LAYOUT, key, record) == payload
+
+    def reason(result) -> str:
+        assert isinstance(result, Miss), "a bad record was accepted"
+        return result.reason
+
+    assert "checksum" in reason(decode(LAYOUT, key, record[:-1] + bytes([record[-1] ^ 1])))
+    assert "truncated" in reason(decode(LAYOUT, key, record[:-3]))
+    assert "truncated" in reason(decode(LAYOUT, key, record[:HEADER.size - 1]))
+    assert "layout" in reason(decode(replace(LAYOUT, model_digest="sha256:" + "00" * 32), key, record))
+    assert "layout" in reason(decode(replace(LAYOUT, head_dim=4, kv_heads=4), key, record))
+    assert "key" in reason(decode(LAYOUT, other_key, record))
+    assert "pool" in reason(decode(LAYOUT, key, record, Part.WINDOW))
+    with pytest.raises(ValueError, match="payload"):
+        encode(LAYOUT, key, payload[:-2])
+
+
+def test_a_block_read_back_into_the_pool_is_the_block_that_left_it() -> None:
+    source, target = filled_cache(seed=1), filled_cache(seed=2)
+    key = chain_keys("t", list(range(4)), 4)[0]
+    for window in (False, True):
+        part = Part.WINDOW if window else Part.MAIN
+        record = encode(LAYOUT, key, source.block_payload(3, window), part)
+        target.load_block(5, decode(LAYOUT, key, record, part), window)
+        data_s = source.window_data if window else source.data
+        data_t = target.window_data if window else target.data
+        assert torch.equal(data_t[:, :, 5], data_s[:, :, 3])
+        assert not torch.equal(data_t[:, :, 4], data_s[:, :, 3])  # the other blocks are untouched
+    with pytest.raises(ValueError, match="payload"):
+        target.load_block(0, b"\x00" * 10)
+
+
+# --- tiers ------------------------------------------------------------------------------------------
+
+
+def test_the_memory_tier_evicts_least_recently_used_first_within_its_size() -> None:
+    tier = MemoryTier(capacity=30)
+    assert tier.put(b"a", b"x" * 10) == [] and tier.put(b"b", b"y" * 10) == [] and tier.put(b"c", b"z" * 10) == []
+    assert tier.get(b"a") == b"x" * 10  # a is now the most recent
+    assert tier.put(b"d", b"w" * 10) == [(b"b", b"y" * 10)]
+    assert tier.keys() == [b"c", b"a", b"d"] and tier.used == 30
+    assert tier.put(b"big", b"q" * 31) == [(b"big", b"q" * 31)] and b"big" not in tier
+    assert tier.put(b"c", b"z" * 5) == [] and tier.used == 25  # a new record under a held name replaces it
+
+
+def test_the_disk_tier_keeps_its_blocks_for_the_next_process_and_evicts_oldest_first(tmp_path) -> None:
+    tier = DiskTier(tmp_path, capacity=30)
+    for name in (b"a", b"b", b"c"):
+        assert tier.put(name, name * 10) == []
+    assert tier.get(b"a") == b"a" * 10
+    assert tier.put(b"d", b"d" * 10) == [b"b"]
+    assert len(list(tmp_path.glob("*/*.kvb"))) == 3
+    # A leftover of an interrupted write is removed, never served.
+    (tmp_path / "zz").mkdir()
+    (tmp_path / "zz" / "ff.kvb.123.tmp").write_bytes(b"half")
+    again = DiskTier(tmp_path, capacity=30)
+    assert again.found == 3 and sorted(again.keys()) == [b"a", b"c", b"d"]
+    assert again.get(b"c") == b"c" * 10
+    assert not (tmp_path / "zz" / "ff.kvb.123.tmp").exists()
+    # A smaller capacity at start evicts the least recently used of what it found.
+    smaller = DiskTier(tmp_path, capacity=20)
+    assert len(smaller) == 2 and b"c" in smaller
+
+
+def test_the_store_spills_memory_to_disk_and_brings_disk_hits_back(tmp_path) -> None:
+    cache = filled_cache()
+    block = LAYOUT.block_bytes() + HEADER.size
+    store = open_tiers(LAYOUT, memory_bytes=2 * block, disk_root=tmp_path, disk_bytes=10 * block)
+    keys = chain_keys("tenant-a", list(range(16)), 4)
+    for i, key in enumerate(keys):
+        store.put(key, cache.block_payload(i))
+    assert [store.where(k) for k in keys] == ["disk", "disk", "memory", "memory"]
+    for i in (3, 2, 0, 1):  # byte-identical whichever tier it comes from
+        assert store.get(keys[i]) == cache.block_payload(i)
+    assert store.counters.hits == {"memory": 2, "disk": 2}
+    # The disk hits came back to memory as the most recent; memory's oldest went to disk.
+    assert [store.where(k) for k in keys] == ["memory", "memory", "disk", "disk"]
+    # The other tenant's names for the same tokens find nothing.
+    assert all(store.get(k) is None for k in chain_keys("tenant-b", list(range(16)), 4))
+    stats = store.stats()
+    assert stats["kv_tier_blocks:memory"] == 2 and stats["kv_tier_misses_total"] == 4
+
+
+def test_a_damaged_or_foreign_block_on_disk_is_a_miss_and_is_removed(tmp_path) -> None:
+    cache = filled_cache()
+    keys = chain_keys("t", list(range(16)), 4)
+    store = open_tiers(LAYOUT, disk_root=tmp_path, disk_bytes=1 << 20)
+    for i, key in enumerate(keys):
+        store.put(key, cache.block_payload(i))
+    folder = tmp_path / LAYOUT.fingerprint().hex()
+    paths = {key: folder / record_name(key, Part.MAIN).hex()[:2] / f"{record_name(key, Part.MAIN).hex()}.kvb"
+             for key in keys}
+    data = bytearray(paths[keys[0]].read_bytes())
+    data[HEADER.size + 7] ^= 0x40  # one flipped bit in the KV
+    paths[keys[0]].write_bytes(bytes(data))
+    paths[keys[1]].write_bytes(paths[keys[1]].read_bytes()[:-100])  # truncated
+    os.replace(paths[keys[2]], paths[keys[3]])  # block 2's record under block 3's name
+    restarted = open_tiers(LAYOUT, disk_root=tmp_path, disk_bytes=1 << 20)
+    assert [restarted.get(k) for k in keys] == [None] * 4
+    assert dict(restarted.counters.rejected) == {"checksum": 1, "truncated or wrong length": 1,
+                                                 "another block's key": 1}
+    assert not any(p.exists() for p in paths.values())
+    # A worker of another model or settings on the same root sees none of these blocks.
+    other = open_tiers(replace(LAYOUT, block_size=8), disk_root=tmp_path, disk_bytes=1 << 20)
+    assert other.disk is not None and len(other.disk) == 0
+
+
+def test_a_store_needs_a_tier() -> None:
+    with pytest.raises(ValueError, match="tier"):
+        TieredKVStore(LAYOUT)
