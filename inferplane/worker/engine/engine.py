@@ -20,6 +20,7 @@ from inferplane.worker.engine.decode_bursts import DecodeBursts
 from inferplane.worker.engine.decode_graphs import DecodeGraphs
 from inferplane.worker.engine.intake import RequestIntake
 from inferplane.worker.engine.kv.window import WindowBlocks
+from inferplane.worker.engine.kv_offload import open_tier_link
 from inferplane.worker.engine.model_runner import ModelRunner
 from inferplane.worker.engine.options import EngineOptions
 from inferplane.worker.engine.outputs import StepOutput, TokenAppender, joined, step_output
@@ -51,7 +52,8 @@ class Engine:
                                   scratch_block=pools.uses_graphs, **pools.cache_shape)
         windows = (WindowBlocks(pools.num_window_blocks, self.block_size, pools.window)
                    if pools.window is not None else None)
-        self.kv = build_kv_manager(options, pools.num_blocks, windows)
+        tiers = open_tier_link(loaded, options, self.cache, dtype, self.kv_dtype)
+        self.kv = build_kv_manager(options, pools.num_blocks, windows, tiers)
         self.scheduler = build_scheduler(options, self.kv)
         self.bursts = DecodeBursts(options, device, self.block_size, self.max_model_len)
         self.kernel_isas = kernel_isas(loaded.model) if device.type == "cpu" else {}

@@ -90,6 +90,12 @@ class EngineOptions:
                                                                         "context)")
     kv_manager: str | None = option(None, "cpu-int8 only: the KV manager (default: the preset's, radix)",
                                     choices=("paged", "radix"))
+    kv_offload_memory: str | None = option(None, "radix KV managers: host memory (bytes like 2GiB) for KV blocks "
+                                                 "that leave the pool, read back instead of recomputed; unset: none")
+    kv_offload_disk: str | None = option(None, "radix KV managers: disk space (bytes like 20GiB) below the memory "
+                                               "tier, in --kv-offload-dir; it outlives the worker")
+    kv_offload_dir: str | None = option(None, "the disk tier's directory (a node-local volume in a cluster); "
+                                              "blocks of other models or settings there are kept apart")
     skip_quality_gate: bool = option(False, "cpu-int8: serve even if the int8 quality gate fails")
     quantize_head: bool | None = option(
         spec_default("quantize_head"), "cpu-int8: the output head in int8 (unset: yes, the runtime's default; "
@@ -166,3 +172,22 @@ class EngineOptions:
             raise ValueError("max_lora_rank: must be positive")
         if self.decode_steps is not None and not 1 <= self.decode_steps <= 64:
             raise ValueError("decode_steps: must be between 1 and 64")
+        self.offload_sizes()
+
+    def offload_sizes(self) -> tuple[int, int]:
+        """(memory, disk) bytes of the KV tiers, 0 where a tier is off; ValueError naming the option."""
+        sizes = []
+        for name in ("kv_offload_memory", "kv_offload_disk"):
+            value = getattr(self, name)
+            try:
+                size = parse_bytes(value) if value is not None else 0
+            except ValueError:
+                raise ValueError(f"{name}: cannot parse {value!r} (examples: 2GiB, 512Mi)") from None
+            if value is not None and size <= 0:
+                raise ValueError(f"{name}: must be positive, got {value!r}")
+            sizes.append(size)
+        if sizes[1] and not self.kv_offload_dir:
+            raise ValueError("kv_offload_dir: the disk tier (kv_offload_disk) needs a directory")
+        if self.kv_offload_dir and not sizes[1]:
+            raise ValueError("kv_offload_disk: kv_offload_dir names a directory but no disk tier size")
+        return sizes[0], sizes[1]

@@ -21,6 +21,7 @@ from torch import nn
 from inferplane.api.resolve import PRESETS
 from inferplane.worker.engine.kv.manager import KVManager
 from inferplane.worker.engine.kv.paged import PagedKV
+from inferplane.worker.engine.kv.tiers.link import TierLink
 from inferplane.worker.engine.kv.window import WindowBlocks
 from inferplane.worker.engine.options import EngineOptions
 from inferplane.worker.engine.scheduler import Scheduler
@@ -62,7 +63,8 @@ def kv_manager_kind(options: EngineOptions) -> str | None:
     return kind
 
 
-def build_kv_manager(options: EngineOptions, num_blocks: int, windows: WindowBlocks | None = None) -> KVManager:
+def build_kv_manager(options: EngineOptions, num_blocks: int, windows: WindowBlocks | None = None,
+                     tiers: TierLink | None = None) -> KVManager:
     check_runtime(options.runtime)
     kind = kv_manager_kind(options)
     if kind is None:
@@ -70,7 +72,10 @@ def build_kv_manager(options: EngineOptions, num_blocks: int, windows: WindowBlo
     if kind == "radix":
         from inferplane.worker.engine.kv.radix import RadixKV
 
-        return RadixKV(num_blocks, options.block_size, windows)
+        return RadixKV(num_blocks, options.block_size, windows, tiers)
+    if tiers is not None:
+        raise ValueError("kv_offload_memory: KV tiers need the radix KV manager (runtime radix or cpu-int8), "
+                         "which keeps finished blocks; paged frees them")
     return PagedKV(num_blocks, options.block_size, windows)
 
 

@@ -78,7 +78,9 @@ def file_digest(path: str, directory: Path) -> str:
     return index[stamp]
 
 
-def _code_hash() -> str:
+def conversion_code_hash() -> str:
+    """What the int8 conversion's result depends on beside the file and settings: its code and the
+    C kernels' sources (the KV tiers name a model's KV by it too)."""
     h = hashlib.sha256()
     here = Path(__file__).parent
     for name in _CODE:
@@ -104,7 +106,7 @@ class ConversionCache:
         except OSError as exc:
             log.warning("int8 start-up cache off: %s", exc)
             return None
-        key = hashlib.sha256(json.dumps({"model": digest, "settings": settings, "code": _code_hash(),
+        key = hashlib.sha256(json.dumps({"model": digest, "settings": settings, "code": conversion_code_hash(),
                                          "format": _FORMAT}, sort_keys=True).encode()).hexdigest()[:24]
         return cls(directory / f"{digest[:16]}-{key}.pt")
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from inferplane.worker.engine.kv.manager import KVManager
 from inferplane.worker.engine.kv.radix_tree import BlockKey, Node, RadixTree, block_keys
+from inferplane.worker.engine.kv.tiers.block_key import chain_keys
+from inferplane.worker.engine.kv.tiers.link import TierLink
 from inferplane.worker.engine.kv.window import NULL_BLOCK, WindowBlocks, first_kept_block
 from inferplane.worker.engine.sequence import Sequence
 
@@ -29,9 +31,16 @@ from inferplane.worker.engine.sequence import Sequence
 class RadixKV(KVManager):
     name = "radix"
 
-    def __init__(self, num_blocks: int, block_size: int, windows: WindowBlocks | None = None):
+    def __init__(self, num_blocks: int, block_size: int, windows: WindowBlocks | None = None,
+                 tiers: TierLink | None = None):
         super().__init__(num_blocks, block_size, windows)
+        if tiers is not None and windows is not None:
+            raise ValueError("kv_offload: KV tiers do not hold sliding-window layers yet (this model has them)")
         self.tree = RadixTree(self.pool, windows.pool if windows is not None else None)
+        # Below the tree, the tiers (kv/tiers/): every full block is saved as it joins the tree, and
+        # a prefix the tree lacks is looked for there before it is computed again.
+        self.tiers = tiers
+        self._chains: dict[Sequence, list[bytes]] = {}  # each sequence's tier keys, as far as computed
         # First-admission lookups, counted only once the admission succeeds: a sequence may be
         # matched several times before it gets in, and a preempted one must not count again.
         self._pending_query: dict[Sequence, tuple[int, int]] = {}
@@ -73,6 +82,8 @@ class RadixKV(KVManager):
         if seq.block_table or seq.num_computed_tokens:
             raise AssertionError(f"{seq.request_id}: match_prefix on a sequence that holds KV")
         keys = self._matchable_keys(seq)
+        if self.tiers is not None and keys:
+            self._load_from_tiers(seq, keys)
         node, blocks, windows = self.tree.match(self.namespace(seq), keys)
         if self.windows is not None:
             usable = self._window_usable(windows)
@@ -145,6 +156,7 @@ class RadixKV(KVManager):
         self._pending_query.pop(seq, None)
         if seq.block_table:
             self._insert(seq)
+        self._chains.pop(seq, None)
         self._relock(seq, None)
         super().free(seq)
 
@@ -152,6 +164,8 @@ class RadixKV(KVManager):
         stats = super().stats()
         stats.update(blocks_cached=self.blocks_cached(), evicted_blocks=self.tree.evicted_blocks,
                      tree_nodes=self.tree.num_nodes)
+        if self.tiers is not None:
+            stats.update(self.tiers.stats())
         if self.windows is not None:
             stats["window_evicted_blocks"] = self.tree.evicted_window_blocks
         return stats
@@ -184,6 +198,10 @@ class RadixKV(KVManager):
         keys = block_keys(seq.all_token_ids, self.block_size, full)
         windows = seq.window_table[:full] if self.windows is not None else None
         node, held, held_windows = self.tree.insert(self.namespace(seq), start, keys, seq.block_table[:full], windows)
+        if self.tiers is not None:
+            chain = self._chain(seq, full)
+            for i in range(depth, full):
+                self.tiers.save(chain[i], held[i - depth])
         for i, block in enumerate(held, start=depth):
             own = seq.block_table[i]
             if own != block:
@@ -198,3 +216,40 @@ class RadixKV(KVManager):
                     self.windows.pool.release(own)
                     seq.window_table[i] = block
         self._relock(seq, node)
+
+    # -- tiers ------------------------------------------------------------------------------------
+
+    def _chain(self, seq: Sequence, count: int) -> list[bytes]:
+        """The tier keys of the sequence's first `count` full blocks, extended as it computes."""
+        chain = self._chains.setdefault(seq, [])
+        if len(chain) < count:
+            tokens = seq.all_token_ids[len(chain) * self.block_size:count * self.block_size]
+            chain.extend(chain_keys(self.namespace(seq), tokens, self.block_size, chain[-1] if chain else None))
+        return chain[:count]
+
+    def _load_from_tiers(self, seq: Sequence, keys: list[BlockKey]) -> None:
+        """Reads into the tree the blocks after its cached prefix of `keys` that the tiers hold (in a
+        row, as far as free and evictable blocks allow), so that the match that follows finds them.
+        The path already matched is locked meanwhile, so making room never evicts it."""
+        namespace = self.namespace(seq)
+        node, blocks, _ = self.tree.match(namespace, keys)
+        start = len(blocks)
+        chain = self._chain(seq, len(keys))
+        if self.tiers.held_run(chain, start) == 0:
+            return
+        self.tree.lock(node)
+        try:
+            run = min(self.tiers.held_run(chain, start), self.pool.num_free + self.tree.evictable_blocks)
+            self._reserve(run, 0)
+            fresh = self.pool.allocate(run)
+            loaded = 0
+            for key, block in zip(chain[start:], fresh, strict=False):
+                if not self.tiers.load(key, block):
+                    break
+                loaded += 1
+            if loaded:
+                self.tree.insert(namespace, node, keys[:start + loaded], [*blocks, *fresh[:loaded]])
+            for block in fresh:  # the tree holds what it adopted; the rest goes back to the pool
+                self.pool.release(block)
+        finally:
+            self.tree.unlock(node)
