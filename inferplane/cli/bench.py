@@ -15,6 +15,7 @@ BENCHMARKS = {
     "embeddings": ("inferplane.bench.embeddings", "embedding runtime vs sentence-transformers: embeddings/s"),
     "lora": ("inferplane.bench.lora", "N LoRA adapters in one batch vs the base alone vs merged models in turn"),
     "operator": ("inferplane.bench.operator", "200 InferenceDeployments against the API server of $KUBECONFIG"),
+    "kv": ("inferplane.bench.kv", "a returning conversation's KV read back from the tiers vs computed again"),
     "footprint": ("inferplane.bench.footprint", "a CPU worker's measured peak and served memory vs its estimate"),
 }
 

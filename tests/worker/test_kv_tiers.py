@@ -180,3 +180,27 @@ def test_a_damaged_or_foreign_block_on_disk_is_a_miss_and_is_removed(tmp_path) -
 def test_a_store_needs_a_tier() -> None:
     with pytest.raises(ValueError, match="tier"):
         TieredKVStore(LAYOUT)
+
+
+@pytest.mark.parametrize("memory_blocks", [0, 8])
+def test_a_prefetch_reads_the_disk_run_ahead_and_the_next_get_takes_it_from_memory(tmp_path, memory_blocks) -> None:
+    cache = filled_cache()
+    block = LAYOUT.block_bytes() + HEADER.size
+    keys = chain_keys("t", list(range(24)), 4)
+    writer = open_tiers(LAYOUT, disk_root=tmp_path, disk_bytes=1 << 20)
+    for i, key in enumerate(keys[:5]):  # block 5 was never stored: the run ends before it
+        writer.put(key, cache.block_payload(i))
+    folder = tmp_path / LAYOUT.fingerprint().hex()
+    name = record_name(keys[3], Part.MAIN).hex()
+    damaged = folder / name[:2] / f"{name}.kvb"
+    damaged.write_bytes(damaged.read_bytes()[:-1] + b"\x00")
+
+    store = open_tiers(LAYOUT, memory_bytes=memory_blocks * block, disk_root=tmp_path, disk_bytes=1 << 20)
+    assert store.prefetch(keys) == 3  # blocks 0-2; block 3 fails its check, which ends the run
+    assert not damaged.exists() and store.counters.rejected["checksum"] == 1
+    assert store.prefetch(keys) == 0  # already read ahead
+    for i in range(3):
+        assert store.get(keys[i]) == cache.block_payload(i)
+    tier_hits = store.counters.hits
+    assert tier_hits["disk"] == 0 and tier_hits["memory" if memory_blocks else "prefetched"] == 3
+    assert store.get(keys[4]) == cache.block_payload(4) and tier_hits["disk"] == 1  # not read ahead: from disk

@@ -123,3 +123,23 @@ def test_smollm2_on_cpu_int8_reads_a_conversation_back_after_a_restart(tmp_path)
     assert read_back.num_cached_tokens > kept.num_cached_tokens and second_turn_ids == kept.prompt_token_ids
     assert read_back.token_ids == kept.token_ids
     assert later.stats()["kv_tier_hits_total:disk"] * block == read_back.num_cached_tokens
+
+
+async def test_the_serving_side_reads_a_prompts_kv_ahead_off_the_engine_thread(tiny_llama, reference, tmp_path):
+    from inferplane.worker.serve.async_engine import AsyncEngine
+
+    disk = {"kv_offload_disk": "64MiB", "kv_offload_dir": str(tmp_path)}
+    prompt = prompts_of_lengths([37], 320, seed=44)[0]
+    LLM(tiny_llama, runtime="radix", block_size=BS, num_kv_blocks=64, **disk).generate(prompt, GREEDY)
+    later = LLM(tiny_llama, runtime="radix", block_size=BS, num_kv_blocks=64, **disk)
+    served = AsyncEngine(later.engine)
+    try:
+        outs = [out async for out in served.submit("r1", prompt, GREEDY)]
+    finally:
+        served.stop()
+    assert [t for o in outs for t in o.new_token_ids] == reference.generate(prompt, GREEDY)[0].token_ids
+    assert outs[-1].num_cached_tokens == 36
+    stats = later.stats()
+    # Every block the match used was read ahead; the engine's thread read none from the disk itself.
+    assert stats["kv_tier_prefetched_total"] == 9 and stats["kv_tier_hits_total:prefetched"] == 9
+    assert stats["kv_tier_hits_total:disk"] == 0

@@ -19,6 +19,7 @@ from inferplane.api.tokenizer import IncrementalDetokenizer
 from inferplane.worker.engine.decode_bursts import DecodeBursts
 from inferplane.worker.engine.decode_graphs import DecodeGraphs
 from inferplane.worker.engine.intake import RequestIntake
+from inferplane.worker.engine.kv.tiers.block_key import kv_namespace
 from inferplane.worker.engine.kv.window import WindowBlocks
 from inferplane.worker.engine.kv_offload import open_tier_link
 from inferplane.worker.engine.model_runner import ModelRunner
@@ -123,6 +124,16 @@ class Engine:
         self.scheduler.add(leader)
         self.counters.prompt_tokens += len(token_ids)
         return leader
+
+    def prefetch_kv(self, prompt: str | list[int], cache_salt: str = "", adapter=None) -> int:
+        """Thread-safe, for the serving side to call before it hands a request over: reads the
+        prompt's disk-held KV blocks into memory (kv/tiers/), so that the engine thread's prefix
+        match does not wait on the disk. Returns the blocks read (0 without tiers or for a text prompt)."""
+        tiers = self.kv.tiers
+        if tiers is None or isinstance(prompt, str):
+            return 0
+        namespace = kv_namespace(cache_salt, adapter.key if adapter is not None else "")
+        return tiers.prefetch(namespace, prompt, self.block_size)
 
     def group(self, request_id: str) -> list[Sequence]:
         """A request's unfinished choices."""

@@ -4,11 +4,13 @@ The model runs on one thread that owns the engine outright; gRPC handlers on the
 put work into an inbox and read their own result queue. So no engine state is ever touched by two
 threads, and a slow step never blocks the event loop.
 
-A structured-output request's grammar is compiled first, on a small pool (`GrammarLimits.
-compile_threads`; llguidance drops the GIL while it compiles), and only then put into the inbox:
-compiling never stalls the engine's steps, and a request still compiling holds no batch slot. It
-counts in `num_in_flight` all along (the autoscaler and the drain read it) and can be aborted;
-an aborted request's grammar, once compiled, is only cached, never handed to the engine.
+Two things a request may need are done first, on a small pool of their own, and only then is it
+put into the inbox, so that neither stalls the engine's steps and a request waiting on them holds
+no batch slot: a structured-output request's grammar is compiled (`GrammarLimits.compile_threads`
+threads; llguidance drops the GIL while it compiles), and, where the engine has KV tiers, the
+prompt's KV blocks held on disk are read into memory (`Engine.prefetch_kv`). Such a request counts
+in `num_in_flight` all along (the autoscaler and the drain read it) and can be aborted; an aborted
+request's grammar, once compiled, is only cached, and its prefetched blocks stay in the tier.
 """
 
 from __future__ import annotations
@@ -84,8 +86,8 @@ class AsyncEngine:
         self._submits: list[_Submit] = []
         self._aborts: list[str] = []
         self._streams: dict[str, _Submit] = {}
-        self._compiling: dict[str, _Submit] = {}  # grammars on the compile pool, not yet in the inbox
-        self._compile_pool: ThreadPoolExecutor | None = None  # made on the first constrained request
+        self._preparing: dict[str, _Submit] = {}  # on the prepare pool (grammar, KV read ahead), not yet in the inbox
+        self._prepare_pool: ThreadPoolExecutor | None = None  # made on the first request that needs it
         self._stopped = False
         self.last_stats: dict[str, float] = engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -94,7 +96,7 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         with self._wake:
-            return len(self._streams) + len(self._submits) + len(self._compiling)
+            return len(self._streams) + len(self._submits) + len(self._preparing)
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                cache_salt: str = "", *, tenant: str = "", priority: str = "", adapter=None) -> RequestStream:
@@ -103,31 +105,37 @@ class AsyncEngine:
         sub = _Submit(request_id, prompt, params, cache_salt, queue, loop, params.n, tenant=tenant, priority=priority,
                       adapter=adapter)
         stream = RequestStream(request_id, queue, self.abort, params.n)
+        compile_grammar = False
         if params.constraint is not None:
             try:
-                ready = self._cached(params.constraint)
+                compile_grammar = not self._cached(params.constraint)
             except ValueError as exc:  # a refusal the cache remembers
                 self._deliver(sub, exc)
                 return stream
-            if not ready:
-                self._compile_first(sub)
-                return stream
+        if compile_grammar or self._reads_kv_ahead(prompt):
+            self._prepare_first(sub, compile_grammar)
+            return stream
         with self._wake:
             self._submits.append(sub)
             self._wake.notify()
         return stream
 
-    def _compile_first(self, sub: _Submit) -> None:
+    def _reads_kv_ahead(self, prompt: str | list[int]) -> bool:
+        """Whether the engine keeps KV tiers a prompt of token ids could find blocks in."""
+        return self.engine.kv.tiers is not None and not isinstance(prompt, str) \
+            and len(prompt) > self.engine.block_size
+
+    def _prepare_first(self, sub: _Submit, compile_grammar: bool) -> None:
         with self._wake:
-            if sub.request_id in self._compiling:
+            if sub.request_id in self._preparing:
                 self._deliver(sub, ValueError(f"request_id: {sub.request_id!r} is already running"))
                 return
-            self._compiling[sub.request_id] = sub
-            if self._compile_pool is None:
+            self._preparing[sub.request_id] = sub
+            if self._prepare_pool is None:
                 from inferplane.worker.structured import LIMITS
 
-                self._compile_pool = ThreadPoolExecutor(LIMITS.compile_threads, thread_name_prefix="grammar-compile")
-            self._compile_pool.submit(self._compile, sub)
+                self._prepare_pool = ThreadPoolExecutor(LIMITS.compile_threads, thread_name_prefix="request-prepare")
+            self._prepare_pool.submit(self._prepare, sub, compile_grammar)
 
     def _cached(self, constraint) -> bool:
         """Whether the grammar is compiled already (then attached to the constraint, so the engine
@@ -135,24 +143,30 @@ class AsyncEngine:
         compiler = self.engine.intake.grammars
         return compiler is not None and compiler.prepare_cached(constraint)
 
-    def _compile(self, sub: _Submit) -> None:
-        """On the compile pool: compiles the grammar, then hands the request to the engine unless it
-        was aborted meanwhile (the grammar stays cached either way)."""
+    def _prepare(self, sub: _Submit, compile_grammar: bool) -> None:
+        """On the prepare pool: compiles the grammar and reads the prompt's KV ahead, then hands the
+        request to the engine unless it was aborted meanwhile (the grammar stays cached either way)."""
         with self._wake:
-            if self._compiling.get(sub.request_id) is not sub:
-                return  # aborted while it waited for a compile thread: nothing to compile
+            if self._preparing.get(sub.request_id) is not sub:
+                return  # aborted while it waited for a thread: nothing to do
         error: BaseException | None = None
         try:
-            self.engine.intake.grammar_compiler().prepare(sub.params.constraint)
+            if compile_grammar:
+                self.engine.intake.grammar_compiler().prepare(sub.params.constraint)
         except ValueError as exc:  # GrammarError: a 400 naming the field
             error = exc
         except Exception as exc:  # never leave the request hanging
             log.exception("compiling a structured-output grammar failed")
             error = RuntimeError(f"compiling the structured-output grammar failed: {type(exc).__name__}")
+        if error is None:
+            try:
+                self.engine.prefetch_kv(sub.prompt, sub.cache_salt, sub.adapter)
+            except Exception:  # a read ahead that fails costs time only: the engine computes the prefix
+                log.exception("reading a prompt's KV ahead failed")
         with self._wake:
-            if self._compiling.get(sub.request_id) is not sub:
-                return  # aborted while compiling
-            del self._compiling[sub.request_id]
+            if self._preparing.get(sub.request_id) is not sub:
+                return  # aborted while preparing
+            del self._preparing[sub.request_id]
             if error is None:
                 self._submits.append(sub)
                 self._wake.notify()
@@ -161,12 +175,12 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         with self._wake:
-            sub = self._compiling.pop(request_id, None)
+            sub = self._preparing.pop(request_id, None)
             if sub is None:
                 self._aborts.append(request_id)
                 self._wake.notify()
                 return
-        # Still compiling: the engine never saw it. Its compile finishes into the cache only.
+        # Still preparing: the engine never saw it. Its compile finishes into the cache only.
         for index in range(sub.params.n):
             out = StepOutput(request_id, [], [], "", True, "abort", index=index)
             self._finished(out)
@@ -176,11 +190,11 @@ class AsyncEngine:
         with self._wake:
             self._stopped = True
             self._wake.notify()
-            compiling, self._compiling = list(self._compiling.values()), {}
-        for sub in compiling:
+            preparing, self._preparing = list(self._preparing.values()), {}
+        for sub in preparing:
             self._deliver(sub, RuntimeError("the engine stopped"))
-        if self._compile_pool is not None:
-            self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        if self._prepare_pool is not None:
+            self._prepare_pool.shutdown(wait=False, cancel_futures=True)
         self._thread.join(timeout=10)
 
     def _deliver(self, sub: _Submit, item) -> None:

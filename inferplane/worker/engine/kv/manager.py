@@ -16,10 +16,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from inferplane.worker.engine.kv.block_pool import BlockPool, blocks_for
 from inferplane.worker.engine.kv.window import WindowBlocks
 from inferplane.worker.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from inferplane.worker.engine.kv.tiers.link import TierLink
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class KVManager(ABC):
     """
 
     name: str  # the runtime's name for this manager ("paged", "radix"), as in api.resolve.PRESETS
+    tiers: TierLink | None = None  # where blocks go when they leave the pool (kv/tiers/); radix only, for now
 
     def __init__(self, num_blocks: int, block_size: int, windows: WindowBlocks | None = None):
         self.pool = BlockPool(num_blocks)

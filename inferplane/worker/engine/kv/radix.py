@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from inferplane.worker.engine.kv.manager import KVManager
 from inferplane.worker.engine.kv.radix_tree import BlockKey, Node, RadixTree, block_keys
-from inferplane.worker.engine.kv.tiers.block_key import chain_keys
+from inferplane.worker.engine.kv.tiers.block_key import chain_keys, kv_namespace
 from inferplane.worker.engine.kv.tiers.link import TierLink
 from inferplane.worker.engine.kv.window import NULL_BLOCK, WindowBlocks, first_kept_block
 from inferplane.worker.engine.sequence import Sequence
@@ -53,9 +53,7 @@ class RadixKV(KVManager):
         other's prompts from hit timing, so the worker never widens what the salt allows. Under a
         LoRA adapter the same tokens give other KV, so the adapter (name and version) is part of it.
         """
-        if seq.adapter is None:
-            return seq.cache_salt
-        return f"{seq.cache_salt}\x00lora:{seq.adapter_key}"
+        return kv_namespace(seq.cache_salt, seq.adapter_key)
 
     def blocks_used(self) -> int:
         return self.pool.num_used - self.tree.evictable_blocks

@@ -16,6 +16,13 @@ from collections.abc import Sequence
 KEY_BYTES = 16  # 128-bit names: collisions are out of reach at any cache size
 
 
+def kv_namespace(cache_salt: str, adapter_key: str) -> str:
+    """The namespace a request's prefixes are matched in and its keys start from: its cache salt
+    (decided by the gateway, per tenant), and under a LoRA adapter the adapter too, since the same
+    tokens give other KV there (`RadixKV.namespace` says why the worker never widens it)."""
+    return f"{cache_salt}\x00lora:{adapter_key}" if adapter_key else cache_salt
+
+
 def namespace_root(namespace: str) -> bytes:
     """The chain's start for a namespace (what block 0's key hashes as its parent)."""
     return hashlib.blake2b(b"inferplane-kv-namespace\x00" + namespace.encode(), digest_size=KEY_BYTES).digest()

@@ -33,6 +33,15 @@ class DiskTier:
         self.found = self._index_existing()
         self._evict()
 
+    def path_of(self, name: bytes) -> Path:
+        """Where record `name` is (or would be) kept: read it there without the tier's bookkeeping."""
+        return self._path(name)
+
+    def touch(self, name: bytes) -> None:
+        """Marks a record read some other way (a prefetch) as the most recently used."""
+        if name in self._sizes:
+            self._sizes.move_to_end(name)
+
     def _path(self, name: bytes) -> Path:
         hex_name = name.hex()
         return self.directory / hex_name[:2] / f"{hex_name}{SUFFIX}"

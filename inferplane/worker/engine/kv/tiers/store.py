@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from inferplane.worker.engine.kv.tiers.disk_tier import DiskTier
 from inferplane.worker.engine.kv.tiers.layout import KVLayout
 from inferplane.worker.engine.kv.tiers.memory_tier import MemoryTier
 from inferplane.worker.engine.kv.tiers.record import Miss, Part, decode, encode
+
+STAGED_RECORDS = 1024
 
 
 def open_tiers(layout: KVLayout, *, memory_bytes: int = 0, disk_root: str | os.PathLike[str] | None = None,
@@ -46,6 +49,7 @@ class TierCounters:
     rejected: Counter[str] = field(default_factory=Counter)  # held, but failed a check: by reason
     stored: Counter[str] = field(default_factory=Counter)  # records written, by tier name
     evicted: Counter[str] = field(default_factory=Counter)  # records dropped for room, by tier name
+    prefetched: int = 0  # records read from disk ahead of their request, off the engine's thread
 
 
 class TieredKVStore:
@@ -59,6 +63,9 @@ class TieredKVStore:
         self.disk = disk
         self.counters = TierCounters()
         self._lock = threading.Lock()
+        # Prefetched without a memory tier, until their `get`; the oldest go first past STAGED_RECORDS
+        # (an aborted request's): they are still on disk, only the read ahead is lost.
+        self._staged: OrderedDict[bytes, bytes] = OrderedDict()
 
     def put(self, key: bytes, payload: bytes | memoryview, part: Part = Part.MAIN) -> None:
         """Stores one block's payload (its KV bytes in the layout's shape) under `key`."""
@@ -85,10 +92,54 @@ class TieredKVStore:
                     return tier.name
         return None
 
+    def prefetch(self, keys: Sequence[bytes], part: Part = Part.MAIN) -> int:
+        """Reads the disk-held records among `keys` (in a row from the first: a prefix is used only
+        up to its first gap) into memory, checking each; returns how many it brought. Meant for a
+        thread of its own: the file reads and the checks run outside the lock, so the engine's own
+        calls never wait on the disk. Without a memory tier the records wait in a staging area that
+        the next `get` of each takes them from."""
+        brought = 0
+        for key in keys:
+            name = record_name(key, part)
+            with self._lock:
+                if (self.memory is not None and name in self.memory) or name in self._staged:
+                    continue
+                if self.disk is None or name not in self.disk:
+                    break
+                path = self.disk.path_of(name)
+            try:
+                record = path.read_bytes()
+            except OSError:
+                break
+            payload = decode(self.layout, key, record, part)
+            with self._lock:
+                if isinstance(payload, Miss):
+                    self.disk.remove(name)
+                    self.counters.rejected[payload.reason] += 1
+                    break
+                self.disk.touch(name)
+                self.counters.prefetched += 1
+                if self.memory is None:
+                    self._staged[name] = record
+                    while len(self._staged) > STAGED_RECORDS:
+                        self._staged.popitem(last=False)
+                else:
+                    for spilled_name, spilled_record in self.memory.put(name, record):
+                        if spilled_name != name:
+                            self.disk.put(spilled_name, spilled_record)
+            brought += 1
+        return brought
+
     def get(self, key: bytes, part: Part = Part.MAIN) -> bytearray | None:
         """The block's payload, checked, or None (a miss)."""
         name = record_name(key, part)
         with self._lock:
+            staged = self._staged.pop(name, None)
+            if staged is not None:
+                payload = decode(self.layout, key, staged, part)
+                if not isinstance(payload, Miss):
+                    self.counters.hits["prefetched"] += 1
+                    return payload
             for tier in (self.memory, self.disk):
                 if tier is None:
                     continue
@@ -122,4 +173,6 @@ class TieredKVStore:
                 out[f"kv_tier_stored_total:{tier.name}"] = float(self.counters.stored[tier.name])
                 out[f"kv_tier_evicted_total:{tier.name}"] = float(self.counters.evicted[tier.name])
             out["kv_tier_rejected_total"] = float(sum(self.counters.rejected.values()))
+            out["kv_tier_prefetched_total"] = float(self.counters.prefetched)
+            out["kv_tier_hits_total:prefetched"] = float(self.counters.hits["prefetched"])
         return out
