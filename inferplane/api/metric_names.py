@@ -41,6 +41,19 @@ WORKER_LORA_LOADS = "inferplane_worker_lora_loads"
 WORKER_LORA_EVICTIONS = "inferplane_worker_lora_evictions"
 WORKER_LORA_REQUESTS = "inferplane_worker_lora_requests"
 WORKER_LORA_LOADED = "inferplane_worker_lora_loaded"
+# KV tiers (--kv-offload-*): per tier (label tier: memory, disk; hits also "prefetched", read ahead off
+# the engine thread) blocks and bytes held, hits, blocks stored and evicted; and without a tier label
+# misses, records rejected by a check, blocks read ahead, saved from and loaded into the pool.
+WORKER_KV_TIER_BLOCKS = "inferplane_worker_kv_tier_blocks"
+WORKER_KV_TIER_BYTES = "inferplane_worker_kv_tier_bytes"
+WORKER_KV_TIER_HITS = "inferplane_worker_kv_tier_hits"
+WORKER_KV_TIER_STORED = "inferplane_worker_kv_tier_stored"
+WORKER_KV_TIER_EVICTED = "inferplane_worker_kv_tier_evicted"
+WORKER_KV_TIER_MISSES = "inferplane_worker_kv_tier_misses"
+WORKER_KV_TIER_REJECTED = "inferplane_worker_kv_tier_rejected"
+WORKER_KV_TIER_PREFETCHED = "inferplane_worker_kv_tier_prefetched_blocks"
+WORKER_KV_TIER_SAVED = "inferplane_worker_kv_tier_saved_blocks"
+WORKER_KV_TIER_LOADED = "inferplane_worker_kv_tier_loaded_blocks"
 # prometheus_client's process collector, which every worker registers: a restart moves it.
 PROCESS_START_TIME = "process_start_time_seconds"
 

@@ -34,3 +34,20 @@ def test_outcomes_latencies_and_engine_gauges_are_exported():
     stats["blocks_used"] = 10  # read at scrape time, not copied at start
     scraped = generate_latest(metrics.registry).decode()
     assert 'inferplane_worker_kv_blocks_used{model="m",runtime="radix"} 10.0' in scraped
+
+
+def test_a_workers_kv_tiers_are_exported_per_tier(tiny_llama, tmp_path):
+    """A real engine's tier stats, as the scrape shows them: per tier where they have one."""
+    from inferplane.worker.engine.sampling import SamplingParams
+    from inferplane.worker.llm import LLM
+
+    llm = LLM(tiny_llama, runtime="radix", block_size=4, num_kv_blocks=64, kv_offload_memory="1MiB",
+              kv_offload_disk="1MiB", kv_offload_dir=str(tmp_path))
+    llm.generate(list(range(40)), SamplingParams(max_tokens=4, temperature=0.0))
+    text = generate_latest(WorkerMetrics("m", "radix", llm.stats).registry).decode()
+    labels = 'model="m",runtime="radix"'
+    assert f'inferplane_worker_kv_tier_blocks{{{labels},tier="memory"}} 10.0' in text
+    assert f'inferplane_worker_kv_tier_stored_total{{{labels},tier="memory"}} 10.0' in text
+    assert f'inferplane_worker_kv_tier_blocks{{{labels},tier="disk"}} 0.0' in text
+    assert f'inferplane_worker_kv_tier_saved_blocks_total{{{labels}}} 10.0' in text
+    assert f'inferplane_worker_kv_tier_misses_total{{{labels}}} 0.0' in text

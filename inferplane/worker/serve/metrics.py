@@ -32,6 +32,11 @@ _COUNTER_STATS = {
     "fair_share_preemptions": m.WORKER_FAIR_SHARE_PREEMPTIONS,
     "lora_loads_total": m.WORKER_LORA_LOADS,
     "lora_evictions_total": m.WORKER_LORA_EVICTIONS,
+    "kv_tier_misses_total": m.WORKER_KV_TIER_MISSES,
+    "kv_tier_rejected_total": m.WORKER_KV_TIER_REJECTED,
+    "kv_tier_prefetched_total": m.WORKER_KV_TIER_PREFETCHED,
+    "kv_tier_saved_blocks_total": m.WORKER_KV_TIER_SAVED,
+    "kv_tier_loaded_blocks_total": m.WORKER_KV_TIER_LOADED,
 }
 _GAUGE_STATS = {
     "num_running": m.WORKER_RUNNING,
@@ -46,10 +51,15 @@ _GAUGE_STATS = {
     "lora_slots_loaded": m.WORKER_LORA_SLOTS_LOADED,
     "lora_waiting": m.WORKER_LORA_WAITING,
 }
-# Per-adapter stats ("<prefix><adapter name>"): (metric, help, counter?)
-_ADAPTER_STATS = {
-    "lora_requests:": (m.WORKER_LORA_REQUESTS, "requests per LoRA adapter", True),
-    "lora_loaded:": (m.WORKER_LORA_LOADED, "1 for each LoRA adapter in a slot now", False),
+# Stats with one label ("<prefix><label value>"): (metric, help, counter?, label)
+_LABELLED_STATS = {
+    "lora_requests:": (m.WORKER_LORA_REQUESTS, "requests per LoRA adapter", True, "adapter"),
+    "lora_loaded:": (m.WORKER_LORA_LOADED, "1 for each LoRA adapter in a slot now", False, "adapter"),
+    "kv_tier_blocks:": (m.WORKER_KV_TIER_BLOCKS, "KV blocks each tier holds", False, "tier"),
+    "kv_tier_bytes:": (m.WORKER_KV_TIER_BYTES, "bytes each KV tier holds", False, "tier"),
+    "kv_tier_hits_total:": (m.WORKER_KV_TIER_HITS, "KV blocks read from each tier", True, "tier"),
+    "kv_tier_stored_total:": (m.WORKER_KV_TIER_STORED, "KV blocks written to each tier", True, "tier"),
+    "kv_tier_evicted_total:": (m.WORKER_KV_TIER_EVICTED, "KV blocks each tier dropped for room", True, "tier"),
 }
 
 
@@ -78,13 +88,13 @@ class _EngineStatsCollector:
             for kernel, isa in kernels:
                 family.add_metric([*values, kernel, isa], 1.0)
             yield family
-        for prefix, (metric, text, counter) in _ADAPTER_STATS.items():
+        for prefix, (metric, text, counter, label) in _LABELLED_STATS.items():
             found = [(key[len(prefix):], value) for key, value in stats.items() if key.startswith(prefix)]
             if found:
                 family = (CounterMetricFamily if counter else GaugeMetricFamily)(metric, text,
-                                                                                labels=[*names, "adapter"])
-                for adapter, value in found:
-                    family.add_metric([*values, adapter], float(value))
+                                                                                labels=[*names, label])
+                for label_value, value in found:
+                    family.add_metric([*values, label_value], float(value))
                 yield family
         queues = [(key.split(":", 3)[1:], value) for key, value in stats.items() if key.startswith(QUEUE_STAT_PREFIX)]
         if queues:
