@@ -121,11 +121,12 @@ class Footprint:
     workspace: int
     startup: int  # held at the start-up peak beyond `runtime` (before the KV pool exists)
     mapped: int  # file pages among the above (libraries, the model file)
+    kv_offload: int = 0  # the KV tiers' host memory (memory tier, disk read-ahead), full while serving
 
     @property
     def served(self) -> int:
         """Resident while serving (the pool is zeroed when allocated, so it is resident at once)."""
-        return self.runtime + self.weights + self.kv_cache + self.workspace
+        return self.runtime + self.weights + self.kv_cache + self.workspace + self.kv_offload
 
     @property
     def peak(self) -> int:
@@ -147,7 +148,7 @@ class Footprint:
 
     def describe(self) -> str:
         parts = (("runtime", self.runtime), ("weights", self.weights), ("KV pool", self.kv_cache),
-                 ("workspace", self.workspace))
+                 ("workspace", self.workspace), *((("KV tiers", self.kv_offload),) if self.kv_offload else ()))
         served = " + ".join(f"{name} {mib(value)}" for name, value in parts)
         return (f"needs {mib(self.needed)} (start-up {mib(self.needed_at_start)}, serving "
                 f"{mib(self.needed_serving)}; resident with the {mib(self.mapped)} of mapped files: serving "
@@ -172,9 +173,10 @@ def one_sequence_kv_bytes(sizes: ModelSizes, *, kv_dtype_bytes: int, max_model_l
 
 
 def estimate(sizes: ModelSizes, *, int8: bool, kv_cache: int, max_num_seqs: int, max_num_batched_tokens: int,
-             quantize_head: bool = True) -> Footprint:
+             quantize_head: bool = True, kv_offload: int = 0) -> Footprint:
     """The footprint of a CPU worker serving a model of `sizes`: cpu-int8 (`int8`) or a dense
-    runtime in float32, with a KV pool of `kv_cache` bytes (kv_pool_bytes)."""
+    runtime in float32, with a KV pool of `kv_cache` bytes (kv_pool_bytes) and `kv_offload` bytes
+    of KV tiers in host memory."""
     vocab_bytes = sizes.vocab_size * VOCAB_OVERHEAD_BYTES
     workspace = (max_num_batched_tokens * (4 * sizes.hidden_size + 2 * sizes.widest) * 4
                  + max_num_seqs * sizes.vocab_size * 4 * 2 + vocab_bytes)
@@ -189,4 +191,4 @@ def estimate(sizes: ModelSizes, *, int8: bool, kv_cache: int, max_num_seqs: int,
         startup = (float_model + sizes.file_bytes + 4 * max(sizes.head, sizes.embedding) + vocab_bytes
                    + CONVERSION_EXTRA_BYTES)
     return Footprint(runtime=RUNTIME_BYTES, weights=weights, kv_cache=kv_cache, workspace=workspace, startup=startup,
-                     mapped=RUNTIME_MAPPED_BYTES + sizes.file_bytes)
+                     mapped=RUNTIME_MAPPED_BYTES + sizes.file_bytes, kv_offload=kv_offload)

@@ -186,3 +186,31 @@ def test_the_start_up_gate_keeps_hidden_states_not_logits(tiny_llama) -> None:
     assert scored.tokens == expected.tokens and scored.top1_agreement == 1.0
     assert abs(scored.ppl_float32 - expected.ppl_float32) <= 1e-4 * expected.ppl_float32
     assert abs(scored.kl_mean) < 1e-6
+
+
+def test_the_kv_tiers_host_memory_counts_in_the_footprint() -> None:
+    """A memory tier is full while serving, as the pool is; a disk tier alone holds its read-ahead."""
+    from inferplane.worker.engine.kv.tiers.store import STAGED_BYTES
+
+    sizes = ModelSizes(vocab_size=49152, hidden_size=576, widest=1536, embedding=28_311_552, head=28_311_552,
+                       tied=True, linear=100_000_000, norms=35_136, file_bytes=100 << 20, kv_bytes_per_token=11_520)
+    base = dict(int8=True, kv_cache=64 * MiB, max_num_seqs=16, max_num_batched_tokens=2048)
+    plain, tiered = estimate(sizes, **base), estimate(sizes, **base, kv_offload=GiB)
+    assert tiered.served - plain.served == GiB and tiered.needed_serving - plain.needed_serving == GiB
+    assert "KV tiers" in tiered.describe() and "KV tiers" not in plain.describe()
+    assert STAGED_BYTES <= 64 * MiB
+
+
+def test_a_plan_gives_the_kv_tiers_memory_before_the_pool(tmp_path: Path) -> None:
+    """Under a limit, the memory tier is taken first: the KV pool shrinks by what the tier holds."""
+    from inferplane.worker.engine.kv.tiers.store import STAGED_BYTES
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"\0" * 1024)
+    args = dict(model_path=str(model), device_type="cpu", max_model_len=8192)
+    limit = plan(SMOLLM2, options(), limit=None, **args).footprint.needed
+    assert plan(SMOLLM2, options(), limit=limit, **args).kv_cache_memory is None
+    tiered = plan(SMOLLM2, options(kv_offload_memory="256MiB"), limit=limit, **args)
+    assert tiered.kv_cache_memory == GiB - 256 * MiB and tiered.footprint.kv_offload == 256 * MiB
+    disk_only = plan(SMOLLM2, options(kv_offload_disk="8GiB", kv_offload_dir=str(tmp_path)), limit=limit, **args)
+    assert disk_only.kv_cache_memory == GiB - STAGED_BYTES  # the disk's pages are the kernel's to reclaim

@@ -37,6 +37,7 @@ from inferplane.api.footprint import (
     one_sequence_kv_bytes,
 )
 from inferplane.api.quantities import parse_bytes
+from inferplane.worker.engine.kv.tiers.store import STAGED_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +120,13 @@ def plan(config, options, *, model_path: str, device_type: str, max_model_len: i
     shape = dict(kv_dtype_bytes=kv_dtype_bytes, max_model_len=max_model_len, block_size=options.block_size)
     kv = kv_pool_bytes(sizes, kv_cache_memory=asked, max_num_seqs=options.max_num_seqs, **shape)
 
+    tier_memory, tier_disk = options.offload_sizes()
+    offload = tier_memory or (STAGED_BYTES if tier_disk else 0)  # the memory tier, or the disk's read-ahead
+
     def footprint(kv_bytes: int) -> Footprint:
         return estimate(sizes, int8=options.runtime == "cpu-int8", kv_cache=kv_bytes,
                         max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
-                        quantize_head=options.quantize_head is not False)
+                        quantize_head=options.quantize_head is not False, kv_offload=offload)
 
     full = footprint(kv)
     if limit is None or full.needed <= limit:

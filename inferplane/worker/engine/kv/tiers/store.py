@@ -24,7 +24,9 @@ from inferplane.worker.engine.kv.tiers.layout import KVLayout
 from inferplane.worker.engine.kv.tiers.memory_tier import MemoryTier
 from inferplane.worker.engine.kv.tiers.record import Miss, Part, decode, encode
 
-STAGED_RECORDS = 1024
+# What a disk tier without a memory tier above it holds of prefetched records at most (the oldest
+# go first; they are still on disk); the worker's memory footprint counts it (api/footprint.py).
+STAGED_BYTES = 64 << 20
 
 
 def open_tiers(layout: KVLayout, *, memory_bytes: int = 0, disk_root: str | os.PathLike[str] | None = None,
@@ -63,9 +65,10 @@ class TieredKVStore:
         self.disk = disk
         self.counters = TierCounters()
         self._lock = threading.Lock()
-        # Prefetched without a memory tier, until their `get`; the oldest go first past STAGED_RECORDS
+        # Prefetched without a memory tier, until their `get`; the oldest go first past STAGED_BYTES
         # (an aborted request's): they are still on disk, only the read ahead is lost.
         self._staged: OrderedDict[bytes, bytes] = OrderedDict()
+        self._staged_bytes = 0
 
     def put(self, key: bytes, payload: bytes | memoryview, part: Part = Part.MAIN) -> None:
         """Stores one block's payload (its KV bytes in the layout's shape) under `key`."""
@@ -121,8 +124,9 @@ class TieredKVStore:
                 self.counters.prefetched += 1
                 if self.memory is None:
                     self._staged[name] = record
-                    while len(self._staged) > STAGED_RECORDS:
-                        self._staged.popitem(last=False)
+                    self._staged_bytes += len(record)
+                    while self._staged_bytes > STAGED_BYTES:
+                        self._staged_bytes -= len(self._staged.popitem(last=False)[1])
                 else:
                     for spilled_name, spilled_record in self.memory.put(name, record):
                         if spilled_name != name:
@@ -136,6 +140,7 @@ class TieredKVStore:
         with self._lock:
             staged = self._staged.pop(name, None)
             if staged is not None:
+                self._staged_bytes -= len(staged)
                 payload = decode(self.layout, key, staged, part)
                 if not isinstance(payload, Miss):
                     self.counters.hits["prefetched"] += 1
