@@ -25,6 +25,7 @@ from pydantic_core import PydanticCustomError
 from inferplane.api.architectures import ModelKind
 from inferplane.api.priority import Band
 from inferplane.api.quantities import (
+    BYTES_PATTERN,
     KV_CACHE_MEMORY_PATTERN,
     kv_cache_fraction,
     parse_bytes,
@@ -57,6 +58,7 @@ PATTERN_HINTS = {
     CPU_PATTERN: "is not a CPU quantity (like 2, 0.5 or 500m)",
     MEMORY_PATTERN: "is not a memory quantity (like 8Gi or 512Mi)",
     KV_CACHE_MEMORY_PATTERN: "must be a byte size like 2GiB or a fraction of free GPU memory like 0.9",
+    BYTES_PATTERN: "must be a byte size like 2GiB or 512Mi",
 }
 
 
@@ -172,6 +174,15 @@ class EngineConfig(Section):
         "or LoRA adapter; stop strings only alone) and none waits to be admitted; tokens stream in bursts "
         "of up to this many, and a request arriving meanwhile waits at most that many steps. 1: one step "
         "per scheduling round. Unset: the runtime's preset (8 on cpu-int8)."))
+    kv_offload_memory: number_as_text(Field(pattern=BYTES_PATTERN, description=(
+        "KV tiers, host memory: KV blocks that leave the pool are kept here (least recently used out) "
+        "and read back instead of computed again when their conversation returns. Counted in the "
+        "worker's memory (resources.memory) before the KV pool. Needs the radix KV manager (runtime "
+        "radix or cpu-int8; auto picks one)."))) | None = None
+    kv_offload_disk: number_as_text(Field(pattern=BYTES_PATTERN, description=(
+        "KV tiers, disk: below the memory tier, in a volume the operator mounts (an emptyDir of this "
+        "size, requested as ephemeral storage); it outlives a crashed worker process, and a new worker "
+        "of the same model and settings reads what it finds there. Needs the radix KV manager."))) | None = None
     enforce_eager: bool = Field(False, description=(
         "GPU only. Run decode steps kernel by kernel instead of replaying CUDA graphs (one captured "
         "per batch-size bucket up to maxNumSeqs); the graphs' memory is counted before the KV pool "
@@ -411,6 +422,15 @@ RULES: tuple[Rule, ...] = (
          lambda s: not (_is_embedding(s) and (s.workload.multi_turn or s.workload.shared_prefix or s.workload.agent)),
          cel="self.kind != 'embedding' || !(self.workload.multiTurn || self.workload.sharedPrefix || "
              "self.workload.agent)"),
+    # KV tiers keep blocks the radix manager lets go; paged keeps none, and an embedding model no KV.
+    Rule("", "engine.kvOffloadMemory", "engine.kvOffloadMemory needs the radix KV manager: runtime radix, "
+         "cpu-int8 or auto (an embedding model keeps no KV)",
+         lambda s: s.engine.kv_offload_memory is None or (s.runtime != "paged" and not _is_embedding(s)),
+         cel="!has(self.engine.kvOffloadMemory) || (self.runtime != 'paged' && self.kind != 'embedding')"),
+    Rule("", "engine.kvOffloadDisk", "engine.kvOffloadDisk needs the radix KV manager: runtime radix, "
+         "cpu-int8 or auto (an embedding model keeps no KV)",
+         lambda s: s.engine.kv_offload_disk is None or (s.runtime != "paged" and not _is_embedding(s)),
+         cel="!has(self.engine.kvOffloadDisk) || (self.runtime != 'paged' && self.kind != 'embedding')"),
     Rule("", "engine.enforceEager", "engine.enforceEager turns off CUDA graphs: it needs a GPU (resources.gpus > 0)",
          lambda s: not (s.engine.enforce_eager and s.resources.gpus == 0),
          cel="!(self.engine.enforceEager && self.resources.gpus == 0)"),

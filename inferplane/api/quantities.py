@@ -21,6 +21,10 @@ KV_CACHE_MEMORY_PATTERN = (
 )
 
 
+# parse_bytes' grammar as a JSON-schema pattern (sizes that are bytes only: the KV tiers').
+BYTES_PATTERN = r"^[0-9]+(\.[0-9]+)?\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB|Ki|Mi|Gi|Ti|K|M|G|T)?$"
+
+
 def parse_quantity(text: str | int | float) -> Decimal:
     """A Kubernetes resource quantity ("2", "500m", "8Gi") as a number of base units."""
     if isinstance(text, int | float):

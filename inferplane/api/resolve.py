@@ -123,6 +123,8 @@ def _choose_runtime(spec: InferenceDeploymentSpec) -> tuple[str, str]:
                              ("agent", hints.agent)) if on]
     if named:
         return "radix", f"auto: workload hints {', '.join(named)} reuse prefixes, so the radix cache"
+    if spec.engine.kv_offload_memory is not None or spec.engine.kv_offload_disk is not None:
+        return "radix", "auto: KV tiers (engine.kvOffload*) keep the blocks the radix cache lets go"
     return "paged", "auto: GPU without prefix-sharing hints, so paged KV for high concurrency"
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from inferplane.api.deployment import API_VERSION, KIND, InferenceDeploymentSpec
 from inferplane.api.model_resolution import ResolvedAdapter, ResolvedModel
+from inferplane.api.quantities import parse_bytes
 from inferplane.api.resolve import ResolvedDeployment, resolve
 from inferplane.monitoring.deployment_rules import DeploymentScope, deployment_groups
 from inferplane.monitoring.rules import rule_file
@@ -27,6 +28,7 @@ GRPC_PORT = 50051
 METRICS_PORT = 9090
 DEFAULT_IMAGE = "ghcr.io/inferplane/inferplane:0.1.0"
 PRE_STOP_SECONDS = 5  # lets endpoints drop a terminating pod before it starts refusing work
+KV_TIER_DIR = "/var/cache/inferplane/kv"  # where a worker's KV disk tier is mounted (engine.kvOffloadDisk)
 
 # Labels: selectors use only LABEL_DEPLOYMENT, which never changes, so a Deployment's immutable
 # selector survives every spec change; the others describe the pods for the gateway and humans.
@@ -83,10 +85,13 @@ def worker_invocation(
     metrics_port: int = METRICS_PORT,
     model_argument: str | None = None,
     adapters: Sequence[ResolvedAdapter] = (),
+    kv_tier_dir: str = KV_TIER_DIR,
 ) -> WorkerInvocation:
     """The worker's command line and environment for one replica of `name`; `model_argument` is
     what --model says (default: as `model_pod.plan` says without a registry); `adapters` are the
-    spec's `adapters` as the registry resolved them (loaded before the worker serves)."""
+    spec's `adapters` as the registry resolved them (loaded before the worker serves);
+    `kv_tier_dir` where its KV disk tier lives, if it has one (a volume in a cluster, a folder of
+    the home under `inferplane up`)."""
     resolved = resolved or resolve(spec)
     args = [
         "--model", model_argument or model_pod.plan(spec, None, image="").argument,
@@ -97,6 +102,7 @@ def worker_invocation(
         "--served-model-name", spec.served_model_name(name),
         "--drain-grace-seconds", str(spec.drain_grace_seconds),
         *(arg for adapter in adapters for arg in ("--preload-adapter", adapter.worker_flag())),
+        *(("--kv-offload-dir", kv_tier_dir) if resolved.engine.get("kv_offload_disk") else ()),
     ]
     env: dict[str, str] = {}
     if resolved.cpu_threads is not None:
@@ -138,6 +144,10 @@ def worker_container(name: str, spec: InferenceDeploymentSpec, *,
     mounts = [*weights.worker_mounts, {"name": "tmp", "mountPath": "/tmp"}]
     if spec.uses_gpu:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    requests = dict(quantities)
+    if spec.engine.kv_offload_disk is not None:
+        mounts.append({"name": "kv-tier", "mountPath": KV_TIER_DIR})
+        requests["ephemeral-storage"] = kv_tier_quantity(spec)  # the scheduler places it where the disk is
     # The worker answers NOT_SERVING while it drains; liveness must not kill it during that drain.
     liveness_failures = max(3, math.ceil((spec.drain_grace_seconds + PRE_STOP_SECONDS) / 15) + 2)
     env = [{"name": key, "value": value} for key, value in invocation.env.items()]
@@ -164,7 +174,7 @@ def worker_container(name: str, spec: InferenceDeploymentSpec, *,
         "readinessProbe": _grpc_probe(period=5, failures=2, timeout=3),
         "livenessProbe": _grpc_probe(period=15, failures=liveness_failures),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
-        "resources": {"requests": dict(quantities), "limits": dict(quantities)},
+        "resources": {"requests": requests, "limits": dict(quantities)},
         "volumeMounts": mounts,
         "securityContext": {
             "allowPrivilegeEscalation": False,
@@ -175,9 +185,18 @@ def worker_container(name: str, spec: InferenceDeploymentSpec, *,
     }
 
 
+def kv_tier_quantity(spec: InferenceDeploymentSpec) -> str:
+    """engine.kvOffloadDisk (a byte size like 20GiB) as a Kubernetes quantity, in bytes."""
+    return str(parse_bytes(spec.engine.kv_offload_disk or "0"))
+
+
 def worker_pod_spec(name: str, spec: InferenceDeploymentSpec, *,
                     resolved: ResolvedDeployment, image: str, weights: model_pod.ModelPlan) -> dict[str, Any]:
     volumes = [*weights.volumes, {"name": "tmp", "emptyDir": {}}]
+    if spec.engine.kv_offload_disk is not None:
+        # Per pod: it outlives a worker process that crashed (the container restarts onto it), not
+        # the pod. The tier keeps its files within its size; sizeLimit evicts a pod that would not.
+        volumes.append({"name": "kv-tier", "emptyDir": {"sizeLimit": kv_tier_quantity(spec)}})
     tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
     if spec.uses_gpu:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})

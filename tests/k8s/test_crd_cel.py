@@ -35,6 +35,14 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "engine.quantizeHead is a cpu-int8 option (runtime cpu-int8 or auto)": (
         {"runtime": "auto", "engine": {"quantizeHead": False}},
         {"runtime": "paged", "engine": {"quantizeHead": False}}),
+    "engine.kvOffloadMemory needs the radix KV manager: runtime radix, cpu-int8 or auto (an embedding model "
+    "keeps no KV)": (
+        {"runtime": "radix", "engine": {"kvOffloadMemory": "1GiB"}},
+        {"runtime": "paged", "engine": {"kvOffloadMemory": "1GiB"}}),
+    "engine.kvOffloadDisk needs the radix KV manager: runtime radix, cpu-int8 or auto (an embedding model "
+    "keeps no KV)": (
+        {"runtime": "cpu-int8", "engine": {"kvOffloadDisk": "4GiB"}},
+        {"kind": "embedding", "engine": {"kvOffloadDisk": "4GiB"}}),
     "engine.decodeSteps is a cpu-int8 option (runtime cpu-int8 or auto)": (
         {"runtime": "cpu-int8", "engine": {"decodeSteps": 4}}, {"runtime": "radix", "engine": {"decodeSteps": 4}}),
     "engine.decodeSteps is a generation setting; an embedding model does not decode": (

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from inferplane.local.supervisor import Replica, Supervisor
+from inferplane.api.deployment import InferenceDeploymentSpec
+from inferplane.api.resolve import resolve
+from inferplane.local.supervisor import LocalDeployment, Replica, Supervisor
 
 
 def test_backoff_doubles_while_crashing_and_resets_after_a_healthy_period(tmp_path: Path) -> None:
@@ -17,3 +19,12 @@ def test_backoff_doubles_while_crashing_and_resets_after_a_healthy_period(tmp_pa
     # It then served for ten minutes: the next crash is forgiven its history.
     assert supervisor.restart_delay(replica, 600.0) == 2.0
     assert supervisor.restart_delay(replica, None) == 4.0
+
+
+def test_inferplane_up_keeps_a_deployments_kv_disk_tier_in_its_home(tmp_path: Path) -> None:
+    spec = InferenceDeploymentSpec.from_dict({"model": {"name": "smollm2-135m"}, "runtime": "cpu-int8",
+                                              "engine": {"kvOffloadDisk": "1GiB"}})
+    deployment = LocalDeployment("chat", spec, resolve(spec), "smollm2-135m")
+    command, _ = Supervisor(tmp_path).command(deployment, Replica(0, 1234, 1235, tmp_path / "r.log"))
+    assert command[command.index("--kv-offload-dir") + 1] == str(tmp_path / "kv" / "chat")
+    assert command[command.index("--kv-offload-disk") + 1] == "1GiB"

@@ -9,7 +9,7 @@ import pytest
 
 from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
 from inferplane.api.resolve import resolve
-from inferplane.operator import manifests
+from inferplane.operator import manifests, model_pod
 from tests.operator.conftest import EXAMPLES, load_example
 
 K8S_VERSION = "1.34.0"  # the chart's minimum (Chart.yaml kubeVersion)
@@ -136,6 +136,9 @@ def test_auto_selection(spec: dict, hints: dict, runtime: str) -> None:
     ({"model": {"name": "m"}, "engine": {"quantizeHead": "yes"}}, "engine.quantizeHead", "expected bool"),
     ({"model": {"name": "m"}, "runtime": "paged", "engine": {"decodeSteps": 4}}, "engine.decodeSteps", "cpu-int8"),
     ({"model": {"name": "m"}, "engine": {"decodeSteps": 65}}, "engine.decodeSteps", "64"),
+    ({"model": {"name": "m"}, "runtime": "paged", "engine": {"kvOffloadMemory": "1GiB"}}, "engine.kvOffloadMemory",
+     "radix KV manager"),
+    ({"model": {"name": "m"}, "engine": {"kvOffloadDisk": "lots"}}, "engine.kvOffloadDisk", "byte size"),
     ({"model": {"name": "m"}, "autoscaling": {"panicWindowSeconds": 90}}, "autoscaling.panicWindowSeconds",
      "shorter than"),
     ({"model": {"name": "m"}, "autoscaling": {"idleSeconds": -5}}, "autoscaling.idleSeconds", "at least 0"),
@@ -176,3 +179,31 @@ def test_quantize_head_reaches_the_cpu_int8_worker_only(spec: dict, passed: bool
     parsed = InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, **requant})
     invocation = manifests.worker_invocation("edge", parsed, port=6000, host="127.0.0.1")
     assert ("--requantize-q4" in invocation.args) is (passed or spec == {"runtime": "cpu-int8"})
+
+
+def test_kv_tiers_reach_the_worker_with_their_volume() -> None:
+    """engine.kvOffload*: the worker's flags, and for the disk tier an emptyDir of that size, mounted
+    where --kv-offload-dir says and requested as ephemeral storage; auto on a GPU picks radix."""
+    parsed = InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, "resources": {"gpus": 1},
+                                                "engine": {"kvOffloadMemory": "2GiB", "kvOffloadDisk": "20Gi"}})
+    resolved = resolve(parsed)
+    assert resolved.runtime == "radix" and "KV tiers" in resolved.reason
+    args = manifests.worker_invocation("edge", parsed).args
+    assert args[args.index("--kv-offload-memory") + 1] == "2GiB"
+    assert args[args.index("--kv-offload-disk") + 1] == "20Gi"
+    assert args[args.index("--kv-offload-dir") + 1] == manifests.KV_TIER_DIR
+    pod = manifests.worker_pod_spec("edge", parsed, resolved=resolved, image="img",
+                                    weights=model_pod.plan(parsed, None, image="img"))
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "kv-tier"]
+    assert volume == {"name": "kv-tier", "emptyDir": {"sizeLimit": str(20 * 2**30)}}
+    container = pod["containers"][0]
+    assert {"name": "kv-tier", "mountPath": manifests.KV_TIER_DIR} in container["volumeMounts"]
+    assert container["resources"]["requests"]["ephemeral-storage"] == str(20 * 2**30)
+    assert "ephemeral-storage" not in container["resources"]["limits"]
+    # Without a disk tier: no volume, no directory flag.
+    plain = InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, "engine": {"kvOffloadMemory": "1GiB"}})
+    assert "--kv-offload-dir" not in manifests.worker_invocation("edge", plain).args
+    plain_pod = manifests.worker_pod_spec("edge", plain, resolved=resolve(plain), image="img",
+                                          weights=model_pod.plan(plain, None, image="img"))
+    assert all(v["name"] != "kv-tier" for v in plain_pod["volumes"])
+

@@ -90,10 +90,12 @@ class EngineOptions:
                                                                         "context)")
     kv_manager: str | None = option(None, "cpu-int8 only: the KV manager (default: the preset's, radix)",
                                     choices=("paged", "radix"))
-    kv_offload_memory: str | None = option(None, "radix KV managers: host memory (bytes like 2GiB) for KV blocks "
-                                                 "that leave the pool, read back instead of recomputed; unset: none")
-    kv_offload_disk: str | None = option(None, "radix KV managers: disk space (bytes like 20GiB) below the memory "
-                                               "tier, in --kv-offload-dir; it outlives the worker")
+    kv_offload_memory: str | None = option(
+        spec_default("kv_offload_memory"), "radix KV managers: host memory (bytes like 2GiB) for KV blocks that "
+                                           "leave the pool, read back instead of recomputed; unset: none")
+    kv_offload_disk: str | None = option(
+        spec_default("kv_offload_disk"), "radix KV managers: disk space (bytes like 20GiB) below the memory tier, "
+                                         "in --kv-offload-dir; it outlives the worker")
     kv_offload_dir: str | None = option(None, "the disk tier's directory (a node-local volume in a cluster); "
                                               "blocks of other models or settings there are kept apart")
     skip_quality_gate: bool = option(False, "cpu-int8: serve even if the int8 quality gate fails")
