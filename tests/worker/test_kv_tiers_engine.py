@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from inferplane.worker.engine.kv.radix import RadixKV
 from inferplane.worker.engine.kv.tiers.block_key import chain_keys
 from inferplane.worker.engine.kv.tiers.record import Part
 from inferplane.worker.engine.kv.tiers.store import record_name
-from inferplane.worker.engine.kv.window import WindowBlocks
 from inferplane.worker.engine.options import EngineOptions
 from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.llm import LLM
@@ -95,8 +93,40 @@ def test_bad_offload_options_name_the_option(options, field):
 def test_tiers_are_refused_where_they_cannot_work(tiny_llama):
     with pytest.raises(ValueError, match="radix"):
         LLM(tiny_llama, runtime="paged", block_size=BS, num_kv_blocks=16, kv_offload_memory="1MiB")
-    with pytest.raises(ValueError, match="sliding-window"):
-        RadixKV(16, BS, WindowBlocks(16, BS, 8), tiers=object())  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> str:
+    """test_architectures' Gemma 3: layers sliding (window 16), full, sliding."""
+    from tests.worker.test_architectures import save_family
+
+    return save_family(tmp_path_factory.mktemp("gemma3-tiers"), "gemma3_text", seed=3)
+
+
+def test_sliding_window_layers_read_their_last_window_back_too(gemma3, tmp_path):
+    """Gemma 3: the full layers' blocks and the sliding layers' last window come back from memory and
+    from a disk an earlier worker left, and the tokens are transformers' (blocks of 8, window 16)."""
+    from tests.worker.conftest import hf_greedy
+    from tests.worker.test_architectures import VOCAB
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    history, *others = prompts_of_lengths([100, 100, 100], VOCAB, seed=45)
+    expected = hf_greedy(gemma3, [history], 12)[0]
+    options = dict(device="cpu", dtype="float32", block_size=8, num_kv_blocks=30, max_num_seqs=1)
+    disk = {"kv_offload_disk": "64MiB", "kv_offload_dir": str(tmp_path)}
+    llm = LLM(gemma3, runtime="radix", kv_offload_memory="64MiB", **options, **disk)
+    assert llm.generate(history, params)[0].token_ids == expected
+    llm.generate(others, params)  # the history's blocks leave the pool
+    back = llm.generate(history, params)[0]
+    assert back.num_cached_tokens == 96 and back.token_ids == expected
+    stats = llm.stats()
+    assert stats["evicted_blocks"] > 0 and stats["kv_tier_loaded_blocks_total"] > 0
+    # the full layers' blocks the tree had lost, and the sliding layers' last window (blocks 10, 11)
+    assert stats["kv_tier_hits_total:memory"] == stats["kv_tier_loaded_blocks_total"] + 2
+
+    later = LLM(gemma3, runtime="radix", **options, **disk)
+    again = later.generate(history, params)[0]
+    assert again.num_cached_tokens == 96 and again.token_ids == expected
 
 
 @pytest.mark.slow

@@ -48,6 +48,6 @@ def test_a_workers_kv_tiers_are_exported_per_tier(tiny_llama, tmp_path):
     labels = 'model="m",runtime="radix"'
     assert f'inferplane_worker_kv_tier_blocks{{{labels},tier="memory"}} 10.0' in text
     assert f'inferplane_worker_kv_tier_stored_total{{{labels},tier="memory"}} 10.0' in text
-    assert f'inferplane_worker_kv_tier_blocks{{{labels},tier="disk"}} 0.0' in text
+    assert f'inferplane_worker_kv_tier_blocks{{{labels},tier="disk"}} 10.0' in text  # written through
     assert f'inferplane_worker_kv_tier_saved_blocks_total{{{labels}}} 10.0' in text
     assert f'inferplane_worker_kv_tier_misses_total{{{labels}}} 0.0' in text

@@ -34,8 +34,6 @@ class RadixKV(KVManager):
     def __init__(self, num_blocks: int, block_size: int, windows: WindowBlocks | None = None,
                  tiers: TierLink | None = None):
         super().__init__(num_blocks, block_size, windows)
-        if tiers is not None and windows is not None:
-            raise ValueError("kv_offload: KV tiers do not hold sliding-window layers yet (this model has them)")
         self.tree = RadixTree(self.pool, windows.pool if windows is not None else None)
         # Below the tree, the tiers (kv/tiers/): every full block is saved as it joins the tree, and
         # a prefix the tree lacks is looked for there before it is computed again.
@@ -199,7 +197,8 @@ class RadixKV(KVManager):
         if self.tiers is not None:
             chain = self._chain(seq, full)
             for i in range(depth, full):
-                self.tiers.save(chain[i], held[i - depth])
+                window = held_windows[i - depth] if self.windows is not None else NULL_BLOCK
+                self.tiers.save(chain[i], held[i - depth], window if window != NULL_BLOCK else None)
         for i, block in enumerate(held, start=depth):
             own = seq.block_table[i]
             if own != block:
@@ -228,26 +227,74 @@ class RadixKV(KVManager):
     def _load_from_tiers(self, seq: Sequence, keys: list[BlockKey]) -> None:
         """Reads into the tree the blocks after its cached prefix of `keys` that the tiers hold (in a
         row, as far as free and evictable blocks allow), so that the match that follows finds them.
-        The path already matched is locked meanwhile, so making room never evicts it."""
+        With sliding-window layers a prefix is read only as deep as its last window's blocks can be
+        had too (from the tree or the tiers), as a match uses it. The path already matched is
+        locked meanwhile, so making room never evicts it."""
         namespace = self.namespace(seq)
-        node, blocks, _ = self.tree.match(namespace, keys)
+        node, blocks, windows = self.tree.match(namespace, keys)
         start = len(blocks)
         chain = self._chain(seq, len(keys))
-        if self.tiers.held_run(chain, start) == 0:
+        run = self.tiers.held_run(chain, start)
+        if run == 0:
             return
         self.tree.lock(node)
         try:
-            run = min(self.tiers.held_run(chain, start), self.pool.num_free + self.tree.evictable_blocks)
-            self._reserve(run, 0)
-            fresh = self.pool.allocate(run)
+            run = min(run, self.pool.num_free + self.tree.evictable_blocks)
+            depth, window_positions = self._tier_depth(chain, windows, start, start + run)
+            if depth <= start:
+                return
+            self._reserve(depth - start, len(window_positions))
+            if self.windows is not None:  # making room may have dropped window blocks the path kept
+                windows = self.tree.match(namespace, keys[:start])[2]
+            if self.pool.num_free < depth - start or (
+                    self.windows is not None and self.windows.pool.num_free < len(window_positions)):
+                return
+            fresh = self.pool.allocate(depth - start)
+            fresh_windows = self.windows.pool.allocate(len(window_positions)) if window_positions else []
             loaded = 0
-            for key, block in zip(chain[start:], fresh, strict=False):
+            for key, block in zip(chain[start:depth], fresh, strict=True):
                 if not self.tiers.load(key, block):
                     break
                 loaded += 1
-            if loaded:
-                self.tree.insert(namespace, node, keys[:start + loaded], [*blocks, *fresh[:loaded]])
+            end = start + loaded
+            table = None
+            if self.windows is not None:  # a window part that fails its checks cuts the depth too
+                got = {p: b for p, b in zip(window_positions, fresh_windows, strict=True)
+                       if p < end and self.tiers.load(chain[p], b, window=True)}
+                end = self._deepest_with_windows(windows, got, start, end)
+                table = [*windows, *[NULL_BLOCK] * (end - start)]
+                for position, block in got.items():
+                    if position < end:
+                        table[position] = block
+            if end > start:
+                self.tree.insert(namespace, None, keys[:end], [*blocks, *fresh[:end - start]], table)
             for block in fresh:  # the tree holds what it adopted; the rest goes back to the pool
                 self.pool.release(block)
+            for block in fresh_windows:
+                self.windows.pool.release(block)
         finally:
             self.tree.unlock(node)
+
+    def _tier_depth(self, chain: list[bytes], windows: list[int], start: int, end: int) -> tuple[int, list[int]]:
+        """The deepest block count d in (start, end] whose last window's blocks the tree or the
+        tiers hold, and the positions whose window parts must come from the tiers for it; (start, [])
+        where none qualifies. Without sliding layers: (end, [])."""
+        if self.windows is None:
+            return end, []
+        bs, window = self.block_size, self.windows.window
+        for depth in range(end, start, -1):
+            needed = range(first_kept_block(depth * bs, window, bs), depth)
+            from_tiers = [p for p in needed if p >= start or windows[p] == NULL_BLOCK]
+            if all(self.tiers.holds_window(chain[p]) for p in from_tiers):
+                return depth, from_tiers
+        return start, []
+
+    def _deepest_with_windows(self, windows: list[int], got: dict[int, int], start: int, end: int) -> int:
+        """The deepest block count in (start, end] whose last window's blocks are all there (kept by
+        the tree, or just read from the tiers: `got`); `start` where none is."""
+        bs, window = self.block_size, self.windows.window
+        for depth in range(end, start, -1):
+            if all(p in got or (p < start and windows[p] != NULL_BLOCK)
+                   for p in range(first_kept_block(depth * bs, window, bs), depth)):
+                return depth
+        return start

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from inferplane.worker.engine.kv.tiers.block_key import chain_keys
+from inferplane.worker.engine.kv.tiers.record import Part
 from inferplane.worker.engine.kv.tiers.store import TieredKVStore
 from inferplane.worker.ops.kv_cache import PagedKVCache
 
@@ -21,13 +22,15 @@ class TierLink:
         self.saved_blocks = 0
         self.loaded_blocks = 0
 
-    def save(self, key: bytes, block: int) -> None:
-        """Stores pool block `block` (full, computed, no longer written) under `key`, unless a tier
-        holds that key already: the same key is the same tokens under the same namespace."""
-        if self.store.where(key) is not None:
-            return
-        self.store.put(key, self.cache.block_payload(block))
-        self.saved_blocks += 1
+    def save(self, key: bytes, block: int, window_block: int | None = None) -> None:
+        """Stores pool block `block` (full, computed, no longer written) under `key`, and the sliding
+        layers' block `window_block` beside it where the sequence still holds one; a part some tier
+        holds already is skipped: the same key is the same tokens under the same namespace."""
+        if self.store.where(key) is None:
+            self.store.put(key, self.cache.block_payload(block))
+            self.saved_blocks += 1
+        if window_block is not None and self.store.where(key, Part.WINDOW) is None:
+            self.store.put(key, self.cache.block_payload(window_block, window=True), Part.WINDOW)
 
     def held_run(self, keys: Sequence[bytes], start: int) -> int:
         """How many of `keys[start:]`, in a row from `start`, some tier holds."""
@@ -38,14 +41,17 @@ class TierLink:
             run += 1
         return run
 
-    def load(self, key: bytes, block: int) -> bool:
-        """Block `key`'s KV into pool block `block`; False (the block untouched) on a miss or a
-        record that fails its checks."""
-        payload = self.store.get(key)
+    def holds_window(self, key: bytes) -> bool:
+        return self.store.where(key, Part.WINDOW) is not None
+
+    def load(self, key: bytes, block: int, window: bool = False) -> bool:
+        """Block `key`'s KV (its sliding layers' part, with `window`) into pool block `block`; False
+        (the block untouched) on a miss or a record that fails its checks."""
+        payload = self.store.get(key, Part.WINDOW if window else Part.MAIN)
         if payload is None:
             return False
-        self.cache.load_block(block, payload)
-        self.loaded_blocks += 1
+        self.cache.load_block(block, payload, window)
+        self.loaded_blocks += not window
         return True
 
     def prefetch(self, namespace: str, prompt: Sequence[int], block_size: int) -> int:

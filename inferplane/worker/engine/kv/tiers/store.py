@@ -1,7 +1,7 @@
 """The tiers in order: host memory, then disk.
 
-A block leaving the pool is `put` into memory; what memory evicts spills to disk; what the disk
-evicts is gone. `get` looks in memory, then on disk, and moves a disk hit back to memory (a block
+A block is `put` into memory and written through to disk; what memory evicts and the disk lacks
+(its own eviction dropped it) spills there again; what the disk evicts is gone. `get` looks in memory, then on disk, and moves a disk hit back to memory (a block
 just read is the likeliest to be read again: the next turn of the same conversation). Every read is
 checked against the layout and the block's key (record.py); a record that fails is removed from
 its tier and counted as a miss, with its reason.
@@ -71,20 +71,23 @@ class TieredKVStore:
         self._staged_bytes = 0
 
     def put(self, key: bytes, payload: bytes | memoryview, part: Part = Part.MAIN) -> None:
-        """Stores one block's payload (its KV bytes in the layout's shape) under `key`."""
+        """Stores one block's payload (its KV bytes in the layout's shape) under `key`: in memory,
+        and on disk too (written through, so that the disk holds every block a worker computed when
+        it stops or crashes, not only what memory had evicted)."""
         record = encode(self.layout, key, payload, part)
         name = record_name(key, part)
         with self._lock:
+            spilled = [(name, record)]
             if self.memory is not None:
                 self.counters.stored[self.memory.name] += 1
                 spilled = self.memory.put(name, record)
                 self.counters.evicted[self.memory.name] += sum(n != name for n, _ in spilled)
-            else:
-                spilled = [(name, record)]
+                spilled.append((name, record))
             if self.disk is not None:
                 for spilled_name, spilled_record in spilled:
-                    self.counters.stored[self.disk.name] += 1
-                    self.counters.evicted[self.disk.name] += len(self.disk.put(spilled_name, spilled_record))
+                    if spilled_name not in self.disk:
+                        self.counters.stored[self.disk.name] += 1
+                        self.counters.evicted[self.disk.name] += len(self.disk.put(spilled_name, spilled_record))
 
     def where(self, key: bytes, part: Part = Part.MAIN) -> str | None:
         """The tier that holds the block (unchecked: a later `get` may still reject it), or None."""
