@@ -1,13 +1,15 @@
 """The tiers in order: host memory, then disk.
 
 A block is `put` into memory and written through to disk; what memory evicts and the disk lacks
-(its own eviction dropped it) spills there again; what the disk evicts is gone. `get` looks in memory, then on disk, and moves a disk hit back to memory (a block
-just read is the likeliest to be read again: the next turn of the same conversation). Every read is
-checked against the layout and the block's key (record.py); a record that fails is removed from
-its tier and counted as a miss, with its reason.
+(its own eviction dropped it) spills there again; what the disk evicts is gone. `get` looks in
+memory, then on disk, and moves a disk hit back to memory (a block just read is the likeliest to
+be read again: the next turn of the same conversation). Every read is checked against the layout
+and the block's key (record.py); a record that fails is removed from its tier and counted as a
+miss, with its reason.
 
-One lock guards both tiers: blocks are put from the engine's thread and read from a loader
-thread, so that a sequence waiting for its KV never holds up the step.
+One lock guards both tiers: blocks are put from the engine's thread and read ahead from the
+serving side's prepare pool (`prefetch`, whose file reads run outside the lock), so that a
+sequence waiting for its KV never holds up the step.
 """
 
 from __future__ import annotations
