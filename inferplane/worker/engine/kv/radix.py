@@ -233,6 +233,8 @@ class RadixKV(KVManager):
         namespace = self.namespace(seq)
         node, blocks, windows = self.tree.match(namespace, keys)
         start = len(blocks)
+        if start == len(keys):
+            return  # the tree holds the whole prefix
         chain = self._chain(seq, len(keys))
         run = self.tiers.held_run(chain, start)
         if run == 0:
