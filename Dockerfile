@@ -30,7 +30,7 @@ RUN python3 -m venv /opt/inferplane \
 COPY pyproject.toml /tmp/inferplane-src/
 COPY README.md /tmp/inferplane-src/
 COPY inferplane /tmp/inferplane-src/inferplane
-RUN /opt/inferplane/bin/python -m pip install 'numpy>=1.26' 'google-re2>=1.1' 'gguf>=0.17' \
+RUN /opt/inferplane/bin/python -m pip install 'numpy>=1.26' 'xxhash>=3.4' 'google-re2>=1.1' 'gguf>=0.17' \
       'safetensors>=0.4' 'tokenizers>=0.20' 'jinja2>=3.1' 'grpcio>=1.85.1' \
       'grpcio-health-checking>=1.85' 'grpcio-reflection>=1.85' 'protobuf>=7.35.1' \
       'prometheus-client>=0.20' 'pyyaml>=6' 'pydantic>=2.7' 'fastapi>=0.115' \
