@@ -94,21 +94,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="one JSON line per context instead of the table")
     args = parser.parse_args(argv)
-    rows = [measure(args.model, args.runtime, int(c), args.repeats) for c in args.contexts.split(",")]
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
-        return
-    print(f"returning conversation, time to first token: {args.model} on {args.runtime}, "
-          f"best of {args.repeats}, {torch.get_num_threads()} threads")
-    print(f"{'context':>8} {'recompute s':>12} {'memory s':>9} {'ratio':>7} {'disk (restart) s':>17} {'ratio':>7}")
-    for row in rows:
+    if not args.json:
+        print(f"returning conversation, time to first token: {args.model} on {args.runtime}, "
+              f"best of {args.repeats}, {torch.get_num_threads()} threads")
+        print(f"{'context':>8} {'recompute s':>12} {'memory s':>9} {'ratio':>7} {'disk (restart) s':>17} {'ratio':>7}",
+              flush=True)
+    for context in args.contexts.split(","):
+        row = measure(args.model, args.runtime, int(context), args.repeats)
+        if args.json:
+            print(json.dumps(row), flush=True)
+            continue
         t = row["ttft_s"]
         print(f"{row['context']:>8} {t['recompute']:>12.3f} {t['memory']:>9.3f} {row['memory_vs_recompute']:>7.3f} "
-              f"{t['disk_restarted']:>17.3f} {row['disk_vs_recompute']:>7.3f}")
+              f"{t['disk_restarted']:>17.3f} {row['disk_vs_recompute']:>7.3f}", flush=True)
         if row["context"] >= 8000:
             met = max(row["memory_vs_recompute"], row["disk_vs_recompute"]) <= 0.1
-            print(f"  goal at 8k: <= 0.1x of recompute: {'met' if met else 'MISSED'}")
+            print(f"  goal at 8k: <= 0.1x of recompute: {'met' if met else 'MISSED'}", flush=True)
 
 
 if __name__ == "__main__":
