@@ -123,7 +123,7 @@ class Supervisor:
         invocation = worker_invocation(deployment.name, deployment.spec, resolved=deployment.resolved,
                                        host="127.0.0.1", port=replica.port, metrics_port=replica.metrics_port,
                                        model_argument=deployment.model_arg, adapters=deployment.adapters,
-                                       kv_tier_dir=str(self.home / "kv" / deployment.name))
+                                       kv_tier_dir=str(self.home / "kv" / deployment.name / str(replica.index)))
         args = list(invocation.args)
         # `inferplane worker` as this interpreter runs it, so the process uses the same environment.
         command = [sys.executable, "-m", "inferplane.cli", *invocation.command[1:], *args]

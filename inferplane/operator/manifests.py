@@ -196,7 +196,9 @@ def worker_pod_spec(name: str, spec: InferenceDeploymentSpec, *,
     if spec.engine.kv_offload_disk is not None:
         # Per pod: it outlives a worker process that crashed (the container restarts onto it), not
         # the pod. The tier keeps its files within its size; sizeLimit evicts a pod that would not.
-        volumes.append({"name": "kv-tier", "emptyDir": {"sizeLimit": kv_tier_quantity(spec)}})
+        # The limit has a tenth more room: a file is written before the tier evicts for it.
+        limit = str(int(kv_tier_quantity(spec)) * 11 // 10)
+        volumes.append({"name": "kv-tier", "emptyDir": {"sizeLimit": limit}})
     tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
     if spec.uses_gpu:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})

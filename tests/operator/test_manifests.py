@@ -195,7 +195,7 @@ def test_kv_tiers_reach_the_worker_with_their_volume() -> None:
     pod = manifests.worker_pod_spec("edge", parsed, resolved=resolved, image="img",
                                     weights=model_pod.plan(parsed, None, image="img"))
     (volume,) = [v for v in pod["volumes"] if v["name"] == "kv-tier"]
-    assert volume == {"name": "kv-tier", "emptyDir": {"sizeLimit": str(20 * 2**30)}}
+    assert volume == {"name": "kv-tier", "emptyDir": {"sizeLimit": str(20 * 2**30 * 11 // 10)}}
     container = pod["containers"][0]
     assert {"name": "kv-tier", "mountPath": manifests.KV_TIER_DIR} in container["volumeMounts"]
     assert container["resources"]["requests"]["ephemeral-storage"] == str(20 * 2**30)

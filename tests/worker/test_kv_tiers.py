@@ -204,3 +204,71 @@ def test_a_prefetch_reads_the_disk_run_ahead_and_the_next_get_takes_it_from_memo
     tier_hits = store.counters.hits
     assert tier_hits["disk"] == 0 and tier_hits["memory" if memory_blocks else "prefetched"] == 3
     assert store.get(keys[4]) == cache.block_payload(4) and tier_hits["disk"] == 1  # not read ahead: from disk
+
+
+# --- the radix manager over the tiers, without a model -----------------------------------------------
+
+
+def radix_with_tiers(window: int | None = None, blocks: int = 16):
+    """A RadixKV over a real pool (layer 1 sliding when `window` is given) with a memory tier."""
+    from inferplane.worker.engine.kv.radix import RadixKV
+    from inferplane.worker.engine.kv.tiers.link import TierLink
+    from inferplane.worker.engine.kv.window import WindowBlocks
+
+    layout = LAYOUT if window else replace(LAYOUT, layers=LAYOUT.layers + 1, window_layers=0)
+    cache = PagedKVCache(num_layers=4, num_blocks=blocks, block_size=4, num_kv_heads=2, head_dim=8,
+                         dtype=torch.float16, device=torch.device("cpu"),
+                         window_layers=frozenset({1}) if window else frozenset(), num_window_blocks=blocks)
+    link = TierLink(open_tiers(layout, memory_bytes=1 << 20), cache)
+    windows = WindowBlocks(blocks, 4, window) if window else None
+    return RadixKV(blocks, 4, windows, tiers=link), cache
+
+
+def compute(kv, tokens: list[int], salt: str = "", cache: PagedKVCache | None = None):
+    """Admits a sequence for `tokens` and 'computes' its prompt: each block it computes gets its
+    position as its KV (main and window parts), so that what is read back can be told apart."""
+    from inferplane.worker.engine.sampling import SamplingParams
+    from inferplane.worker.engine.sequence import Sequence
+
+    seq = Sequence(request_id=f"r{len(tokens)}{salt}", prompt_token_ids=list(tokens), params=SamplingParams(),
+                   max_tokens=4, generator=torch.Generator(), cache_salt=salt)
+    kv.match_prefix(seq)
+    computed = seq.num_computed_tokens // 4
+    assert kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+    if cache is not None:
+        for i in range(computed, len(seq.block_table)):
+            cache.data[:, :, seq.block_table[i]].fill_(i)
+            if seq.window_table and seq.window_table[i]:
+                cache.window_data[:, :, seq.window_table[i]].fill_(i)
+    seq.num_computed_tokens = seq.num_tokens
+    kv.on_computed(seq)
+    return seq
+
+
+def test_window_blocks_the_tree_dropped_from_a_prefix_it_holds_come_back_from_the_tiers() -> None:
+    kv, cache = radix_with_tiers(window=8)
+    tokens = list(range(50, 75))  # 6 full blocks and one token
+    kv.free(compute(kv, tokens, cache=cache))
+    assert kv.tree.evict_windows(100) > 0  # the tree keeps the main blocks, not one window block
+    cache.window_data.zero_()
+    again = compute(kv, tokens)
+    assert again.num_cached_tokens == 24  # all six blocks: the last window's parts were read back
+    for i in range(4, 6):  # the window of 8 tokens at position 24 spans blocks 4 and 5
+        assert torch.all(cache.window_data[:, :, again.window_table[i]] == i)
+    assert kv.tiers.loaded_blocks == 0  # no main block needed reading
+
+
+def test_a_load_that_raises_gives_its_blocks_back() -> None:
+    kv, _ = radix_with_tiers()
+    tokens = list(range(20, 41))  # 5 full blocks and one token
+    kv.free(compute(kv, tokens, salt="a"))
+    assert kv.tree.evict(100) == 5 and kv.pool.num_free == 16
+    kv.tiers.load = lambda *args, **kw: (_ for _ in ()).throw(RuntimeError("device lost"))
+    from inferplane.worker.engine.sampling import SamplingParams
+    from inferplane.worker.engine.sequence import Sequence
+
+    seq = Sequence(request_id="x", prompt_token_ids=tokens, params=SamplingParams(), max_tokens=4,
+                   generator=torch.Generator(), cache_salt="a")
+    with pytest.raises(RuntimeError, match="device lost"):
+        kv.match_prefix(seq)
+    assert kv.pool.num_free == 16 and kv.tree.num_blocks == 0

@@ -121,8 +121,10 @@ class AsyncEngine:
         return stream
 
     def _reads_kv_ahead(self, prompt: str | list[int]) -> bool:
-        """Whether the engine keeps KV tiers a prompt of token ids could find blocks in."""
-        return self.engine.kv.tiers is not None and not isinstance(prompt, str) \
+        """Whether the engine keeps a disk tier a prompt of token ids could find blocks in (a memory
+        tier alone is read on the engine's thread: there is nothing to wait for)."""
+        tiers = self.engine.kv.tiers
+        return tiers is not None and tiers.store.disk is not None and not isinstance(prompt, str) \
             and len(prompt) > self.engine.block_size
 
     def _prepare_first(self, sub: _Submit, compile_grammar: bool) -> None:

@@ -228,68 +228,98 @@ class RadixKV(KVManager):
         """Reads into the tree the blocks after its cached prefix of `keys` that the tiers hold (in a
         row, as far as free and evictable blocks allow), so that the match that follows finds them.
         With sliding-window layers a prefix is read only as deep as its last window's blocks can be
-        had too (from the tree or the tiers), as a match uses it. The path already matched is
-        locked meanwhile, so making room never evicts it."""
+        had too (from the tree or the tiers), as a match uses it; window blocks the tree dropped
+        from a prefix it still holds are read back as well. The path already matched is locked
+        meanwhile, and the window blocks it needs held, so making room never evicts them."""
         namespace = self.namespace(seq)
         node, blocks, windows = self.tree.match(namespace, keys)
         start = len(blocks)
-        if start == len(keys):
+        restore = self.windows is not None and start > 0 and self._window_usable(windows) < start
+        if start == len(keys) and not restore:
             return  # the tree holds the whole prefix
         chain = self._chain(seq, len(keys))
         run = self.tiers.held_run(chain, start)
-        if run == 0:
+        if run == 0 and not restore:
             return
         self.tree.lock(node)
         try:
             run = min(run, self.pool.num_free + self.tree.evictable_blocks)
-            depth, window_positions = self._tier_depth(chain, windows, start, start + run)
-            if depth <= start:
+            depth, window_positions = self._tier_depth(chain, windows, start, start + run, restore)
+            if depth < start or (depth == start and not window_positions):
                 return
-            self._reserve(depth - start, len(window_positions))
-            if self.windows is not None:  # making room may have dropped window blocks the path kept
-                windows = self.tree.match(namespace, keys[:start])[2]
-            if self.pool.num_free < depth - start or (
-                    self.windows is not None and self.windows.pool.num_free < len(window_positions)):
+            if not self._reserve_keeping(depth - start, window_positions, windows, depth, start):
                 return
-            fresh = self.pool.allocate(depth - start)
-            fresh_windows = self.windows.pool.allocate(len(window_positions)) if window_positions else []
+            self._read_blocks(namespace, keys, chain, blocks, windows, start, depth, window_positions)
+        finally:
+            self.tree.unlock(node)
+
+    def _reserve_keeping(self, blocks: int, window_positions: list[int], windows: list[int], depth: int,
+                         start: int) -> bool:
+        """`_reserve` for a read of `blocks` main blocks and the window parts at `window_positions`,
+        holding meanwhile the window blocks the tree keeps for the rest of the last window (which
+        `evict_windows` could otherwise take even on a locked path)."""
+        kept = []
+        if self.windows is not None:
+            bs, window = self.block_size, self.windows.window
+            kept = [windows[p] for p in range(first_kept_block(depth * bs, window, bs), min(depth, start))
+                    if windows[p] != NULL_BLOCK]
+            for block in kept:
+                self.windows.pool.retain(block)
+        try:
+            return (self._reserve(blocks, len(window_positions)) and self.pool.num_free >= blocks
+                    and (self.windows is None or self.windows.pool.num_free >= len(window_positions)))
+        finally:
+            for block in kept:
+                self.windows.pool.release(block)
+
+    def _read_blocks(self, namespace: str, keys: list[BlockKey], chain: list[bytes], blocks: list[int],
+                     windows: list[int], start: int, depth: int, window_positions: list[int]) -> None:
+        """Reads main blocks start..depth and the window parts at `window_positions` into fresh pool
+        blocks and gives the tree what was read intact (a part that fails its checks cuts the prefix
+        there); the rest goes back to the pools, whatever happens."""
+        fresh = self.pool.allocate(depth - start)
+        fresh_windows = self.windows.pool.allocate(len(window_positions)) if window_positions else []
+        try:
             loaded = 0
             for key, block in zip(chain[start:depth], fresh, strict=True):
                 if not self.tiers.load(key, block):
                     break
                 loaded += 1
             end = start + loaded
-            table = None
-            if self.windows is not None:  # a window part that fails its checks cuts the depth too
+            table, got = None, {}
+            if self.windows is not None:
                 got = {p: b for p, b in zip(window_positions, fresh_windows, strict=True)
                        if p < end and self.tiers.load(chain[p], b, window=True)}
                 end = self._deepest_with_windows(windows, got, start, end)
-                table = [*windows, *[NULL_BLOCK] * (end - start)]
+                # Only what was just read: the tree keeps its own window blocks, and an id `windows`
+                # still names may have been freed while room was made.
+                table = [NULL_BLOCK] * end
                 for position, block in got.items():
                     if position < end:
                         table[position] = block
-            if end > start:
+            if end > start or got:
                 self.tree.insert(namespace, None, keys[:end], [*blocks, *fresh[:end - start]], table)
-            for block in fresh:  # the tree holds what it adopted; the rest goes back to the pool
+        finally:
+            for block in fresh:  # the tree holds what it adopted
                 self.pool.release(block)
             for block in fresh_windows:
                 self.windows.pool.release(block)
-        finally:
-            self.tree.unlock(node)
 
-    def _tier_depth(self, chain: list[bytes], windows: list[int], start: int, end: int) -> tuple[int, list[int]]:
-        """The deepest block count d in (start, end] whose last window's blocks the tree or the
-        tiers hold, and the positions whose window parts must come from the tiers for it; (start, [])
-        where none qualifies. Without sliding layers: (end, [])."""
+    def _tier_depth(self, chain: list[bytes], windows: list[int], start: int, end: int,
+                    restore: bool = False) -> tuple[int, list[int]]:
+        """The deepest block count d in (start, end] (or [start, end] with `restore`: window blocks
+        the tree dropped from its own prefix) whose last window's blocks the tree or the tiers hold,
+        and the positions whose window parts must come from the tiers for it; (start - 1, []) where
+        none qualifies. Without sliding layers: (end, [])."""
         if self.windows is None:
             return end, []
         bs, window = self.block_size, self.windows.window
-        for depth in range(end, start, -1):
+        for depth in range(end, start - 1 if restore else start, -1):
             needed = range(first_kept_block(depth * bs, window, bs), depth)
             from_tiers = [p for p in needed if p >= start or windows[p] == NULL_BLOCK]
             if all(self.tiers.holds_window(chain[p]) for p in from_tiers):
                 return depth, from_tiers
-        return start, []
+        return start - 1, []
 
     def _deepest_with_windows(self, windows: list[int], got: dict[int, int], start: int, end: int) -> int:
         """The deepest block count in (start, end] whose last window's blocks are all there (kept by

@@ -1,7 +1,8 @@
 """The disk tier: one file per record in a directory, least recently used first out.
 
-The directory outlives the process (in a cluster a node-local volume; under `inferplane up` a
-folder of its home), so a worker that starts where another left finds its blocks: at start the tier
+The directory outlives the process (in a cluster a volume of the pod; under `inferplane up` a
+folder of its home, one per replica: a directory has one writer, whose size accounting covers the
+files it holds), so a worker that starts where another left finds its blocks: at start the tier
 lists the files already there, oldest access first, and serves them like its own. Files are
 written whole to a temporary name and renamed into place, so a reader never sees half a record
 under a block's name; a record damaged anyway (a full disk, a crash mid-write on a filesystem
@@ -11,6 +12,7 @@ that reorders) fails its checksum when read and is a miss.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
@@ -77,13 +79,16 @@ class DiskTier:
         if len(record) > self.capacity:
             return [name]
         path = self._path(name)
-        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        temporary = None
         try:
             path.parent.mkdir(exist_ok=True)
-            temporary.write_bytes(record)
+            descriptor, temporary = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+            with os.fdopen(descriptor, "wb") as file:
+                file.write(record)
             os.replace(temporary, path)
         except OSError:
-            temporary.unlink(missing_ok=True)
+            if temporary is not None:
+                Path(temporary).unlink(missing_ok=True)
             self.remove(name)
             return [name]
         self.used -= self._sizes.pop(name, 0)

@@ -34,9 +34,11 @@ class KVLayout:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype: one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
-        for name in ("block_size", "layers", "kv_heads", "head_dim"):
+        for name in ("block_size", "kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.layers < 0 or self.window_layers < 0 or self.layers + self.window_layers == 0:
+            raise ValueError(f"layers: {self.layers} full and {self.window_layers} sliding; at least one")
 
     def fingerprint(self) -> bytes:
         """16 bytes that differ for any two layouts (the header's check, the disk tier's folder)."""

@@ -91,6 +91,15 @@ class TieredKVStore:
                         self.counters.stored[self.disk.name] += 1
                         self.counters.evicted[self.disk.name] += len(self.disk.put(spilled_name, spilled_record))
 
+    def _spill(self, evicted: list[tuple[bytes, bytes]], promoted: bytes) -> None:
+        """What memory evicted to take in `promoted`, written to disk where the disk lacks it (it has
+        what was written through, unless its own eviction dropped it). Under the lock."""
+        self.counters.evicted[self.memory.name] += sum(name != promoted for name, _ in evicted)
+        for name, record in evicted:
+            if name != promoted and name not in self.disk:
+                self.counters.stored[self.disk.name] += 1
+                self.counters.evicted[self.disk.name] += len(self.disk.put(name, record))
+
     def where(self, key: bytes, part: Part = Part.MAIN) -> str | None:
         """The tier that holds the block (unchecked: a later `get` may still reject it), or None."""
         name = record_name(key, part)
@@ -133,9 +142,7 @@ class TieredKVStore:
                     while self._staged_bytes > STAGED_BYTES:
                         self._staged_bytes -= len(self._staged.popitem(last=False)[1])
                 else:
-                    for spilled_name, spilled_record in self.memory.put(name, record):
-                        if spilled_name != name:
-                            self.disk.put(spilled_name, spilled_record)
+                    self._spill(self.memory.put(name, record), name)
             brought += 1
         return brought
 
@@ -163,9 +170,7 @@ class TieredKVStore:
                     continue
                 self.counters.hits[tier.name] += 1
                 if tier is self.disk and self.memory is not None:
-                    for spilled_name, spilled_record in self.memory.put(name, record):
-                        if spilled_name != name:
-                            self.disk.put(spilled_name, spilled_record)
+                    self._spill(self.memory.put(name, record), name)
                 return payload
             self.counters.misses += 1
             return None
