@@ -289,6 +289,19 @@ def deployment_dashboard() -> dashboard_builder.Dashboard:
         graph("Queue", [Query(gauge_value(m.WORKER_WAITING, workers), "waiting"),
                         Query(gauge_value(m.WORKER_RUNNING, workers), "running")], width=8),
     ))
+    per_tier = ("tier",)
+    kv_tiers = Row("KV tiers", (
+        graph("KV blocks read back by tier", [
+            Query(counter_rate(m.WORKER_KV_TIER_HITS, workers, per_tier), "{{tier}}"),
+            Query(counter_rate(m.WORKER_KV_TIER_MISSES, workers), "not held")], "short", width=8,
+              description="Blocks a prompt found in the memory or disk tier instead of computing them "
+                          "(prefetched: read from disk ahead of the request, off the engine thread)"),
+        graph("KV tier bytes", [Query(gauge_value(m.WORKER_KV_TIER_BYTES, workers, per_tier), "{{tier}}")],
+              "bytes", width=8),
+        graph("KV tier records rejected/s", [Query(counter_rate(m.WORKER_KV_TIER_REJECTED, workers), "rejected")],
+              width=8, description="Stored blocks that failed a check (checksum, layout, key) and were computed "
+                                   "again: never used"),
+    ))
     flow_control = Row("Flow control", (
         graph("Waiting sequences by tenant and band", [
             Query(gauge_value(m.WORKER_TENANT_SEQUENCES, selector(namespace="$namespace", service="$deployment",
@@ -325,7 +338,7 @@ def deployment_dashboard() -> dashboard_builder.Dashboard:
     ]
     return dashboard("inferplane-deployment", "Inferplane / Deployment",
                      "One deployment: its workers' latency, throughput and engine, and its autoscaler.", variables,
-                     [latency, throughput, engine, flow_control, scaling])
+                     [latency, throughput, engine, kv_tiers, flow_control, scaling])
 
 
 def tenant_dashboard() -> dashboard_builder.Dashboard:
