@@ -48,7 +48,10 @@ def manifest(tmp_path: Path) -> Path:
         "apiVersion": "inferplane.io/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": NAME},
         "spec": {"model": {"uri": model, "format": "safetensors"}, "runtime": "radix", "tenant": "default",
                  "replicas": 1, "minReplicas": 1, "maxReplicas": 2, "autoscaling": {"enabled": True},
-                 "resources": {"cpu": "1", "memory": "2Gi"}, "engine": {"kvCacheMemory": "64Mi", "maxModelLen": 256}}}))
+                 "resources": {"cpu": "1", "memory": "2Gi"},
+                 # KV tiers on, so that their series are scraped too (the deployment dashboard reads them)
+                 "engine": {"kvCacheMemory": "64Mi", "maxModelLen": 256, "kvOffloadMemory": "16MiB",
+                            "kvOffloadDisk": "16MiB"}}}))
     return path
 
 
