@@ -31,7 +31,7 @@ COPY pyproject.toml /tmp/inferplane-src/
 COPY README.md /tmp/inferplane-src/
 COPY inferplane /tmp/inferplane-src/inferplane
 RUN /opt/inferplane/bin/python -m pip install 'numpy>=1.26' 'xxhash>=3.4' 'google-re2>=1.1' 'gguf>=0.17' \
-      'safetensors>=0.4' 'tokenizers>=0.20' 'jinja2>=3.1' 'grpcio>=1.85.1' \
+      'safetensors>=0.4' 'tokenizers>=0.20' 'jinja2>=3.1' 'grpcio>=1.85.4' \
       'grpcio-health-checking>=1.85' 'grpcio-reflection>=1.85' 'protobuf>=7.35.1' \
       'prometheus-client>=0.20' 'pyyaml>=6' 'pydantic>=2.7' 'fastapi>=0.115' \
       'uvicorn[standard]>=0.30' "uvloop>=0.19; sys_platform != 'win32'" 'httpx>=0.27' \

@@ -223,3 +223,61 @@ class EmbedResponse(_message.Message):
     dimensions: int
     usage: Usage
     def __init__(self, embeddings: _Optional[_Iterable[bytes]] = ..., dimensions: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class KVEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVBlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_block_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    lora_name: str
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class KVBlockRemoved(_message.Message):
+    __slots__ = ("block_hashes", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class KVAllBlocksCleared(_message.Message):
+    __slots__ = ("medium",)
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    medium: str
+    def __init__(self, medium: _Optional[str] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("stored", "removed", "all_cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: KVBlockStored
+    removed: KVBlockRemoved
+    all_cleared: KVAllBlocksCleared
+    def __init__(self, stored: _Optional[_Union[KVBlockStored, _Mapping]] = ..., removed: _Optional[_Union[KVBlockRemoved, _Mapping]] = ..., all_cleared: _Optional[_Union[KVAllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("ts", "sequence", "snapshot", "instance_id", "events")
+    TS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    ts: float
+    sequence: int
+    snapshot: bool
+    instance_id: str
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    def __init__(self, ts: _Optional[float] = ..., sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ..., instance_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...

@@ -5,7 +5,7 @@ import warnings
 
 from inferplane.v1 import worker_pb2 as inferplane_dot_v1_dot_worker__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=inferplane_dot_v1_dot_worker__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=inferplane_dot_v1_dot_worker__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.KVEvents = channel.unary_stream(
+                '/inferplane.v1.Worker/KVEvents',
+                request_serializer=inferplane_dot_v1_dot_worker__pb2.KVEventsRequest.SerializeToString,
+                response_deserializer=inferplane_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -89,6 +94,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KVEvents(self, request, context):
+        """The KV blocks this worker holds and where, in vLLM's KV event fields: a snapshot first (a batch
+        with snapshot=true: AllBlocksCleared, then BlockStored per medium), then each change as it
+        happens; a subscriber that falls too far behind gets a new snapshot. FAILED_PRECONDITION where
+        the worker publishes none (engine.kvEvents off, or a paged or embedding runtime).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +126,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=inferplane_dot_v1_dot_worker__pb2.EmbedRequest.FromString,
                     response_serializer=inferplane_dot_v1_dot_worker__pb2.EmbedResponse.SerializeToString,
+            ),
+            'KVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KVEvents,
+                    request_deserializer=inferplane_dot_v1_dot_worker__pb2.KVEventsRequest.FromString,
+                    response_serializer=inferplane_dot_v1_dot_worker__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +241,33 @@ class Worker:
             '/inferplane.v1.Worker/Embed',
             inferplane_dot_v1_dot_worker__pb2.EmbedRequest.SerializeToString,
             inferplane_dot_v1_dot_worker__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/inferplane.v1.Worker/KVEvents',
+            inferplane_dot_v1_dot_worker__pb2.KVEventsRequest.SerializeToString,
+            inferplane_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

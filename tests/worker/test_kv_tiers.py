@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from inferplane.worker.engine.kv.tiers.block_key import chain_keys
+from inferplane.api.kv_blocks import chain_keys
 from inferplane.worker.engine.kv.tiers.disk_tier import DiskTier
 from inferplane.worker.engine.kv.tiers.layout import KVLayout
 from inferplane.worker.engine.kv.tiers.memory_tier import MemoryTier

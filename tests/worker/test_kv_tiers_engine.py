@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from inferplane.worker.engine.kv.tiers.block_key import chain_keys
+from inferplane.api.kv_blocks import chain_keys
 from inferplane.worker.engine.kv.tiers.record import Part
 from inferplane.worker.engine.kv.tiers.store import record_name
 from inferplane.worker.engine.options import EngineOptions

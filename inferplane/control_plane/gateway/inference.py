@@ -56,6 +56,7 @@ from typing import Any, TypeVar
 import grpc
 
 from inferplane.api.architectures import ModelKind
+from inferplane.api.kv_blocks import adapter_cache_key
 from inferplane.api.priority import DEFAULT_BAND, resolve_band
 from inferplane.api.tokenizer import check_template_kwargs
 from inferplane.control_plane.auth import SCOPE_INFER, Principal
@@ -394,7 +395,7 @@ class InferenceService:
         adapter, adapter_route = None, ""
         if model.adapter is not None:
             adapter = worker_pb2.Adapter(name=model.name, uri=model.adapter.uri, sha256=model.adapter.sha256)
-            adapter_route = f"{model.name}@{model.adapter.sha256}"
+            adapter_route = adapter_cache_key(model.name, model.adapter.sha256)  # as the worker names it
         try:
             # A model scaled to zero: wait (bounded) for the replica the autoscaler starts.
             await self.activator.wait_for_replica(route, lambda: self.router.has_replicas(route))

@@ -1,46 +1,32 @@
-"""Prefix keys: the routing-side twin of the worker's prefix-cache block hashes.
+"""Prefix keys: a prompt's KV block names as the gateway computes them, equal to the workers' own.
 
-Hashes are chained block by block (``h_i = H(h_{i-1}, block_i)``) the way vLLM hashes KV blocks, so a
-key identifies the whole prefix up to a block, not just that block's tokens. The cache salt is mixed
-into the first block only; chaining carries it into every later hash, so two tenants with the same
-prompt get unrelated keys and land on replicas independently, exactly as their KV blocks never share.
+Blocks are named by `api/kv_blocks.py`'s chained hash (``h_i = H(h_{i-1}, block_i)``, as vLLM names
+KV blocks), starting from the request's namespace (the tenant's cache salt, and the adapter under a
+LoRA adapter): a name identifies the whole prefix up to its block, and two tenants with the same
+prompt get unrelated names, exactly as their KV blocks never share. The workers publish the names of
+the blocks they hold under the same scheme (KV events), so the gateway's index can look a prompt's
+blocks up without tokens crossing the wire twice.
 
-``hashlib`` is used instead of ``hash()`` because every gateway replica must compute the same key for
-the same prompt (Python's ``hash`` of str is salted per process); that is what keeps affinity intact
-across router replicas without any shared state.
+The hash is ``hashlib``'s, not ``hash()``: every gateway replica must compute the same key for the
+same prompt (Python's ``hash`` of str is salted per process); that keeps affinity intact across
+gateway replicas without any shared state.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Sequence
 
-_ROOT = b"inferplane-prefix-v1"
+from inferplane.api.kv_blocks import chain_keys, kv_namespace
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "",
-                 max_blocks: int | None = None) -> list[bytes]:
-    """Chained hashes of the full blocks of ``token_ids`` (a trailing partial block is ignored,
-    as the KV cache cannot share it either)."""
+                 max_blocks: int | None = None, adapter_key: str = "") -> list[bytes]:
+    """The chained names of the full blocks of ``token_ids`` (a trailing partial block is ignored,
+    as the KV cache cannot share it either), at most ``max_blocks`` of them."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
-    n_full = len(token_ids) // block_size
-    if max_blocks is not None:
-        n_full = min(n_full, max_blocks)
-    out: list[bytes] = []
-    parent = _ROOT
-    for i in range(n_full):
-        h = hashlib.blake2b(parent, digest_size=16)
-        if i == 0:
-            salt = cache_salt.encode()
-            h.update(struct.pack("<I", len(salt)))
-            h.update(salt)
-        block = token_ids[i * block_size:(i + 1) * block_size]
-        h.update(struct.pack(f"<{block_size}I", *block))
-        parent = h.digest()
-        out.append(parent)
-    return out
+    end = len(token_ids) if max_blocks is None else min(len(token_ids), max_blocks * block_size)
+    return chain_keys(kv_namespace(cache_salt, adapter_key), token_ids[:end], block_size)
 
 
 def prefix_key(token_ids: Sequence[int] | None, block_size: int, cache_salt: str = "",

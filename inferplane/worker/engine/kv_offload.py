@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from inferplane.storage.digest import digest
 from inferplane.worker.engine.kv.tiers.layout import KVLayout
 from inferplane.worker.engine.kv.tiers.link import TierLink
 from inferplane.worker.engine.kv.tiers.store import open_tiers
@@ -28,26 +29,14 @@ from inferplane.worker.quant import startup_cache
 log = logging.getLogger(__name__)
 
 
-def _file_sha256(path: Path) -> str:
-    directory = startup_cache.cache_dir()
-    if directory is not None:  # remembered by (path, size, mtime): a restart does not read the weights again
-        return startup_cache.file_digest(str(path), directory)
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def weights_digest(path: str) -> str:
-    """SHA-256 of a model file, or of a folder's files (names and contents) in name order."""
-    root = Path(path)
-    if root.is_file():
-        return _file_sha256(root)
-    h = hashlib.sha256()
-    for file in sorted(p for p in root.rglob("*") if p.is_file()):
-        h.update(f"{file.relative_to(root)}\0{_file_sha256(file)}\0".encode())
-    return h.hexdigest()
+    """The registry's digest of the weights (storage/digest.py: a file's sha256, or a folder's
+    manifest sum); a single file's is remembered by (path, size, mtime) in the start-up cache where
+    there is one, so a restart does not read the weights again."""
+    directory = startup_cache.cache_dir()
+    if directory is not None and Path(path).is_file():
+        return startup_cache.file_digest(str(path), directory)
+    return digest(path)
 
 
 def kv_identity(loaded: LoadedModel, options: EngineOptions, dtype: torch.dtype) -> str:

@@ -98,6 +98,10 @@ class EngineOptions:
                                          "in --kv-offload-dir; it outlives the worker")
     kv_offload_dir: str | None = option(None, "the disk tier's directory (a node-local volume in a cluster); "
                                               "blocks of other models or settings there are kept apart")
+    kv_events: bool | None = option(
+        spec_default("kv_events"), "radix KV managers: publish which KV blocks the worker holds, in the pool and "
+                                   "each tier (vLLM's KV events, over the KVEvents stream), for the gateway's "
+                                   "kv-aware routing; unset: on with the radix KV manager")
     skip_quality_gate: bool = option(False, "cpu-int8: serve even if the int8 quality gate fails")
     quantize_head: bool | None = option(
         spec_default("quantize_head"), "cpu-int8: the output head in int8 (unset: yes, the runtime's default; "

@@ -70,9 +70,16 @@ def build_kv_manager(options: EngineOptions, num_blocks: int, windows: WindowBlo
     if kind is None:
         raise ValueError(f"runtime: {options.runtime} serves embedding models and builds no generation engine")
     if kind == "radix":
+        from inferplane.worker.engine.kv.events import KVEventLog
         from inferplane.worker.engine.kv.radix import RadixKV
 
-        return RadixKV(num_blocks, options.block_size, windows, tiers)
+        events = KVEventLog(options.block_size) if options.kv_events is not False else None
+        if tiers is not None and events is not None:
+            tiers.store.publish_to(events)
+        return RadixKV(num_blocks, options.block_size, windows, tiers, events)
+    if options.kv_events:
+        raise ValueError("kv_events: KV events need the radix KV manager (runtime radix or cpu-int8), "
+                         "which keeps finished blocks; paged frees them")
     if tiers is not None:
         raise ValueError("kv_offload_memory: KV tiers need the radix KV manager (runtime radix or cpu-int8), "
                          "which keeps finished blocks; paged frees them")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inferplane.api.kv_blocks import adapter_cache_key
 from inferplane.api.lora_manifest import (
     ATTENTION_MODULES,
     CONFIG_FILE,
@@ -58,7 +59,7 @@ class LoraAdapter:
     @property
     def key(self) -> str:
         """What slots, prefix caches and metrics tell adapters apart by: name and version."""
-        return f"{self.name}@{self.digest[:16]}"
+        return adapter_cache_key(self.name, self.digest)
 
 
 def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:

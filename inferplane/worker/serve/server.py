@@ -32,6 +32,7 @@ from inferplane.worker.embedding.batcher import EmbeddingBatcher
 from inferplane.worker.engine.outputs import StepOutput
 from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.serve.async_engine import AsyncEngine
+from inferplane.worker.serve.kv_event_stream import kv_event_stream
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -213,6 +214,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         values.update(self.state.extra_stats)
         values["num_in_flight"] = float(runner.num_in_flight)
         return worker_pb2.StatsResponse(model=self.state.model, runtime=self.state.runtime, values=values)
+
+    async def KVEvents(self, request, context):
+        engine = await self._engine(context)
+        log = engine.engine.kv.events
+        if log is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this worker publishes no KV events (engine.kvEvents is off, or its KV manager "
+                                "is paged)")
+        async for batch in kv_event_stream(log):
+            yield batch
 
     async def Info(self, request, context):
         await self._runner(context)

@@ -23,6 +23,7 @@ from inferplane.worker.engine.kv.window import WindowBlocks
 from inferplane.worker.engine.sequence import Sequence
 
 if TYPE_CHECKING:
+    from inferplane.worker.engine.kv.events import KVEventLog
     from inferplane.worker.engine.kv.tiers.link import TierLink
 
 
@@ -59,6 +60,7 @@ class KVManager(ABC):
 
     name: str  # the runtime's name for this manager ("paged", "radix"), as in api.resolve.PRESETS
     tiers: TierLink | None = None  # where blocks go when they leave the pool (kv/tiers/); radix only, for now
+    events: KVEventLog | None = None  # what the pool and tiers hold, published (kv/events.py); radix only
 
     def __init__(self, num_blocks: int, block_size: int, windows: WindowBlocks | None = None):
         self.pool = BlockPool(num_blocks)

@@ -20,9 +20,12 @@ holds, which are reclaimable at any time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from inferplane.worker.engine.kv.events import KVEventLog
 from inferplane.worker.engine.kv.manager import KVManager
 from inferplane.worker.engine.kv.radix_tree import BlockKey, Node, RadixTree, block_keys
-from inferplane.worker.engine.kv.tiers.block_key import chain_keys, kv_namespace
+from inferplane.api.kv_blocks import chain_keys, kv_namespace
 from inferplane.worker.engine.kv.tiers.link import TierLink
 from inferplane.worker.engine.kv.window import NULL_BLOCK, WindowBlocks, first_kept_block
 from inferplane.worker.engine.sequence import Sequence
@@ -32,9 +35,12 @@ class RadixKV(KVManager):
     name = "radix"
 
     def __init__(self, num_blocks: int, block_size: int, windows: WindowBlocks | None = None,
-                 tiers: TierLink | None = None):
+                 tiers: TierLink | None = None, events: KVEventLog | None = None):
         super().__init__(num_blocks, block_size, windows)
-        self.tree = RadixTree(self.pool, windows.pool if windows is not None else None)
+        # With `events`, the tree publishes each block it takes in or lets go (kv/events.py), and the
+        # tiers theirs, so that gateways can route a conversation to where its blocks are.
+        self.events = events
+        self.tree = RadixTree(self.pool, windows.pool if windows is not None else None, events)
         # Below the tree, the tiers (kv/tiers/): every full block is saved as it joins the tree, and
         # a prefix the tree lacks is looked for there before it is computed again.
         self.tiers = tiers
@@ -101,11 +107,17 @@ class RadixKV(KVManager):
     def _window_usable(self, windows: list[int]) -> int:
         """The deepest block count d <= len(windows) whose window (blocks from first_kept_block(d)
         to d) the tree keeps entirely; 0 always qualifies."""
+        return self._window_depth(0, len(windows), lambda p: windows[p] != NULL_BLOCK) or 0
+
+    def _window_depth(self, low: int, high: int, have: Callable[[int], bool]) -> int | None:
+        """The deepest block count d in [low, high] whose last window's positions (first_kept_block(d)
+        up to d) all pass `have`; None where none does. The one scan behind every rule that a prefix
+        is usable only as deep as its last window's blocks are there."""
         bs, window = self.block_size, self.windows.window
-        for depth in range(len(windows), 0, -1):
-            if all(b != NULL_BLOCK for b in windows[first_kept_block(depth * bs, window, bs):depth]):
+        for depth in range(high, low - 1, -1):
+            if all(have(p) for p in range(first_kept_block(depth * bs, window, bs), depth)):
                 return depth
-        return 0
+        return None
 
     def _reserve(self, blocks: int, window_blocks: int) -> bool:
         """Evicts the least recently used cache for what the pools lack; evicts nothing for a
@@ -164,6 +176,8 @@ class RadixKV(KVManager):
             stats.update(self.tiers.stats())
         if self.windows is not None:
             stats["window_evicted_blocks"] = self.tree.evicted_window_blocks
+        if self.events is not None:
+            stats["kv_events_published_total"] = self.events.published
         return stats
 
     # -- internals --------------------------------------------------------------------------------
@@ -193,9 +207,10 @@ class RadixKV(KVManager):
             return
         keys = block_keys(seq.all_token_ids, self.block_size, full)
         windows = seq.window_table[:full] if self.windows is not None else None
-        node, held, held_windows = self.tree.insert(self.namespace(seq), start, keys, seq.block_table[:full], windows)
+        chain = self._chain(seq, full) if self.tiers is not None or self.events is not None else None
+        node, held, held_windows = self.tree.insert(self.namespace(seq), start, keys, seq.block_table[:full], windows,
+                                                    chain)
         if self.tiers is not None:
-            chain = self._chain(seq, full)
             for i in range(depth, full):
                 window = held_windows[i - depth] if self.windows is not None else NULL_BLOCK
                 self.tiers.save(chain[i], held[i - depth], window if window != NULL_BLOCK else None)
@@ -298,7 +313,7 @@ class RadixKV(KVManager):
                     if position < end:
                         table[position] = block
             if end > start or got:
-                self.tree.insert(namespace, None, keys[:end], [*blocks, *fresh[:end - start]], table)
+                self.tree.insert(namespace, None, keys[:end], [*blocks, *fresh[:end - start]], table, chain[:end])
         finally:
             for block in fresh:  # the tree holds what it adopted
                 self.pool.release(block)
@@ -313,20 +328,19 @@ class RadixKV(KVManager):
         none qualifies. Without sliding layers: (end, [])."""
         if self.windows is None:
             return end, []
+
+        def from_tiers(p: int) -> bool:
+            return p >= start or windows[p] == NULL_BLOCK
+
+        depth = self._window_depth(start if restore else start + 1, end,
+                                   lambda p: not from_tiers(p) or self.tiers.holds_window(chain[p]))
+        if depth is None:
+            return start - 1, []
         bs, window = self.block_size, self.windows.window
-        for depth in range(end, start - 1 if restore else start, -1):
-            needed = range(first_kept_block(depth * bs, window, bs), depth)
-            from_tiers = [p for p in needed if p >= start or windows[p] == NULL_BLOCK]
-            if all(self.tiers.holds_window(chain[p]) for p in from_tiers):
-                return depth, from_tiers
-        return start - 1, []
+        return depth, [p for p in range(first_kept_block(depth * bs, window, bs), depth) if from_tiers(p)]
 
     def _deepest_with_windows(self, windows: list[int], got: dict[int, int], start: int, end: int) -> int:
         """The deepest block count in (start, end] whose last window's blocks are all there (kept by
         the tree, or just read from the tiers: `got`); `start` where none is."""
-        bs, window = self.block_size, self.windows.window
-        for depth in range(end, start, -1):
-            if all(p in got or (p < start and windows[p] != NULL_BLOCK)
-                   for p in range(first_kept_block(depth * bs, window, bs), depth)):
-                return depth
-        return start
+        depth = self._window_depth(start + 1, end, lambda p: p in got or (p < start and windows[p] != NULL_BLOCK))
+        return start if depth is None else depth

@@ -28,7 +28,9 @@ import heapq
 import itertools
 from collections.abc import Iterator, Sequence
 
+from inferplane.api.kv_blocks import LORA_MARK
 from inferplane.worker.engine.kv.block_pool import BlockPool
+from inferplane.worker.engine.kv.events import KVEventLog, Medium
 from inferplane.worker.engine.kv.window import NULL_BLOCK
 
 BlockKey = tuple[int, ...]
@@ -39,12 +41,14 @@ def block_keys(tokens: Sequence[int], block_size: int, num_blocks: int) -> list[
 
 
 class Node:
-    __slots__ = ("keys", "blocks", "windows", "children", "parent", "lock_ref", "last_access", "depth")
+    __slots__ = ("keys", "blocks", "windows", "hashes", "children", "parent", "lock_ref", "last_access", "depth")
 
     def __init__(self, keys: list[BlockKey], blocks: list[int], parent: Node | None, depth: int,
-                 windows: list[int] | None = None):
+                 windows: list[int] | None = None, hashes: list[bytes] | None = None):
         self.keys = keys
         self.blocks = blocks
+        # Each block's name (api/kv_blocks.py) where the tree publishes events, else empty.
+        self.hashes = hashes if hashes is not None else []
         self.windows = windows if windows is not None else [NULL_BLOCK] * len(blocks)  # window-pool block per block
         self.children: dict[BlockKey, Node] = {}
         self.parent = parent
@@ -67,8 +71,11 @@ def _common(keys: list[BlockKey], query: Sequence[BlockKey], start: int) -> int:
 
 
 class RadixTree:
-    def __init__(self, pool: BlockPool, window_pool: BlockPool | None = None):
+    def __init__(self, pool: BlockPool, window_pool: BlockPool | None = None, events: KVEventLog | None = None):
+        """With `events`, every block that joins or leaves the tree is published (kv/events.py); each
+        insert must then name its blocks (`hashes`)."""
         self.pool = pool
+        self.events = events
         self.window_pool = window_pool
         self.roots: dict[str, Node] = {}
         self.num_nodes = 0  # roots excluded
@@ -121,11 +128,15 @@ class RadixTree:
     # -- updates ----------------------------------------------------------------------------------
 
     def insert(self, namespace: str, start: Node | None, keys: Sequence[BlockKey], blocks: Sequence[int],
-               windows: Sequence[int] | None = None) -> tuple[Node, list[int], list[int]]:
+               windows: Sequence[int] | None = None,
+               hashes: Sequence[bytes] | None = None) -> tuple[Node, list[int], list[int]]:
         """Adds `keys[start.depth:]` below `start` (the root when None), adopting the caller's blocks
         (and window blocks) where the tree has none. Returns the deepest node and, per inserted key,
         the block and the window block the tree now holds for it: where those differ from the
-        caller's, the caller should switch to them."""
+        caller's, the caller should switch to them. `hashes` names each key's block (as `keys`,
+        from the root), required where the tree publishes events."""
+        if self.events is not None and (hashes is None or len(hashes) < len(keys)):
+            raise ValueError("a tree that publishes KV events needs every inserted block's name")
         node = start if start is not None else self.roots.setdefault(namespace, Node([], [], None, 0))
         windows = windows if windows is not None else [NULL_BLOCK] * len(keys)
         now = next(self._clock)
@@ -135,7 +146,8 @@ class RadixTree:
         while i < len(keys):
             child = node.children.get(keys[i])
             if child is None:
-                child = Node(list(keys[i:]), list(blocks[i:]), node, len(keys), list(windows[i:]))
+                child = Node(list(keys[i:]), list(blocks[i:]), node, len(keys), list(windows[i:]),
+                             list(hashes[i:len(keys)]) if hashes is not None else None)
                 for block in child.blocks:
                     self.pool.retain(block)
                 for block in child.windows:
@@ -148,6 +160,10 @@ class RadixTree:
                 child.last_access = now
                 held.extend(child.blocks)
                 held_windows.extend(child.windows)
+                if self.events is not None:
+                    self.events.stored(Medium.POOL, child.hashes, parent=node.hashes[-1] if node.hashes else None,
+                                       token_ids=[t for key in child.keys for t in key],
+                                       lora_name=namespace.partition(LORA_MARK)[2])
                 return child, held, held_windows
             k = _common(child.keys, keys, i)
             if k < len(child.keys):
@@ -165,7 +181,8 @@ class RadixTree:
 
     def _split(self, node: Node, k: int) -> Node:
         """Cuts `node` after its first k blocks; the new upper node inherits its lock and age."""
-        upper = Node(node.keys[:k], node.blocks[:k], node.parent, node.depth - len(node.keys) + k, node.windows[:k])
+        upper = Node(node.keys[:k], node.blocks[:k], node.parent, node.depth - len(node.keys) + k, node.windows[:k],
+                     node.hashes[:k])
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         upper.children = {node.keys[k]: node}
@@ -173,6 +190,7 @@ class RadixTree:
         node.keys = node.keys[k:]
         node.blocks = node.blocks[k:]
         node.windows = node.windows[k:]
+        node.hashes = node.hashes[k:]
         node.parent = upper
         self.num_nodes += 1
         return upper
@@ -213,6 +231,9 @@ class RadixTree:
             del leaf.blocks[len(leaf.blocks) - take:]
             del leaf.windows[len(leaf.windows) - take:]
             del leaf.keys[len(leaf.keys) - take:]
+            if self.events is not None:
+                self.events.removed(Medium.POOL, leaf.hashes[len(leaf.hashes) - take:])
+            del leaf.hashes[len(leaf.hashes) - take:]
             leaf.depth -= take
             freed += take
             if leaf.blocks:

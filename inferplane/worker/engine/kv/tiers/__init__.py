@@ -2,8 +2,8 @@
 returning after eviction, a move to another replica or a restart reads its KV back instead of
 recomputing it.
 
-- `block_key.py`: a block's name, the chained hash of its namespace (tenant salt, adapter) and every
-  token up to its end, so two tenants' blocks never share a name.
+- A block's name is `api/kv_blocks.py`'s chained hash of its namespace (tenant salt, adapter) and
+  every token up to its end, so two tenants' blocks never share a name (the gateway names them alike).
 - `layout.py`: what a block's bytes mean (model digest, KV dtype, block size, layer layout); a block
   written under another layout is never read.
 - `record.py`: a block as stored: a fixed header (layout fingerprint, key, length, checksum) and the

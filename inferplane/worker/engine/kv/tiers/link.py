@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from inferplane.worker.engine.kv.tiers.block_key import chain_keys
+from inferplane.api.kv_blocks import chain_keys
 from inferplane.worker.engine.kv.tiers.record import Part
 from inferplane.worker.engine.kv.tiers.store import TieredKVStore
 from inferplane.worker.ops.kv_cache import PagedKVCache

@@ -15,7 +15,7 @@ from enum import IntEnum
 
 import xxhash
 
-from inferplane.worker.engine.kv.tiers.block_key import KEY_BYTES
+from inferplane.api.kv_blocks import KEY_BYTES
 from inferplane.worker.engine.kv.tiers.layout import KVLayout
 
 MAGIC = b"IPKV"

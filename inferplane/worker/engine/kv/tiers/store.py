@@ -17,10 +17,11 @@ from __future__ import annotations
 import os
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from inferplane.worker.engine.kv.events import KVEventLog, Medium
 from inferplane.worker.engine.kv.tiers.disk_tier import DiskTier
 from inferplane.worker.engine.kv.tiers.layout import KVLayout
 from inferplane.worker.engine.kv.tiers.memory_tier import MemoryTier
@@ -71,6 +72,27 @@ class TieredKVStore:
         # (an aborted request's): they are still on disk, only the read ahead is lost.
         self._staged: OrderedDict[bytes, bytes] = OrderedDict()
         self._staged_bytes = 0
+        self.events: KVEventLog | None = None  # set by `publish_to`
+
+    def publish_to(self, events: KVEventLog) -> None:
+        """Publishes from now on which blocks each tier holds (kv/events.py), starting with what they
+        hold now: a disk tier a previous worker left is announced as this worker's."""
+        with self._lock:
+            self.events = events
+            for tier, medium in ((self.memory, Medium.MEMORY), (self.disk, Medium.DISK)):
+                if tier is not None:
+                    events.stored(medium, [name[:-1] for name in tier.keys() if name[-1] == Part.MAIN])
+
+    def _publish(self, names: Iterable[bytes]) -> None:
+        """Publishes where the main parts among `names` are now (under the lock, after a change)."""
+        if self.events is None:
+            return
+        for name in names:
+            if name[-1] != Part.MAIN:
+                continue
+            for tier, medium in ((self.memory, Medium.MEMORY), (self.disk, Medium.DISK)):
+                if tier is not None:
+                    self.events.set_held(medium, name[:-1], name in tier)
 
     def put(self, key: bytes, payload: bytes | memoryview, part: Part = Part.MAIN) -> None:
         """Stores one block's payload (its KV bytes in the layout's shape) under `key`: in memory,
@@ -80,25 +102,34 @@ class TieredKVStore:
         name = record_name(key, part)
         with self._lock:
             spilled = [(name, record)]
+            touched = [name]
             if self.memory is not None:
                 self.counters.stored[self.memory.name] += 1
                 spilled = self.memory.put(name, record)
                 self.counters.evicted[self.memory.name] += sum(n != name for n, _ in spilled)
+                touched += (n for n, _ in spilled)
                 spilled.append((name, record))
             if self.disk is not None:
                 for spilled_name, spilled_record in spilled:
                     if spilled_name not in self.disk:
                         self.counters.stored[self.disk.name] += 1
-                        self.counters.evicted[self.disk.name] += len(self.disk.put(spilled_name, spilled_record))
+                        dropped = self.disk.put(spilled_name, spilled_record)
+                        self.counters.evicted[self.disk.name] += len(dropped)
+                        touched += dropped
+            self._publish(touched)
 
     def _spill(self, evicted: list[tuple[bytes, bytes]], promoted: bytes) -> None:
         """What memory evicted to take in `promoted`, written to disk where the disk lacks it (it has
         what was written through, unless its own eviction dropped it). Under the lock."""
         self.counters.evicted[self.memory.name] += sum(name != promoted for name, _ in evicted)
+        touched = [promoted, *(name for name, _ in evicted)]
         for name, record in evicted:
             if name != promoted and name not in self.disk:
                 self.counters.stored[self.disk.name] += 1
-                self.counters.evicted[self.disk.name] += len(self.disk.put(name, record))
+                dropped = self.disk.put(name, record)
+                self.counters.evicted[self.disk.name] += len(dropped)
+                touched += dropped
+        self._publish(touched)
 
     def where(self, key: bytes, part: Part = Part.MAIN) -> str | None:
         """The tier that holds the block (unchecked: a later `get` may still reject it), or None."""
@@ -133,6 +164,7 @@ class TieredKVStore:
                 if isinstance(payload, Miss):
                     self.disk.remove(name)
                     self.counters.rejected[payload.reason] += 1
+                    self._publish([name])
                     break
                 self.disk.touch(name)
                 self.counters.prefetched += 1
@@ -167,12 +199,14 @@ class TieredKVStore:
                 if isinstance(payload, Miss):
                     tier.remove(name)
                     self.counters.rejected[payload.reason] += 1
+                    self._publish([name])
                     continue
                 self.counters.hits[tier.name] += 1
                 if tier is self.disk and self.memory is not None:
                     self._spill(self.memory.put(name, record), name)
                 return payload
             self.counters.misses += 1
+            self._publish([name])  # a file that vanished or could not be read is gone from the disk tier
             return None
 
     def stats(self) -> dict[str, float]:

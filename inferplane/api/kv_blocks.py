@@ -1,4 +1,6 @@
-"""A KV block's name in the tiers: a chained hash, as vLLM's prefix cache names its blocks.
+"""A KV block's name: a chained hash, as vLLM's prefix cache names its blocks. The workers name
+their blocks with it (tiers, KV events) and the gateway names a prompt's blocks with it (its index of
+what each replica holds, its hash ring), so both sides must compute it here, the one place.
 
 Block i's key hashes block i-1's key and block i's tokens, so a key stands for the whole prefix up
 to the block's end: equal keys mean equal tokens from the first one, which is what makes the KV
@@ -16,11 +18,20 @@ from collections.abc import Sequence
 KEY_BYTES = 16  # 128-bit names: collisions are out of reach at any cache size
 
 
+def adapter_cache_key(name: str, sha256: str) -> str:
+    """What slots, prefix caches, KV block names and metrics tell LoRA adapters apart by: the
+    adapter's name and the start of its weights' digest (its version)."""
+    return f"{name}@{sha256[:16]}"
+
+
+LORA_MARK = "\x00lora:"  # between a namespace's salt and its adapter's key
+
+
 def kv_namespace(cache_salt: str, adapter_key: str) -> str:
     """The namespace a request's prefixes are matched in and its keys start from: its cache salt
     (decided by the gateway, per tenant), and under a LoRA adapter the adapter too, since the same
     tokens give other KV there (`RadixKV.namespace` says why the worker never widens it)."""
-    return f"{cache_salt}\x00lora:{adapter_key}" if adapter_key else cache_salt
+    return f"{cache_salt}{LORA_MARK}{adapter_key}" if adapter_key else cache_salt
 
 
 def namespace_root(namespace: str) -> bytes:
