@@ -183,6 +183,11 @@ class EngineConfig(Section):
         "KV tiers, disk: below the memory tier, in a volume the operator mounts (an emptyDir of this "
         "size, requested as ephemeral storage); it outlives a crashed worker process, and a new worker "
         "of the same model and settings reads what it finds there. Needs the radix KV manager."))) | None = None
+    kv_events: bool | None = Field(None, description=(
+        "Publish which KV blocks each worker holds, in its pool and each KV tier (vLLM's KV events: "
+        "BlockStored, BlockRemoved, AllBlocksCleared), over a gRPC stream the gateway reads for "
+        "kv-aware routing. Unset: on with the radix KV manager (runtime radix or cpu-int8); true "
+        "needs it."))
     enforce_eager: bool = Field(False, description=(
         "GPU only. Run decode steps kernel by kernel instead of replaying CUDA graphs (one captured "
         "per batch-size bucket up to maxNumSeqs); the graphs' memory is counted before the KV pool "
@@ -194,6 +199,21 @@ class Serving(Section):
     weight: int = Field(100, ge=0, le=100, description=(
         "Share of the served model's traffic (A/B split across deployments)."))
     tier: Literal["primary", "spillover"] = "primary"
+
+
+RoutingPolicy = Literal["kv-aware", "prefix-hash", "least-loaded"]
+
+
+class Routing(Section):
+    """How the gateway picks one of the deployment's replicas for a request."""
+
+    policy: RoutingPolicy | None = Field(None, description=(
+        "kv-aware: the replica holding the longest run of the prompt's leading KV blocks (in its pool, "
+        "then its memory tier, then its disk tier, as the workers' KV events report), within bounded "
+        "load; a prompt no replica holds goes as prefix-hash sends it (needs KV events). prefix-hash: a "
+        "hash ring over the prompt's first blocks, under bounded load. least-loaded: the fewest requests "
+        "in flight. Unset: kv-aware where KV tiers (engine.kvOffload*) and KV events are on, else "
+        "prefix-hash."))
 
 
 class Autoscaling(Section):
@@ -259,6 +279,7 @@ class InferenceDeploymentSpec(Section):
     resources: Resources = section_default()
     engine: EngineConfig = section_default("Unset fields take the runtime preset's value.")
     serving: Serving = section_default()
+    routing: Routing = section_default()
     autoscaling: Autoscaling = section_default()
     slo: SLO = section_default()
     cache_isolation: Literal["tenant", "shared"] = Field("tenant", description=(
@@ -431,6 +452,17 @@ RULES: tuple[Rule, ...] = (
          "cpu-int8 or auto (an embedding model keeps no KV)",
          lambda s: s.engine.kv_offload_disk is None or (s.runtime != "paged" and not _is_embedding(s)),
          cel="!has(self.engine.kvOffloadDisk) || (self.runtime != 'paged' && self.kind != 'embedding')"),
+    Rule("", "engine.kvEvents", "engine.kvEvents needs the radix KV manager: runtime radix, cpu-int8 or auto "
+         "(an embedding model keeps no KV)",
+         lambda s: not s.engine.kv_events or (s.runtime != "paged" and not _is_embedding(s)),
+         cel="!has(self.engine.kvEvents) || !self.engine.kvEvents || (self.runtime != 'paged' && "
+             "self.kind != 'embedding')"),
+    Rule("", "routing.policy", "routing.policy kv-aware reads the workers' KV events: it needs the radix KV "
+         "manager (runtime radix, cpu-int8 or auto) and engine.kvEvents not false",
+         lambda s: s.routing.policy != "kv-aware" or (s.runtime != "paged" and not _is_embedding(s)
+                                                       and s.engine.kv_events is not False),
+         cel="!has(self.routing.policy) || self.routing.policy != 'kv-aware' || (self.runtime != 'paged' && "
+             "self.kind != 'embedding' && (!has(self.engine.kvEvents) || self.engine.kvEvents))"),
     Rule("", "engine.enforceEager", "engine.enforceEager turns off CUDA graphs: it needs a GPU (resources.gpus > 0)",
          lambda s: not (s.engine.enforce_eager and s.resources.gpus == 0),
          cel="!(self.engine.enforceEager && self.resources.gpus == 0)"),

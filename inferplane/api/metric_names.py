@@ -73,6 +73,12 @@ USAGE_PENDING_RECORDS = "inferplane_usage_pending_records"
 DATABASE_UP = "inferplane_database_up"
 DEPLOYMENT_REPLICAS_READY = "inferplane_deployment_replicas_ready"  # labels model, deployment
 DEPLOYMENT_REPLICAS_DESIRED = "inferplane_deployment_replicas_desired"
+# KV-aware routing (control_plane/routing/kv_index.py): labels policy, outcome ("held": the replica
+# holding most of the prompt's blocks; "ring": the hash ring; "least_loaded")
+GATEWAY_ROUTING_DECISIONS = "inferplane_gateway_routing_decisions"
+GATEWAY_KV_INDEX_BLOCKS = "inferplane_gateway_kv_index_blocks"  # distinct blocks some replica holds
+GATEWAY_KV_INDEX_REPLICA_BLOCKS = "inferplane_gateway_kv_index_replica_blocks"  # labels replica, medium
+GATEWAY_KV_EVENT_BATCHES = "inferplane_gateway_kv_event_batches"  # KV event batches applied
 
 # -- autoscaler (inside the gateway; label deployment)
 AUTOSCALER_DESIRED = "inferplane_autoscaler_desired_replicas"

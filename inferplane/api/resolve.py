@@ -80,6 +80,7 @@ class ResolvedDeployment:
     device: Literal["cpu", "cuda"]
     engine: Mapping[str, str | int | bool | None]
     cpu_threads: int | None  # CPU workers: the pod's CPU allowance, not the node's cores
+    routing_policy: str = "prefix-hash"  # how the gateway picks a replica (`routing_policy`)
 
     @property
     def preset(self) -> RuntimePreset:
@@ -125,6 +126,8 @@ def _choose_runtime(spec: InferenceDeploymentSpec) -> tuple[str, str]:
         return "radix", f"auto: workload hints {', '.join(named)} reuse prefixes, so the radix cache"
     if spec.engine.kv_offload_memory is not None or spec.engine.kv_offload_disk is not None:
         return "radix", "auto: KV tiers (engine.kvOffload*) keep the blocks the radix cache lets go"
+    if spec.engine.kv_events or spec.routing.policy == "kv-aware":
+        return "radix", "auto: KV events (engine.kvEvents, kv-aware routing) come from the radix cache"
     return "paged", "auto: GPU without prefix-sharing hints, so paged KV for high concurrency"
 
 
@@ -164,7 +167,19 @@ def resolve(spec: InferenceDeploymentSpec) -> ResolvedDeployment:
     return ResolvedDeployment(
         runtime=runtime, reason=reason, device=device, engine=engine,
         cpu_threads=max(1, math.floor(parse_quantity(spec.resources.cpu))) if device == "cpu" else None,
+        routing_policy=routing_policy(spec, runtime),
     )
+
+
+def routing_policy(spec: InferenceDeploymentSpec, runtime: str) -> str:
+    """The spec's routing.policy, or where it is unset: kv-aware when the replicas keep KV tiers and
+    publish KV events (the radix KV manager, events not turned off), else prefix-hash, which needs
+    no events and keeps a conversation's turns together on a hash ring."""
+    if spec.routing.policy is not None:
+        return spec.routing.policy
+    tiers = spec.engine.kv_offload_memory is not None or spec.engine.kv_offload_disk is not None
+    events = PRESETS[runtime].kv_manager == "radix" and spec.engine.kv_events is not False
+    return "kv-aware" if tiers and events else "prefix-hash"
 
 
 def served_cache_isolation(isolations: Iterable[str]) -> str:

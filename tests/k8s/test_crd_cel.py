@@ -81,6 +81,13 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "adapters: preloading them needs engine.maxLoras at least the number listed": (
         {"adapters": [{"name": "bot"}], "engine": {"maxLoras": 1}},
         {"adapters": [{"name": "bot"}, {"name": "helper"}], "engine": {"maxLoras": 1}}),
+    "engine.kvEvents needs the radix KV manager: runtime radix, cpu-int8 or auto (an embedding model keeps no KV)": (
+        {"runtime": "radix", "engine": {"kvEvents": True}},
+        {"runtime": "paged", "resources": {"gpus": 1}, "engine": {"kvEvents": True}}),
+    "routing.policy kv-aware reads the workers' KV events: it needs the radix KV manager (runtime radix, cpu-int8 "
+    "or auto) and engine.kvEvents not false": (
+        {"routing": {"policy": "kv-aware"}},
+        {"routing": {"policy": "kv-aware"}, "engine": {"kvEvents": False}}),
     "engine.enforceEager turns off CUDA graphs: it needs a GPU (resources.gpus > 0)": (
         {"runtime": "paged", "resources": {"gpus": 1}, "engine": {"enforceEager": True}},
         {"runtime": "paged", "engine": {"enforceEager": True}}),

@@ -13,11 +13,11 @@ chart opens to the monitoring namespace only), never on the API port that every 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_asgi_app
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from inferplane.api import metric_names as m
 
@@ -72,6 +72,12 @@ class PlatformSources:
     usage_pending: Callable[[], int]
     quotas: Callable[[], dict[str, tuple[int, int]]]  # tenant -> (quota, used) for tenants with a quota
     replicas: Callable[[], list[ReplicaCount]]
+    # KV-aware routing: decisions by (policy, outcome), the index's blocks in all and per replica
+    # and medium, and the KV event batches applied.
+    routing_decisions: Callable[[], Mapping[tuple[str, str], int]] = dict
+    kv_index_blocks: Callable[[], int] = lambda: 0
+    kv_replica_blocks: Callable[[], Mapping[str, Mapping[str, int]]] = dict
+    kv_event_batches: Callable[[], int] = lambda: 0
 
 
 class PlatformCollector:
@@ -107,6 +113,22 @@ class PlatformCollector:
             desired.add_metric([count.model, count.deployment], count.desired)
         yield ready
         yield desired
+        decisions = CounterMetricFamily(m.GATEWAY_ROUTING_DECISIONS, "replica choices by routing policy and outcome",
+                                        labels=["policy", "outcome"])
+        for (policy, outcome), count in sorted(s.routing_decisions().items()):
+            decisions.add_metric([policy, outcome], count)
+        yield decisions
+        yield _gauge(m.GATEWAY_KV_INDEX_BLOCKS, "distinct KV blocks the index knows some replica holds",
+                     value=s.kv_index_blocks())
+        held = GaugeMetricFamily(m.GATEWAY_KV_INDEX_REPLICA_BLOCKS, "KV blocks a replica holds, per medium, "
+                                 "as its KV events say", labels=["replica", "medium"])
+        for replica, media in sorted(s.kv_replica_blocks().items()):
+            for medium, count in sorted(media.items()):
+                held.add_metric([replica, medium], count)
+        yield held
+        batches = CounterMetricFamily(m.GATEWAY_KV_EVENT_BATCHES, "KV event batches applied to the index")
+        batches.add_metric([], s.kv_event_batches())
+        yield batches
 
 
 METRICS_PATH = "/metrics"

@@ -49,6 +49,7 @@ class ResourceRoute:
     # The registry digest of the weights it serves (status.model.sha256; local mode: the fetched
     # weights'), None where none is known: what LoRA adapters bind to.
     model_sha256: str | None = None
+    routing_policy: str = "prefix-hash"  # spec.routing.policy, resolved
 
     @property
     def key(self) -> tuple[str, str]:
@@ -69,7 +70,7 @@ class ResourceRoute:
                    block_size=resolved.block_size, cache_isolation=spec.cache_isolation,
                    model_fingerprint=fingerprint, autoscaling=autoscale_settings(spec, resolved),
                    replicas=None if namespace is None else spec.replicas, priority=spec.priority,
-                   model_sha256=model_sha256)
+                   model_sha256=model_sha256, routing_policy=resolved.routing_policy)
 
 
 def _fingerprint(spec: Mapping[str, Any]) -> str:
@@ -119,9 +120,11 @@ def route_table(routes: Iterable[ResourceRoute]) -> dict[str, tuple[ResourceRout
 
 
 def router_deployment(route: ResourceRoute, source: EndpointSource) -> Deployment:
-    """The router's view of one deployment: its replicas (from `source`), weight, tier and block size."""
+    """The router's view of one deployment: its replicas (from `source`), weight, tier, block size and
+    routing policy."""
     return Deployment(route.deployment_name, source, weight=route.weight, tier=route.tier,
-                      block_size=route.block_size, desired_replicas=route.replicas)
+                      block_size=route.block_size, desired_replicas=route.replicas,
+                      routing_policy=route.routing_policy)
 
 
 def served_settings(members: Sequence[ResourceRoute]) -> tuple[str, str]:

@@ -38,6 +38,7 @@ from inferplane.control_plane.gateway.rest import create_asgi_app
 from inferplane.control_plane.limits import InProcessKeyLimiter, KeyLimiter, QuotaTracker
 from inferplane.control_plane.outbound import OutboundPolicy
 from inferplane.control_plane.routing import HealthPoller, HealthTracker, Router
+from inferplane.control_plane.routing.kv_events import KVEventSubscriber
 from inferplane.control_plane.routing.worker_channels import WorkerChannels
 from inferplane.control_plane.tokens import AdminTokenVerifier, JWTSettings
 from inferplane.control_plane.usage import UsageRecorder
@@ -129,6 +130,7 @@ class Gateway:
         self.usage = UsageRecorder(self.sessions, flush_interval=settings.usage_flush_interval)
         self.quota = QuotaTracker(self.sessions, recorder=self.usage)
         self.channels = WorkerChannels()
+        self.kv_events = KVEventSubscriber(self.router.kv_index, self.router.kv_aware_addresses, self.channels.stub)
         jwt_verifier = None
         if settings.jwt_algorithm and settings.jwt_key:
             jwt_verifier = AdminTokenVerifier(JWTSettings(algorithm=settings.jwt_algorithm, key=settings.jwt_key,
@@ -139,7 +141,12 @@ class Gateway:
             usage_last_flush=lambda: self.usage.last_flush,
             usage_pending=self.usage.pending_records,
             quotas=self.quota.snapshot,
-            replicas=lambda: [ReplicaCount(*row) for row in self.router.replica_counts()])))
+            replicas=lambda: [ReplicaCount(*row) for row in self.router.replica_counts()],
+            routing_decisions=lambda: self.router.decisions,
+            kv_index_blocks=self.router.kv_index.blocks,
+            kv_replica_blocks=lambda: {a: self.router.kv_index.replica_blocks(a)
+                                       for a in self.router.kv_index.replicas()},
+            kv_event_batches=lambda: self.kv_events.batches)))
         self.limiter = _key_limiter(settings, metrics)
         self.sequences = _sequence_limiter(settings, metrics)
         self.activator = Activator()
@@ -191,6 +198,8 @@ class Gateway:
             self.alert_forwarder.start()  # delivers what earlier runs left pending, then what arrives
         poller = HealthPoller(self.router.health, self.router.addresses)
         self._tasks.append(asyncio.create_task(poller.run(self.settings.health_poll_interval)))
+        # The KV index of kv-aware deployments, from their workers' KV event streams.
+        self._tasks.append(asyncio.create_task(self.kv_events.run(self.settings.health_poll_interval)))
         self._tasks.append(asyncio.create_task(self._prune_channels()))
         # access_log=False: the access logger sits below log_level anyway, but uvicorn would still
         # format the client address and path of every request before finding that out.

@@ -1,9 +1,15 @@
 """Served model name -> deployment (A/B weight, tier) -> replica (prefix affinity under bounded load;
 a LoRA adapter's requests: affinity to the adapter, so it stays loaded where its traffic goes).
 
-The router holds no per-prefix state: a replica is a pure function of the prompt's prefix key, the
-member set and current loads. Several gateway replicas therefore agree on where a prefix lives
-without talking to each other, and a restarted gateway loses nothing.
+Replica choice, by the deployment's routing policy (spec.routing.policy):
+  - prefix-hash: no per-prefix state: a replica is a pure function of the prompt's prefix key, the
+    member set and current loads (a hash ring under bounded load). Several gateway replicas agree on
+    where a prefix lives without talking to each other, and a restarted gateway loses nothing.
+  - kv-aware: the replica holding the longest run of the prompt's leading blocks, weighted by where
+    it holds them (the KV index, fed by the workers' own events), among the replicas under the
+    bounded-load cap; a prompt none holds goes as prefix-hash sends it, so affinity still forms.
+    The pick is noted in the index (provisional), so a burst sharing a new prefix stays together.
+  - least-loaded: the fewest requests in flight from this gateway.
 
 Deployment choice, in order (one step wins):
   1. on a retry, the deployment of the failed attempt, if it still has an unsaturated replica
@@ -20,17 +26,23 @@ from __future__ import annotations
 
 import hashlib
 import random
+import typing
 import weakref
+from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from inferplane.api.deployment import RoutingPolicy
 from inferplane.control_plane.routing.endpoints import Endpoint, EndpointSource
 from inferplane.control_plane.routing.errors import NoReplicaAvailable, UnknownModel
 from inferplane.control_plane.routing.health import HealthTracker
+from inferplane.control_plane.routing.kv_index import KVIndex
 from inferplane.control_plane.routing.load import LoadTracker
-from inferplane.control_plane.routing.prefix import prefix_key
-from inferplane.control_plane.routing.ring import HashRing, bounded_pick
+from inferplane.control_plane.routing.prefix import block_hashes, prefix_key
+from inferplane.control_plane.routing.ring import HashRing, bounded_pick, load_bound
+
+ROUTING_POLICIES: tuple[str, ...] = typing.get_args(RoutingPolicy)
 
 
 class Tier(StrEnum):
@@ -55,9 +67,12 @@ class Deployment:
     # Replicas its owner asks for (InferenceDeployment spec.replicas, which the autoscaler also
     # sets); None: the listed endpoints are all there is to want (a local group).
     desired_replicas: int | None = None
+    routing_policy: str = "prefix-hash"  # spec.routing.policy, resolved (api/resolve.routing_policy)
 
     def __post_init__(self) -> None:
         self.tier = Tier(self.tier)
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"deployment {self.name}: routing policy must be one of {', '.join(ROUTING_POLICIES)}")
         if self.weight < 0:
             raise ValueError(f"deployment {self.name}: weight must be >= 0")
         if self.max_outstanding < 1 or self.block_size < 1 or self.affinity_blocks < 1:
@@ -71,7 +86,7 @@ class RouteRequest:
     token_ids: Sequence[int] | None = None  # tokenized prompt; None routes by load alone
     cache_salt: str = ""                    # the tenant's salt (see ``salt.tenant_cache_salt``)
     ab_key: str | None = None               # e.g. a user id: pins the A/B arm; None draws at random
-    adapter: str = ""                       # a LoRA adapter's key (name@digest): affine to the adapter
+    adapter: str = ""                       # a LoRA adapter's key (api/kv_blocks.adapter_cache_key)
 
 
 @dataclass(eq=False)
@@ -111,9 +126,11 @@ class _Candidates:
 class Router:
     def __init__(self, routes: Mapping[str, Iterable[Deployment]] | None = None, *,
                  health: HealthTracker | None = None, load: LoadTracker | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, kv_index: KVIndex | None = None) -> None:
         self.health = health or HealthTracker()
         self.load = load or LoadTracker()
+        self.kv_index = kv_index or KVIndex()
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (policy, outcome): the gateway's metrics
         self._rng = rng or random.Random()
         self._routes: dict[str, tuple[Deployment, ...]] = {}
         self._rings: weakref.WeakKeyDictionary[Deployment, HashRing] = weakref.WeakKeyDictionary()
@@ -144,6 +161,11 @@ class Router:
     def addresses(self) -> set[str]:
         """Every listed replica of every route: what the health poller should check."""
         return {ep.address for deps in self._routes.values() for d in deps for ep in d.source.endpoints()}
+
+    def kv_aware_addresses(self) -> set[str]:
+        """The replicas whose deployment routes kv-aware: whose KV events the gateway follows."""
+        return {ep.address for deps in self._routes.values() for d in deps if d.routing_policy == "kv-aware"
+                for ep in d.source.endpoints()}
 
     def replica_counts(self) -> list[tuple[str, str, int, int]]:
         """(model, deployment, ready, desired) per deployment: what the gateway's metrics report."""
@@ -227,6 +249,22 @@ class Router:
 
     def _choose_replica(self, request: RouteRequest, c: _Candidates) -> str:
         d = c.deployment
+        # A saturated replica is passed over while its siblings have room, whatever the policy says.
+        room = [a for a in c.endpoints if not self._replica_saturated(d, a)] or list(c.endpoints)
+        loads = {a: self.load.outstanding(a) for a in room}
+        if d.routing_policy == "least-loaded":
+            self.decisions[(d.routing_policy, "least_loaded")] += 1
+            return self._least_loaded(loads)
+        hashes: list[bytes] = []
+        if d.routing_policy == "kv-aware" and request.token_ids:
+            # The blocks a worker's prefix match can use: full blocks before the last token.
+            hashes = block_hashes(request.token_ids[:len(request.token_ids) - 1], d.block_size,
+                                  request.cache_salt, adapter_key=request.adapter)
+            picked = self._most_held(hashes, loads, d.load_epsilon)
+            if picked is not None:
+                self.decisions[(d.routing_policy, "held")] += 1
+                self.kv_index.note_routed(picked, hashes)
+                return picked
         if request.adapter:
             # An adapter's requests go where it is loaded (one replica, its slot warm and its prefixes
             # cached); bounded load moves the excess to the next replica on the ring, which then
@@ -234,13 +272,27 @@ class Router:
             key = adapter_key(request.adapter)
         else:
             key = prefix_key(request.token_ids, d.block_size, request.cache_salt, d.affinity_blocks)
-        # A saturated replica is passed over while its siblings have room, whatever the ring says.
-        room = [a for a in c.endpoints if not self._replica_saturated(d, a)] or list(c.endpoints)
-        loads = {a: self.load.outstanding(a) for a in room}
-        if key is not None:
-            picked = bounded_pick(self._ring(c), key, loads, d.load_epsilon)
-            if picked is not None:
-                return picked
+        picked = bounded_pick(self._ring(c), key, loads, d.load_epsilon) if key is not None else None
+        outcome = "ring" if picked is not None else "least_loaded"
+        picked = picked if picked is not None else self._least_loaded(loads)
+        self.decisions[(d.routing_policy, outcome)] += 1
+        if hashes:
+            self.kv_index.note_routed(picked, hashes)
+        return picked
+
+    def _most_held(self, hashes: Sequence[bytes], loads: Mapping[str, int], epsilon: float) -> str | None:
+        """Among the replicas under the bounded-load cap, the one whose held run of `hashes` weighs
+        most (the least loaded of equals, then by address: equal on every gateway replica); None
+        where none holds the first block."""
+        if not hashes:
+            return None
+        cap = load_bound(sum(loads.values()), len(loads), epsilon)
+        runs = self.kv_index.held_runs(hashes, [a for a, n in loads.items() if n + 1 <= cap])
+        if not runs:
+            return None
+        return max(runs, key=lambda a: (runs[a], -loads[a], a))
+
+    def _least_loaded(self, loads: Mapping[str, int]) -> str:
         low = min(loads.values())
         return self._rng.choice(sorted(a for a, n in loads.items() if n == low))
 
