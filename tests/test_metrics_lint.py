@@ -41,13 +41,17 @@ def test_the_gateways_metrics_pass_promtool() -> None:
     metrics.billed("acme", "m", prompt_tokens=3, completion_tokens=5)
     metrics.registry.register(PlatformCollector(PlatformSources(
         database_up=lambda: True, usage_last_flush=lambda: None, usage_pending=lambda: 2,
-        quotas=lambda: {"acme": (1000, 800)}, replicas=lambda: [ReplicaCount("m", "ns/chat", 1, 2)])))
+        quotas=lambda: {"acme": (1000, 800)}, replicas=lambda: [ReplicaCount("m", "ns/chat", 1, 2)],
+        routing_decisions=lambda: {("kv-aware", "held"): 7}, kv_index_blocks=lambda: 42,
+        kv_replica_blocks=lambda: {"10.0.0.1:50051": {"pool": 30, "disk": 12}}, kv_event_batches=lambda: 9)))
     for gauge in (scaling.desired, scaling.current, scaling.maximum, scaling.saturation, scaling.panic):
         gauge.labels("ns/chat").set(1)
     exposition = generate_latest(metrics.registry)
     assert promtool_lint(exposition) == ""
     assert b'inferplane_key_requests_total{key="key-1",result="admitted",tenant="acme"} 0.0' in exposition
     assert b'inferplane_tenant_quota_used_tokens{tenant="acme"} 800.0' in exposition
+    assert b'inferplane_gateway_routing_decisions_total{outcome="held",policy="kv-aware"} 7.0' in exposition
+    assert b'inferplane_gateway_kv_index_replica_blocks{medium="disk",replica="10.0.0.1:50051"} 12.0' in exposition
 
 
 def test_the_operators_metrics_pass_promtool() -> None:

@@ -54,6 +54,7 @@ WORKER_KV_TIER_REJECTED = "inferplane_worker_kv_tier_rejected"
 WORKER_KV_TIER_PREFETCHED = "inferplane_worker_kv_tier_prefetched_blocks"
 WORKER_KV_TIER_SAVED = "inferplane_worker_kv_tier_saved_blocks"
 WORKER_KV_TIER_LOADED = "inferplane_worker_kv_tier_loaded_blocks"
+WORKER_KV_EVENTS = "inferplane_worker_kv_events_published"  # KV events (engine/kv/events.py) published
 # prometheus_client's process collector, which every worker registers: a restart moves it.
 PROCESS_START_TIME = "process_start_time_seconds"
 

@@ -250,11 +250,24 @@ def platform_dashboard() -> dashboard_builder.Dashboard:
             Query(counter_rate(m.OPERATOR_RECONCILES, by=("result",)), "{{result}}")], "ops"),
         replicas_panel(DEPLOYMENT_OF_NAMESPACE, "Worker replicas ready vs desired"),
     ))
+    routing = Row("KV-aware routing", (
+        graph("Replica choices/s by policy and outcome", [
+            Query(counter_rate(m.GATEWAY_ROUTING_DECISIONS, by=("policy", "outcome")), "{{policy}} {{outcome}}")],
+              "ops", width=8,
+              description="held: the replica holding most of the prompt's blocks (its KV events say); ring: the "
+                          "hash ring, where no replica holds the first block; least_loaded: by load alone"),
+        graph("KV blocks indexed", [Query(gauge_value(m.GATEWAY_KV_INDEX_BLOCKS, op="max"), "blocks")], "short",
+              width=8, description="Distinct KV blocks the gateway knows some replica holds (the fullest gateway)"),
+        graph("KV blocks per replica and medium", [
+            Query(gauge_value(m.GATEWAY_KV_INDEX_REPLICA_BLOCKS, by=("replica", "medium"), op="max"),
+                  "{{replica}} {{medium}}")], "short", width=8,
+              description="What each replica's KV events say it holds: in its pool, memory tier and disk tier"),
+    ))
     variables = [namespace_variable(),
                  query_variable("model", "Model", label_values(series(m.GATEWAY_TOKENS), "model"))]
     return dashboard("inferplane-platform", "Inferplane / Platform",
                      "Gateway traffic, tenants, the usage pipeline and the operator.", variables,
-                     [requests, usage, control])
+                     [requests, usage, control, routing])
 
 
 def deployment_dashboard() -> dashboard_builder.Dashboard:

@@ -37,6 +37,7 @@ _COUNTER_STATS = {
     "kv_tier_prefetched_total": m.WORKER_KV_TIER_PREFETCHED,
     "kv_tier_saved_blocks_total": m.WORKER_KV_TIER_SAVED,
     "kv_tier_loaded_blocks_total": m.WORKER_KV_TIER_LOADED,
+    "kv_events_published_total": m.WORKER_KV_EVENTS,
 }
 _GAUGE_STATS = {
     "num_running": m.WORKER_RUNNING,
