@@ -16,6 +16,8 @@ BENCHMARKS = {
     "lora": ("inferplane.bench.lora", "N LoRA adapters in one batch vs the base alone vs merged models in turn"),
     "operator": ("inferplane.bench.operator", "200 InferenceDeployments against the API server of $KUBECONFIG"),
     "kv": ("inferplane.bench.kv", "a returning conversation's KV read back from the tiers vs computed again"),
+    "kv-routing": ("inferplane.bench.kv_routing", "multi-turn over replicas, one added and one removed: kv-aware vs "
+                                                  "prefix-hash vs least-loaded routing, real router and KV managers"),
     "footprint": ("inferplane.bench.footprint", "a CPU worker's measured peak and served memory vs its estimate"),
 }
 

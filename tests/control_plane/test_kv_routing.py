@@ -103,10 +103,10 @@ def test_kv_aware_goes_where_the_prompts_blocks_are_not_where_the_ring_points() 
     tokens = prompt(5)
     ring_owner = kv_router("prefix-hash").pick(RouteRequest("m", token_ids=tokens))  # the same ring
     holder = next(a for a in REPLICAS if a != ring_owner.address)
-    router.kv_index.apply(holder, stored("disk", names(tokens)[:12], snapshot=True))
+    router.kv_index.apply(holder, stored("memory", names(tokens), snapshot=True))
     router.kv_index.apply(ring_owner.address, stored("pool", names(tokens)[:2], snapshot=True))
     lease = router.pick(RouteRequest("m", token_ids=tokens))
-    assert lease.address == holder  # 12 blocks on disk (6.0) outweigh 2 in the pool
+    assert lease.address == holder  # 19 blocks in memory (15.2) outweigh 2 in the pool
     assert router.decisions[("kv-aware", "held")] == 1
     # Another tenant's names for the same tokens are not held anywhere: the ring decides.
     other = router.pick(RouteRequest("m", token_ids=tokens, cache_salt="tenant-b"))
@@ -191,3 +191,24 @@ def test_settings_kv_aware_routing_cannot_honour_are_refused_naming_the_field(fi
     with pytest.raises(SpecError) as err:
         spec(**fields)
     assert err.value.field == field
+
+
+def test_new_conversations_behind_a_shared_system_prompt_spread_and_their_next_turns_follow() -> None:
+    router = kv_router()
+    system = prompt(9, 16 * BS)
+    holder = REPLICAS[2]
+    router.kv_index.apply(holder, stored("pool", names(system + [0]), snapshot=True))  # the system prompt only
+    firsts = [system + prompt(200 + i, 20 * BS) for i in range(12)]
+    placed = []
+    for tokens in firsts:
+        lease = router.pick(RouteRequest("m", token_ids=tokens))
+        placed.append(lease.address)
+        lease.release(True)
+    # Less than half of each prompt is held: the ring spreads them by their own blocks.
+    assert len(set(placed)) >= 3 and router.decisions[("kv-aware", "ring")] == 12
+    for tokens, address in zip(firsts, placed, strict=True):
+        router.kv_index.apply(address, stored("pool", names(tokens)))
+    for tokens, address in zip(firsts, placed, strict=True):
+        lease = router.pick(RouteRequest("m", token_ids=tokens + prompt(300, 3 * BS)))
+        assert lease.address == address  # the next turn goes where its history is
+        lease.release(True)

@@ -44,6 +44,11 @@ from inferplane.control_plane.routing.ring import HashRing, bounded_pick, load_b
 
 ROUTING_POLICIES: tuple[str, ...] = typing.get_args(RoutingPolicy)
 
+# kv-aware: the share of a prompt's blocks a replica's held run (weighted by medium) must cover for
+# the request to follow it (SGLang's cache-aware router uses the same rule, at 0.5); below it the
+# run is a start many prompts share, and the ring spreads them by what follows it.
+KV_MATCH_SHARE = 0.5
+
 
 class Tier(StrEnum):
     PRIMARY = "primary"
@@ -256,16 +261,25 @@ class Router:
             self.decisions[(d.routing_policy, "least_loaded")] += 1
             return self._least_loaded(loads)
         hashes: list[bytes] = []
+        key: int | None = None
         if d.routing_policy == "kv-aware" and request.token_ids:
             # The blocks a worker's prefix match can use: full blocks before the last token.
             hashes = block_hashes(request.token_ids[:len(request.token_ids) - 1], d.block_size,
                                   request.cache_salt, adapter_key=request.adapter)
-            picked = self._most_held(hashes, loads, d.load_epsilon)
-            if picked is not None:
+            picked, run = self._most_held(hashes, loads, d.load_epsilon)
+            if picked is not None and run >= KV_MATCH_SHARE * len(hashes):
                 self.decisions[(d.routing_policy, "held")] += 1
                 self.kv_index.note_routed(picked, hashes)
                 return picked
-        if request.adapter:
+            if hashes:
+                # Held, but only a small share of the prompt (a system prompt every conversation
+                # starts with): the ring decides by the prompt's own blocks past that run, so new
+                # conversations spread over the replicas' pools instead of piling onto the one
+                # replica that happens to hold the common start.
+                key = int.from_bytes(hashes[min(len(hashes), int(run) + d.affinity_blocks) - 1][:8], "big")
+        if key is not None:
+            pass
+        elif request.adapter:
             # An adapter's requests go where it is loaded (one replica, its slot warm and its prefixes
             # cached); bounded load moves the excess to the next replica on the ring, which then
             # loads it too: the adapter spreads with its traffic, not with every request.
@@ -280,17 +294,19 @@ class Router:
             self.kv_index.note_routed(picked, hashes)
         return picked
 
-    def _most_held(self, hashes: Sequence[bytes], loads: Mapping[str, int], epsilon: float) -> str | None:
+    def _most_held(self, hashes: Sequence[bytes], loads: Mapping[str, int],
+                   epsilon: float) -> tuple[str | None, float]:
         """Among the replicas under the bounded-load cap, the one whose held run of `hashes` weighs
-        most (the least loaded of equals, then by address: equal on every gateway replica); None
-        where none holds the first block."""
+        most (the least loaded of equals, then by address: equal on every gateway replica), and
+        that run's weight; (None, 0) where none holds the first block."""
         if not hashes:
-            return None
+            return None, 0.0
         cap = load_bound(sum(loads.values()), len(loads), epsilon)
         runs = self.kv_index.held_runs(hashes, [a for a, n in loads.items() if n + 1 <= cap])
         if not runs:
-            return None
-        return max(runs, key=lambda a: (runs[a], -loads[a], a))
+            return None, 0.0
+        best = max(runs, key=lambda a: (runs[a], -loads[a], a))
+        return best, runs[best]
 
     def _least_loaded(self, loads: Mapping[str, int]) -> str:
         low = min(loads.values())
