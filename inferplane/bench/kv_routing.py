@@ -143,7 +143,8 @@ def run(policy: str | None, args: argparse.Namespace, workload, seed: int) -> Ou
             continue
         queue.remove(conversation)
         now += 1
-        if not single and not args.steady and now == len(order) // 2:  # halfway: one replica joins, then the first one leaves
+        # Halfway one replica joins; a little later the first one leaves.
+        if not single and not args.steady and now == len(order) // 2:
             joined = names[args.replicas]
             replicas[joined] = Replica.start(joined, blocks, args.block_size)
             source.add(joined)
@@ -191,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--in-flight", type=int, default=8, help="requests in flight at once")
     parser.add_argument("--event-lag", type=int, default=4, help="requests routed before an event reaches the index")
     parser.add_argument("--load-epsilon", type=float, default=0.25, help="the deployments' bounded-load slack")
-    parser.add_argument("--steady", action="store_true", help="no replica added or removed (to see what a change costs)")
+    parser.add_argument("--steady", action="store_true",
+                        help="no replica added or removed (to see what a change costs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

@@ -37,6 +37,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--model-cache-host-path", default=None,
                        help="share fetched weights between pods of a node in this hostPath (default: per pod)")
     cache.add_argument("--model-cache-pvc", default=None, help="or in this PersistentVolumeClaim")
+    kv = parser.add_argument_group("KV disk tiers (engine.kvOffloadDisk)").add_mutually_exclusive_group()
+    kv.add_argument("--kv-tier-host-path", default=None,
+                    help="keep each deployment's KV disk tier in a folder of this node directory (owned by uid "
+                         "10001), so the next pod on the node finds it (default: an emptyDir per pod)")
+    kv.add_argument("--kv-tier-pvc", default=None, help="or in this PersistentVolumeClaim")
     models.add_argument("--model-storage-secret", default=None,
                         help="a Secret with AWS_* variables for s3:// weights, given to the fetch-model step")
     models.add_argument("--s3-endpoint-url", default=None, help="an S3-compatible endpoint (MinIO, Ceph...)")
@@ -67,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     import inferplane.operator.handlers  # noqa: F401  (registers the handlers)
     from inferplane.operator.config import OperatorConfig, WebhookConfig
+    from inferplane.operator.kv_tier import KVTierVolume
     from inferplane.operator.model_pod import ModelCache
     from inferplane.operator.webhook import parse_service
 
@@ -98,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     config = OperatorConfig(worker_image=args.worker_image, monitoring=not args.no_monitoring, webhook=webhook,
                             post_events=not args.no_events, peering_name=peering,
                             namespaces=tuple(namespaces), clusterwide=args.all_namespaces,
-                            registry=registry, model_cache=cache)
+                            registry=registry, model_cache=cache,
+                            kv_tier=KVTierVolume(host_path=args.kv_tier_host_path, claim=args.kv_tier_pvc))
     if args.metrics_port:
         from inferplane.operator.metrics import METRICS
 

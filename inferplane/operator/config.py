@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from inferplane.operator.kv_tier import KVTierVolume
 from inferplane.operator.manifests import DEFAULT_IMAGE
 from inferplane.operator.model_pod import ModelCache
 
@@ -40,4 +41,5 @@ class OperatorConfig:
     # name is an alias the worker image knows (no fetch, no digest).
     registry: Any = None
     model_cache: ModelCache = field(default_factory=ModelCache)
+    kv_tier: KVTierVolume = field(default_factory=KVTierVolume)  # where KV disk tiers live (per pod by default)
     extra: dict[str, str] = field(default_factory=dict)

@@ -175,7 +175,8 @@ async def _reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: 
     model = await _resolve_model(parsed, config, patch, meta, status, retry, logger)
     adapters = await _resolve_adapters(parsed, config, model, patch, meta, status, retry, logger)
     desired = manifests.children(body, parsed, image=config.worker_image, monitoring=config.monitoring,
-                                 resolved=resolved, model=model, cache=config.model_cache, adapters=adapters)
+                                 resolved=resolved, model=model, cache=config.model_cache, adapters=adapters,
+                                 kv_volume=config.kv_tier)
     try:
         for child in desired:
             await _apply(client, child, logger)

@@ -18,17 +18,16 @@ from typing import Any
 
 from inferplane.api.deployment import API_VERSION, KIND, InferenceDeploymentSpec
 from inferplane.api.model_resolution import ResolvedAdapter, ResolvedModel
-from inferplane.api.quantities import parse_bytes
 from inferplane.api.resolve import ResolvedDeployment, resolve
 from inferplane.monitoring.deployment_rules import DeploymentScope, deployment_groups
 from inferplane.monitoring.rules import rule_file
-from inferplane.operator import model_pod
+from inferplane.operator import kv_tier, model_pod
+from inferplane.operator.kv_tier import KV_TIER_DIR, KVTierVolume
 
 GRPC_PORT = 50051
 METRICS_PORT = 9090
 DEFAULT_IMAGE = "ghcr.io/inferplane/inferplane:0.1.0"
 PRE_STOP_SECONDS = 5  # lets endpoints drop a terminating pod before it starts refusing work
-KV_TIER_DIR = "/var/cache/inferplane/kv"  # where a worker's KV disk tier is mounted (engine.kvOffloadDisk)
 
 # Labels: selectors use only LABEL_DEPLOYMENT, which never changes, so a Deployment's immutable
 # selector survives every spec change; the others describe the pods for the gateway and humans.
@@ -133,11 +132,13 @@ def _grpc_probe(period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
             "timeoutSeconds": timeout}
 
 
-def worker_container(name: str, spec: InferenceDeploymentSpec, *,
-                     resolved: ResolvedDeployment, image: str, weights: model_pod.ModelPlan) -> dict[str, Any]:
-    """The worker container: the invocation plus probes, ports, resources and a locked-down context."""
+def worker_container(name: str, spec: InferenceDeploymentSpec, *, resolved: ResolvedDeployment, image: str,
+                     weights: model_pod.ModelPlan, kv_dir: str = KV_TIER_DIR,
+                     kv_storage: str | None = None) -> dict[str, Any]:
+    """The worker container: the invocation plus probes, ports, resources and a locked-down context;
+    `kv_dir` its KV disk tier's directory and `kv_storage` the ephemeral storage the tier requests."""
     invocation = worker_invocation(name, spec, resolved=resolved, model_argument=weights.argument,
-                                   adapters=weights.adapters)
+                                   adapters=weights.adapters, kv_tier_dir=kv_dir)
     quantities = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
     if spec.uses_gpu:
         quantities[spec.resources.gpu_resource_name] = str(spec.resources.gpus)
@@ -146,8 +147,9 @@ def worker_container(name: str, spec: InferenceDeploymentSpec, *,
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     requests = dict(quantities)
     if spec.engine.kv_offload_disk is not None:
-        mounts.append({"name": "kv-tier", "mountPath": KV_TIER_DIR})
-        requests["ephemeral-storage"] = kv_tier_quantity(spec)  # the scheduler places it where the disk is
+        mounts.append({"name": kv_tier.VOLUME, "mountPath": KV_TIER_DIR})
+        if kv_storage is not None:
+            requests["ephemeral-storage"] = kv_storage  # the scheduler places it where the disk is
     # The worker answers NOT_SERVING while it drains; liveness must not kill it during that drain.
     liveness_failures = max(3, math.ceil((spec.drain_grace_seconds + PRE_STOP_SECONDS) / 15) + 2)
     env = [{"name": key, "value": value} for key, value in invocation.env.items()]
@@ -185,20 +187,13 @@ def worker_container(name: str, spec: InferenceDeploymentSpec, *,
     }
 
 
-def kv_tier_quantity(spec: InferenceDeploymentSpec) -> str:
-    """engine.kvOffloadDisk (a byte size like 20GiB) as a Kubernetes quantity, in bytes."""
-    return str(parse_bytes(spec.engine.kv_offload_disk or "0"))
-
-
-def worker_pod_spec(name: str, spec: InferenceDeploymentSpec, *,
-                    resolved: ResolvedDeployment, image: str, weights: model_pod.ModelPlan) -> dict[str, Any]:
+def worker_pod_spec(name: str, spec: InferenceDeploymentSpec, *, resolved: ResolvedDeployment, image: str,
+                    weights: model_pod.ModelPlan, namespace: str = "default",
+                    kv_volume: KVTierVolume | None = None) -> dict[str, Any]:
     volumes = [*weights.volumes, {"name": "tmp", "emptyDir": {}}]
+    kv_volume = kv_volume or KVTierVolume()
     if spec.engine.kv_offload_disk is not None:
-        # Per pod: it outlives a worker process that crashed (the container restarts onto it), not
-        # the pod. The tier keeps its files within its size; sizeLimit evicts a pod that would not.
-        # The limit has a tenth more room: a file is written before the tier evicts for it.
-        limit = str(int(kv_tier_quantity(spec)) * 11 // 10)
-        volumes.append({"name": "kv-tier", "emptyDir": {"sizeLimit": limit}})
+        volumes.append(kv_volume.volume(spec))  # operator/kv_tier.py: per pod, or per node or claim
     tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
     if spec.uses_gpu:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
@@ -211,7 +206,9 @@ def worker_pod_spec(name: str, spec: InferenceDeploymentSpec, *,
         "terminationGracePeriodSeconds": PRE_STOP_SECONDS + spec.drain_grace_seconds + 10,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
                             "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [worker_container(name, spec, resolved=resolved, image=image, weights=weights)],
+        "containers": [worker_container(name, spec, resolved=resolved, image=image, weights=weights,
+                                        kv_dir=kv_volume.directory(namespace, name),
+                                        kv_storage=kv_volume.ephemeral_storage(spec))],
         "volumes": volumes,
     }
     if weights.init_containers:
@@ -237,7 +234,7 @@ def _metadata(owner: Owner, spec: InferenceDeploymentSpec, resolved: ResolvedDep
 
 def deployment(owner: Owner, spec: InferenceDeploymentSpec, *, resolved: ResolvedDeployment, image: str,
                model: ResolvedModel | None = None, cache: model_pod.ModelCache | None = None,
-               adapters: tuple[ResolvedAdapter, ...] = ()) -> dict[str, Any]:
+               adapters: tuple[ResolvedAdapter, ...] = (), kv_volume: KVTierVolume | None = None) -> dict[str, Any]:
     weights = model_pod.plan(spec, model, image=image, cache=cache, adapters=adapters)
     # Without a spare GPU a surge pod cannot schedule, so GPU rollouts replace one pod at a time.
     rolling = {"maxSurge": 0, "maxUnavailable": 1} if spec.uses_gpu else {"maxSurge": 1, "maxUnavailable": 0}
@@ -254,7 +251,8 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, *, resolved: Resolve
                 "metadata": {"labels": labels(owner.name, spec, resolved),
                              "annotations": {"prometheus.io/scrape": "true",
                                              "prometheus.io/port": str(METRICS_PORT), **weights.annotations}},
-                "spec": worker_pod_spec(owner.name, spec, resolved=resolved, image=image, weights=weights),
+                "spec": worker_pod_spec(owner.name, spec, resolved=resolved, image=image, weights=weights,
+                                        namespace=owner.namespace, kv_volume=kv_volume),
             },
         },
     }
@@ -336,6 +334,7 @@ def children(
     model: ResolvedModel | None = None,
     cache: model_pod.ModelCache | None = None,
     adapters: tuple[ResolvedAdapter, ...] = (),
+    kv_volume: KVTierVolume | None = None,
 ) -> list[dict[str, Any]]:
     """Every object an InferenceDeployment owns, each stamped with the hash of its content.
 
@@ -345,7 +344,8 @@ def children(
     owner = Owner.from_body(body)
     resolved = resolved or resolve(spec)
     objects = [
-        deployment(owner, spec, resolved=resolved, image=image, model=model, cache=cache, adapters=adapters),
+        deployment(owner, spec, resolved=resolved, image=image, model=model, cache=cache, adapters=adapters,
+                   kv_volume=kv_volume),
         service(owner, spec, resolved=resolved),
         pod_disruption_budget(owner, spec, resolved=resolved),
     ]

@@ -10,6 +10,7 @@ import pytest
 from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
 from inferplane.api.resolve import resolve
 from inferplane.operator import manifests, model_pod
+from inferplane.operator.kv_tier import KVTierVolume
 from tests.operator.conftest import EXAMPLES, load_example
 
 K8S_VERSION = "1.34.0"  # the chart's minimum (Chart.yaml kubeVersion)
@@ -207,3 +208,26 @@ def test_kv_tiers_reach_the_worker_with_their_volume() -> None:
                                           weights=model_pod.plan(plain, None, image="img"))
     assert all(v["name"] != "kv-tier" for v in plain_pod["volumes"])
 
+
+
+def test_a_kv_tier_on_a_node_directory_or_claim_outlives_the_pod_in_a_folder_per_deployment() -> None:
+    """The operator's --kv-tier-host-path / --kv-tier-pvc: the deployment's folder in that volume, no
+    ephemeral storage request (it is not the node's ephemeral storage), one folder per namespace and name."""
+    parsed = InferenceDeploymentSpec.from_dict({"model": {"name": "m"}, "engine": {"kvOffloadDisk": "8Gi"}})
+    body = {"apiVersion": "inferplane.io/v1alpha1", "kind": "InferenceDeployment",
+            "metadata": {"name": "chat", "namespace": "team-a", "uid": "u1"}, "spec": {}}
+    for node_volume, expected in ((KVTierVolume(host_path="/srv/kv"),
+                                   {"name": "kv-tier", "hostPath": {"path": "/srv/kv", "type": "Directory"}}),
+                                  (KVTierVolume(claim="kv-claim"),
+                                   {"name": "kv-tier", "persistentVolumeClaim": {"claimName": "kv-claim"}})):
+        objects = manifests.children(body, parsed, kv_volume=node_volume)
+        pod = objects[0]["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "kv-tier"]
+        assert volume == expected
+        container = pod["containers"][0]
+        assert container["args"][container["args"].index("--kv-offload-dir") + 1] == \
+            f"{manifests.KV_TIER_DIR}/team-a/chat"
+        assert "ephemeral-storage" not in container["resources"]["requests"]
+    # The default stays a pod's own emptyDir, requested as ephemeral storage.
+    pod = manifests.children(body, parsed)[0]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["requests"]["ephemeral-storage"] == str(8 * 2**30)

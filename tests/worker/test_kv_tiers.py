@@ -4,6 +4,7 @@ tenants' blocks apart by name (inferplane/worker/engine/kv/tiers/)."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 
 import pytest
@@ -122,13 +123,17 @@ def test_the_disk_tier_keeps_its_blocks_for_the_next_process_and_evicts_oldest_f
     assert tier.get(b"a") == b"a" * 10
     assert tier.put(b"d", b"d" * 10) == [b"b"]
     assert len(list(tmp_path.glob("*/*.kvb"))) == 3
-    # A leftover of an interrupted write is removed, never served.
+    # A leftover of an interrupted write is removed, never served; a fresh one (another writer's
+    # write in progress, in a folder pods share) is left alone, and not served either.
     (tmp_path / "zz").mkdir()
-    (tmp_path / "zz" / "ff.kvb.123.tmp").write_bytes(b"half")
+    old, fresh = tmp_path / "zz" / "ff.kvb.123.tmp", tmp_path / "zz" / "ee.kvb.456.tmp"
+    old.write_bytes(b"half")
+    fresh.write_bytes(b"half")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
     again = DiskTier(tmp_path, capacity=30)
     assert again.found == 3 and sorted(again.keys()) == [b"a", b"c", b"d"]
     assert again.get(b"c") == b"c" * 10
-    assert not (tmp_path / "zz" / "ff.kvb.123.tmp").exists()
+    assert not old.exists() and fresh.exists()
     # A smaller capacity at start evicts the least recently used of what it found.
     smaller = DiskTier(tmp_path, capacity=20)
     assert len(smaller) == 2 and b"c" in smaller
@@ -272,3 +277,16 @@ def test_a_load_that_raises_gives_its_blocks_back() -> None:
     with pytest.raises(RuntimeError, match="device lost"):
         kv.match_prefix(seq)
     assert kv.pool.num_free == 16 and kv.tree.num_blocks == 0
+
+
+def test_two_writers_sharing_a_folder_see_each_others_blocks_and_a_miss_for_what_the_other_evicted(tmp_path) -> None:
+    """A rollout's new pod beside the old one on a node's folder (operator/kv_tier.py)."""
+    old = DiskTier(tmp_path, capacity=30)
+    old.put(b"a", b"a" * 10)
+    new = DiskTier(tmp_path, capacity=20)
+    assert new.found == 1 and new.get(b"a") == b"a" * 10
+    old.put(b"b", b"b" * 10)  # written after the new one listed the folder: the new one does not know it
+    new.put(b"c", b"c" * 10)
+    new.put(b"d", b"d" * 10)  # the new one's room is full: it evicts its oldest, a
+    assert b"a" not in new and old.get(b"a") is None and b"a" not in old  # a miss for the old one, never bytes
+    assert old.get(b"b") == b"b" * 10 and new.get(b"c") == b"c" * 10

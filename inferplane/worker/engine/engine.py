@@ -14,12 +14,12 @@ import time
 
 import torch
 
+from inferplane.api.kv_blocks import kv_namespace
 from inferplane.api.priority import band_rank
 from inferplane.api.tokenizer import IncrementalDetokenizer
 from inferplane.worker.engine.decode_bursts import DecodeBursts
 from inferplane.worker.engine.decode_graphs import DecodeGraphs
 from inferplane.worker.engine.intake import RequestIntake
-from inferplane.api.kv_blocks import kv_namespace
 from inferplane.worker.engine.kv.window import WindowBlocks
 from inferplane.worker.engine.kv_offload import open_tier_link
 from inferplane.worker.engine.model_runner import ModelRunner

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from inferplane.api.kv_blocks import chain_keys, kv_namespace
 from inferplane.worker.engine.kv.events import KVEventLog
 from inferplane.worker.engine.kv.manager import KVManager
 from inferplane.worker.engine.kv.radix_tree import BlockKey, Node, RadixTree, block_keys
-from inferplane.api.kv_blocks import chain_keys, kv_namespace
 from inferplane.worker.engine.kv.tiers.link import TierLink
 from inferplane.worker.engine.kv.window import NULL_BLOCK, WindowBlocks, first_kept_block
 from inferplane.worker.engine.sequence import Sequence

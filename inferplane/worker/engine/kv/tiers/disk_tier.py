@@ -1,9 +1,12 @@
 """The disk tier: one file per record in a directory, least recently used first out.
 
-The directory outlives the process (in a cluster a volume of the pod; under `inferplane up` a
-folder of its home, one per replica: a directory has one writer, whose size accounting covers the
-files it holds), so a worker that starts where another left finds its blocks: at start the tier
-lists the files already there, oldest access first, and serves them like its own. Files are
+The directory outlives the process (in a cluster a volume of the pod, or a node's folder per
+deployment: operator/kv_tier.py; under `inferplane up` a folder of its home, one per replica), so
+a worker that starts where another left finds its blocks: at start the tier lists the files
+already there, oldest access first, and serves them like its own. Where pods of one deployment
+share a node's folder (a rollout's new pod beside the old one), each keeps its own size accounting
+over what it listed and wrote, so the folder holds at most the tier's size per writer; a file one
+of them evicts is a miss for the other, never a wrong read. Files are
 written whole to a temporary name and renamed into place, so a reader never sees half a record
 under a block's name; a record damaged anyway (a full disk, a crash mid-write on a filesystem
 that reorders) fails its checksum when read and is a miss.
@@ -11,12 +14,15 @@ that reorders) fails its checksum when read and is a miss.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+import time
 from collections import OrderedDict
 from pathlib import Path
 
 SUFFIX = ".kvb"
+STALE_TEMPORARY_S = 600.0
 
 
 class DiskTier:
@@ -50,11 +56,15 @@ class DiskTier:
 
     def _index_existing(self) -> int:
         """Lists the records a previous process left, least recently used first; leftovers of an
-        interrupted write (temporary names) are removed."""
+        interrupted write (temporary names older than a write takes: another writer's may be in
+        progress) are removed."""
         found = []
+        stale = time.time() - STALE_TEMPORARY_S
         for path in self.directory.glob("*/*"):
             if not path.name.endswith(SUFFIX):
-                path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    if path.stat().st_mtime < stale:
+                        path.unlink(missing_ok=True)
                 continue
             try:
                 name = bytes.fromhex(path.name[:-len(SUFFIX)])
