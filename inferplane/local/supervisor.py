@@ -123,7 +123,10 @@ class Supervisor:
         invocation = worker_invocation(deployment.name, deployment.spec, resolved=deployment.resolved,
                                        host="127.0.0.1", port=replica.port, metrics_port=replica.metrics_port,
                                        model_argument=deployment.model_arg, adapters=deployment.adapters,
-                                       kv_tier_dir=str(self.home / "kv" / deployment.name / str(replica.index)))
+                                       # One folder per deployment, as a node's in a cluster (operator/kv_tier.py):
+                                       # a replica started later (scale from zero, a restart) finds the
+                                       # blocks its predecessors left there.
+                                       kv_tier_dir=str(self.home / "kv" / deployment.name))
         args = list(invocation.args)
         # `inferplane worker` as this interpreter runs it, so the process uses the same environment.
         command = [sys.executable, "-m", "inferplane.cli", *invocation.command[1:], *args]

@@ -26,5 +26,6 @@ def test_inferplane_up_keeps_a_deployments_kv_disk_tier_in_its_home(tmp_path: Pa
                                               "engine": {"kvOffloadDisk": "1GiB"}})
     deployment = LocalDeployment("chat", spec, resolve(spec), "smollm2-135m")
     command, _ = Supervisor(tmp_path).command(deployment, Replica(0, 1234, 1235, tmp_path / "r.log"))
-    assert command[command.index("--kv-offload-dir") + 1] == str(tmp_path / "kv" / "chat" / "0")  # a writer each
+    # One folder per deployment: a replica started later finds what earlier ones left.
+    assert command[command.index("--kv-offload-dir") + 1] == str(tmp_path / "kv" / "chat")
     assert command[command.index("--kv-offload-disk") + 1] == "1GiB"
