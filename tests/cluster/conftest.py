@@ -37,6 +37,8 @@ GATEWAY_PORT = 8000
 DATA_DIR = node_module.STATE / "volumes" / "control-plane-data"
 # The operator's hostPath digest cache: a pod on the node finds weights an earlier one fetched.
 MODEL_CACHE = node_module.STATE / "volumes" / "model-cache"
+# The operator's hostPath for KV disk tiers: a deployment's next pod on the node finds its KV.
+KV_TIER = node_module.STATE / "volumes" / "kv-tier"
 POD_TIMEOUT = 600.0  # a worker pod on 2 busy cores: scheduling, fetch-model, loading, the start-up gate
 
 
@@ -129,7 +131,7 @@ def wait_pods_ready(platform: Platform, namespace: str, selector: str, count: in
 def _data_volume(node: NodeCluster) -> None:
     """A hostPath PersistentVolume for the control plane's SQLite claim: the node has no provisioner,
     as a bare cluster has none; the claim (no storage class) binds to it."""
-    for folder in (DATA_DIR, MODEL_CACHE):  # the pods run as 10001, and fsGroup skips hostPath volumes
+    for folder in (DATA_DIR, MODEL_CACHE, KV_TIER):  # the pods run as 10001, and fsGroup skips hostPath volumes
         folder.mkdir(parents=True, exist_ok=True)
         os.chown(folder, 10001, 10001)
     # A volume left by an earlier release is Released (its claim is gone) and never binds again; one
@@ -159,6 +161,7 @@ def platform(node: NodeCluster, helm: Path, images: dict[str, Any]) -> Iterator[
             "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
             "--set", f"operator.watchNamespaces={{{WATCHED}}}", "--set", "controlPlane.drainGraceSeconds=10",
             "--set", f"operator.modelCache.hostPath={MODEL_CACHE}",
+            "--set", f"operator.kvTier.hostPath={KV_TIER}",
             # the test's model server listens on the node's own (private) address, which the
             # gateway refuses to fetch from unless allowed, as an on-premises source would be
             "--set-json", f'controlPlane.outboundAllow=["{NODE_IP}/32"]',
