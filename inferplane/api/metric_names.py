@@ -49,6 +49,7 @@ WORKER_KV_TIER_BYTES = "inferplane_worker_kv_tier_bytes"
 WORKER_KV_TIER_HITS = "inferplane_worker_kv_tier_hits"
 WORKER_KV_TIER_STORED = "inferplane_worker_kv_tier_stored"
 WORKER_KV_TIER_EVICTED = "inferplane_worker_kv_tier_evicted"
+WORKER_KV_TIER_READ_SECONDS = "inferplane_worker_kv_tier_read_seconds"  # label tier: time reading hits
 WORKER_KV_TIER_MISSES = "inferplane_worker_kv_tier_misses"
 WORKER_KV_TIER_REJECTED = "inferplane_worker_kv_tier_rejected"
 WORKER_KV_TIER_PREFETCHED = "inferplane_worker_kv_tier_prefetched_blocks"

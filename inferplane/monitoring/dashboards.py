@@ -306,13 +306,17 @@ def deployment_dashboard() -> dashboard_builder.Dashboard:
     kv_tiers = Row("KV tiers", (
         graph("KV blocks read back by tier", [
             Query(counter_rate(m.WORKER_KV_TIER_HITS, workers, per_tier), "{{tier}}"),
-            Query(counter_rate(m.WORKER_KV_TIER_MISSES, workers), "not held")], "short", width=8,
+            Query(counter_rate(m.WORKER_KV_TIER_MISSES, workers), "not held")], "short", width=6,
               description="Blocks a prompt found in the memory or disk tier instead of computing them "
                           "(prefetched: read from disk ahead of the request, off the engine thread)"),
+        graph("KV tier read time per block", [
+            Query(ratio(counter_rate(m.WORKER_KV_TIER_READ_SECONDS, workers, per_tier),
+                        counter_rate(m.WORKER_KV_TIER_HITS, workers, per_tier)), "{{tier}}")], "s", width=6,
+              description="Mean time to read one block back from each tier, checks and copy included"),
         graph("KV tier bytes", [Query(gauge_value(m.WORKER_KV_TIER_BYTES, workers, per_tier), "{{tier}}")],
-              "bytes", width=8),
+              "bytes", width=6),
         graph("KV tier records rejected/s", [Query(counter_rate(m.WORKER_KV_TIER_REJECTED, workers), "rejected")],
-              width=8, description="Stored blocks that failed a check (checksum, layout, key) and were computed "
+              width=6, description="Stored blocks that failed a check (checksum, layout, key) and were computed "
                                    "again: never used"),
     ))
     flow_control = Row("Flow control", (

@@ -39,6 +39,7 @@ def test_a_prefix_evicted_from_the_pool_comes_back_from_memory(tiny_llama, refer
     assert again.token_ids == first.token_ids == reference.generate(conversation, GREEDY)[0].token_ids
     stats = llm.stats()
     assert stats["kv_tier_loaded_blocks_total"] >= 9 and stats["kv_tier_hits_total:memory"] >= 9
+    assert stats["kv_tier_read_seconds_total:memory"] > 0  # the reads' time, for the per-block read time panel
     assert stats["blocks_used"] == 0
 
 

@@ -61,6 +61,8 @@ _LABELLED_STATS = {
     "kv_tier_hits_total:": (m.WORKER_KV_TIER_HITS, "KV blocks read from each tier", True, "tier"),
     "kv_tier_stored_total:": (m.WORKER_KV_TIER_STORED, "KV blocks written to each tier", True, "tier"),
     "kv_tier_evicted_total:": (m.WORKER_KV_TIER_EVICTED, "KV blocks each tier dropped for room", True, "tier"),
+    "kv_tier_read_seconds_total:": (m.WORKER_KV_TIER_READ_SECONDS, "time spent reading blocks from each tier "
+                                    "(checks and copies included)", True, "tier"),
 }
 
 

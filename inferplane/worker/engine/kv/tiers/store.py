@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class TierCounters:
     stored: Counter[str] = field(default_factory=Counter)  # records written, by tier name
     evicted: Counter[str] = field(default_factory=Counter)  # records dropped for room, by tier name
     prefetched: int = 0  # records read from disk ahead of their request, off the engine's thread
+    read_seconds: Counter[str] = field(default_factory=Counter)  # time `get` took for each hit, by tier
 
 
 class TieredKVStore:
@@ -181,6 +183,7 @@ class TieredKVStore:
     def get(self, key: bytes, part: Part = Part.MAIN) -> bytearray | None:
         """The block's payload, checked, or None (a miss)."""
         name = record_name(key, part)
+        started = time.perf_counter()
         with self._lock:
             staged = self._staged.pop(name, None)
             if staged is not None:
@@ -188,6 +191,7 @@ class TieredKVStore:
                 payload = decode(self.layout, key, staged, part)
                 if not isinstance(payload, Miss):
                     self.counters.hits["prefetched"] += 1
+                    self.counters.read_seconds["prefetched"] += time.perf_counter() - started
                     return payload
             for tier in (self.memory, self.disk):
                 if tier is None:
@@ -204,6 +208,7 @@ class TieredKVStore:
                 self.counters.hits[tier.name] += 1
                 if tier is self.disk and self.memory is not None:
                     self._spill(self.memory.put(name, record), name)
+                self.counters.read_seconds[tier.name] += time.perf_counter() - started
                 return payload
             self.counters.misses += 1
             self._publish([name])  # a file that vanished or could not be read is gone from the disk tier
@@ -224,4 +229,6 @@ class TieredKVStore:
             out["kv_tier_rejected_total"] = float(sum(self.counters.rejected.values()))
             out["kv_tier_prefetched_total"] = float(self.counters.prefetched)
             out["kv_tier_hits_total:prefetched"] = float(self.counters.hits["prefetched"])
+            for tier_name, seconds in self.counters.read_seconds.items():
+                out[f"kv_tier_read_seconds_total:{tier_name}"] = seconds
         return out
