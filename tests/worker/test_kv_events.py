@@ -3,6 +3,8 @@ gateway computes for the same prompt; a snapshot always equals what the events a
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 
 from inferplane.api.kv_blocks import adapter_cache_key
@@ -49,7 +51,7 @@ def test_the_log_publishes_changes_only_and_its_snapshot_is_their_sum() -> None:
     log.set_held(Medium.DISK, b"c", True)
     log.set_held(Medium.DISK, b"c", True)
     events = all_events(log)
-    assert events == [BlockStored((b"a", b"b"), Medium.POOL, b"p", tuple(range(8))),
+    assert events == [BlockStored((b"a", b"b"), Medium.POOL, b"p", array("I", range(8))),
                       BlockStored((b"c",), Medium.POOL), BlockRemoved((b"a",), Medium.POOL),
                       BlockStored((b"c",), Medium.DISK)]
     position, held = log.snapshot()
@@ -102,7 +104,7 @@ def test_an_adapters_blocks_are_named_with_the_adapter() -> None:
     run_to_end(kv, seq)
     (event,) = [e for e in all_events(kv.events) if isinstance(e, BlockStored)]
     assert list(event.block_hashes) == block_hashes(list(range(1, 17)), BS, "s", adapter_key=Adapter.key)
-    assert event.lora_name == Adapter.key and event.token_ids == tuple(range(1, 17))
+    assert event.lora_name == Adapter.key and list(event.token_ids) == list(range(1, 17))
     assert event.parent_block_hash is None  # the first block of its namespace
 
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import itertools
 import threading
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 
@@ -41,7 +42,9 @@ class BlockStored:
     block_hashes: tuple[bytes, ...]
     medium: Medium
     parent_block_hash: bytes | None = None  # the block before the first, where it is known
-    token_ids: tuple[int, ...] = ()  # the blocks' tokens where the publisher has them (the pool)
+    # The blocks' tokens where the publisher has them (the pool), 4 bytes each: a log of long
+    # prompts' events stays a few MiB.
+    token_ids: array = field(default_factory=lambda: array("I"))
     lora_name: str = ""  # the adapter's key (name@digest start), "" for the base
 
 
@@ -59,7 +62,7 @@ class AllBlocksCleared:
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 # Events kept for subscribers that fall behind; one further behind gets a fresh snapshot instead.
-DEFAULT_CAPACITY = 65536
+DEFAULT_CAPACITY = 4096
 
 
 class KVEventLog:
@@ -89,7 +92,7 @@ class KVEventLog:
             # Tokens and parent describe the whole run: kept only when every block of it is new.
             whole = len(new) == len(hashes)
             self._append(BlockStored(new, medium, parent if whole else None,
-                                     tuple(token_ids) if whole else (), lora_name))
+                                     array("I", token_ids if whole else ()), lora_name))
 
     def removed(self, medium: Medium, hashes: Iterable[bytes]) -> None:
         """Blocks `medium` no longer holds (those it did not hold are left out)."""
