@@ -229,6 +229,6 @@ class TieredKVStore:
             out["kv_tier_rejected_total"] = float(sum(self.counters.rejected.values()))
             out["kv_tier_prefetched_total"] = float(self.counters.prefetched)
             out["kv_tier_hits_total:prefetched"] = float(self.counters.hits["prefetched"])
-            for tier_name, seconds in self.counters.read_seconds.items():
-                out[f"kv_tier_read_seconds_total:{tier_name}"] = seconds
+            for tier_name in [t.name for t in (self.memory, self.disk) if t is not None] + ["prefetched"]:
+                out[f"kv_tier_read_seconds_total:{tier_name}"] = self.counters.read_seconds[tier_name]
         return out
