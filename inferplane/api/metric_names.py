@@ -65,6 +65,7 @@ GATEWAY_LATENCY = "inferplane_gateway_request_seconds"
 GATEWAY_TTFT = "inferplane_gateway_time_to_first_token_seconds"
 GATEWAY_TOKENS = "inferplane_gateway_tokens"  # labels model, kind
 GATEWAY_LIMITER_STORE_ERRORS = "inferplane_gateway_limiter_store_errors"
+GATEWAY_MIGRATIONS = "inferplane_gateway_migrations"  # label cause: the failed worker call's status
 # labels tenant, key, result ("admitted"|"rate_limited"|"quota_exceeded"|"concurrency_limited")
 KEY_REQUESTS = "inferplane_key_requests"
 TENANT_TOKENS = "inferplane_tenant_tokens"  # labels tenant, model, kind ("prompt"|"completion")

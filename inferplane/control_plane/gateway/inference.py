@@ -87,6 +87,7 @@ from inferplane.control_plane.routing import (
     Router,
     RouteRequest,
     StreamBrokenAfterStart,
+    is_retryable,
     route_and_stream,
     tenant_cache_salt,
 )
@@ -173,7 +174,8 @@ class InferenceService:
     def __init__(self, catalog: Catalog, router: Router, channels: WorkerChannels, *, limiter: KeyLimiter,
                  quota: QuotaTracker | None, usage: UsageRecorder | None, salt_secret: bytes,
                  request_timeout: float = 600.0, activator: Activator | None = None,
-                 metrics: GatewayMetrics | None = None, sequences: SequenceLimiter | None = None):
+                 metrics: GatewayMetrics | None = None, sequences: SequenceLimiter | None = None,
+                 max_migrations: int = 2):
         self.catalog = catalog
         self.router = router
         self.channels = channels
@@ -186,6 +188,7 @@ class InferenceService:
         self.activator = activator or Activator()
         self.metrics = metrics
         self.sequences = sequences or InProcessSequenceLimiter()
+        self.max_migrations = max_migrations
 
     def served(self, principal: Principal, model_name: str, kind: ModelKind) -> ServedModel:
         """The model a request names, if the principal may infer and the model is of the kind the
@@ -378,17 +381,42 @@ class InferenceService:
         completion_tokens = 0
         served = False  # a worker answered: only then is there anything to bill
 
-        def replica_stream(token_ids: list[int], part: int) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        async def replica_stream(token_ids: list[int], part: int) -> AsyncIterator[worker_pb2.GenerateResponse]:
+            """One prompt's answer from a replica; with one choice, a replica that fails mid-answer
+            hands it to another (`max_migrations` times at most), which continues after the tokens
+            delivered so far: the client's stream goes on with no error, no token twice or missing."""
             request_id = prepared.request_id if len(prepared.prompts) == 1 else f"{prepared.request_id}-{part}"
-            request = worker_pb2.GenerateRequest(request_id=request_id, params=prepared.params, cache_salt=salt,
-                                                 token_ids=worker_pb2.TokenIds(ids=token_ids), tenant=tenant or "",
-                                                 priority=prepared.priority, adapter=adapter)
+            params = prepared.params
+            delivered: list[int] = []
+            failed: list[str] = []
+            while True:
+                request = worker_pb2.GenerateRequest(
+                    request_id=request_id, params=params, cache_salt=salt, token_ids=worker_pb2.TokenIds(ids=token_ids),
+                    tenant=tenant or "", priority=prepared.priority, adapter=adapter, resumed_token_ids=delivered)
 
-            def call(endpoint):
-                return self.channels.stub(endpoint.address).Generate(request, timeout=self.request_timeout)
+                def call(endpoint, request=request):
+                    return self.channels.stub(endpoint.address).Generate(request, timeout=self.request_timeout)
 
-            return route_and_stream(self.router, RouteRequest(route, token_ids=token_ids, cache_salt=salt,
-                                                              adapter=adapter_route), call)
+                routed = RouteRequest(route, token_ids=token_ids + delivered, cache_salt=salt, adapter=adapter_route)
+                try:
+                    # aclosing: a client that goes away closes this generator, and that must close
+                    # the worker call at once (freeing its blocks), not whenever it is collected.
+                    async with contextlib.aclosing(route_and_stream(self.router, routed, call,
+                                                                    exclude=failed)) as messages:
+                        async for message in messages:
+                            delivered += message.token_ids
+                            yield message
+                    return
+                except StreamBrokenAfterStart as exc:
+                    if not self._migratable(exc, prepared, len(failed)):
+                        raise
+                    failed.append(exc.endpoint)
+                    if self.metrics is not None:
+                        self.metrics.migrations.labels(_migration_cause(exc)).inc()
+                    if params.HasField("prompt_logprobs"):  # delivered with the first message already
+                        params = worker_pb2.SamplingParams()
+                        params.CopyFrom(prepared.params)
+                        params.ClearField("prompt_logprobs")
 
         # An adapter is served by its base's replicas, which load it by URI and digest.
         route = model.route_name
@@ -419,6 +447,13 @@ class InferenceService:
             raise
         finally:
             self._account(prepared, completion_tokens, served)
+
+    def _migratable(self, broken: StreamBrokenAfterStart, prepared: PreparedRequest, migrations: int) -> bool:
+        """Whether a stream broken mid-answer moves to another replica: the replica failed (not the
+        request: a grammar's refusal stays the request's error), one choice (each choice of n > 1
+        would need a request of its own), and migrations are left."""
+        return (migrations < self.max_migrations and prepared.params.n <= 1
+                and broken.__cause__ is not None and is_retryable(broken.__cause__))
 
     async def embed(self, prepared: PreparedRequest) -> worker_pb2.EmbedResponse:
         """The inputs' vectors from one replica, routed by load alone (an encoder keeps no prefix
@@ -542,6 +577,14 @@ async def merged(streams: list[AsyncIterator[worker_pb2.GenerateResponse]],
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _migration_cause(broken: StreamBrokenAfterStart) -> str:
+    """Why a stream moved: the failed call's status (UNAVAILABLE: the worker died or its connection
+    broke; CANCELLED: it cancelled the stream, as a drain past its grace does)."""
+    cause = broken.__cause__
+    code = cause.code() if isinstance(cause, grpc.RpcError) and callable(getattr(cause, "code", None)) else None
+    return code.name.lower() if code is not None else type(cause).__name__
 
 
 def _worker_error(exc: grpc.aio.AioRpcError) -> ControlPlaneError:

@@ -43,6 +43,8 @@ class GatewayMetrics:
                                     ["tenant", "key", "result"], registry=self.registry)
         self.tenant_tokens = Counter(m.TENANT_TOKENS, "tokens billed per tenant, model and kind",
                                      ["tenant", "model", "kind"], registry=self.registry)
+        self.migrations = Counter(m.GATEWAY_MIGRATIONS, "streams moved to another replica mid-answer, by the "
+                                  "failed call's status", ["cause"], registry=self.registry)
 
     def key_admission(self, tenant: str | None, key: str, result: str) -> None:
         """Counts one admission decision; the key's other results start at 0, so a share is defined."""

@@ -68,6 +68,9 @@ class GatewaySettings:
     adapter_refresh_interval: float = 2.0  # how soon a LoRA adapter registered elsewhere is served
     usage_flush_interval: float = 2.0
     health_poll_interval: float = 2.0
+    # A stream whose worker fails mid-answer moves to another replica (with the tokens delivered so
+    # far) at most this many times; then it ends with an error event as before (0: never moves).
+    max_migrations: int = 2
     # On stop (SIGTERM): new connections are refused at once, requests and streams in flight get
     # this long to finish (the workers' drainGraceSeconds by default), then the rest is cancelled.
     drain_grace_seconds: float = 30.0
@@ -153,7 +156,8 @@ class Gateway:
         inference = InferenceService(self.catalog, self.router, self.channels, limiter=self.limiter,
                                      activator=self.activator, sequences=self.sequences,
                                      quota=self.quota, usage=self.usage, metrics=metrics,
-                                     salt_secret=settings.salt_secret or secrets.token_bytes(32))
+                                     salt_secret=settings.salt_secret or secrets.token_bytes(32),
+                                     max_migrations=settings.max_migrations)
         outbound = OutboundPolicy.parse(settings.outbound_allow)
         self.alert_forwarder = AlertForwarder(self.sessions, ForwarderSettings(
             base_delay=settings.alert_retry_base_delay, max_attempts=settings.alert_max_attempts,

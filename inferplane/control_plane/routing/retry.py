@@ -9,7 +9,7 @@ would replay or diverge from text the client already has, so the failure surface
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import TypeVar
 
 import grpc
@@ -61,6 +61,7 @@ async def route_and_stream(
     max_attempts: int = 3,
     retryable: Callable[[BaseException], bool] = is_retryable,
     on_pick: Callable[[Lease], None] | None = None,
+    exclude: Collection[str] = (),
 ) -> AsyncIterator[T]:
     """Yield the messages of ``call(endpoint)`` from a routed replica, retrying early failures.
 
@@ -69,8 +70,9 @@ async def route_and_stream(
     starting; the last failure is its ``__cause__``), ``StreamBrokenAfterStart`` (the failure is
     its ``__cause__``), ``UnknownModel``, or a non-retryable error from the worker unchanged.
     Closing this generator early (client disconnect) closes the worker stream and frees the lease.
+    `exclude`: replicas not to pick (those a migrated request already failed on).
     """
-    tried: list[str] = []
+    tried: list[str] = list(exclude)
     prefer: str | None = None
     last_error: BaseException | None = None
     for _ in range(max_attempts):

@@ -95,13 +95,17 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str = "", *, tenant: str = "",
-                    priority: str = "", adapter=None) -> Sequence:
+                    priority: str = "", adapter=None, resume: list[int] | None = None) -> Sequence:
         """Queues a request (its `params.n` choices), once `RequestIntake.check` passed it. `tenant`
         and `priority` (a band name) place its sequences in flow control (fair_share.py); a bad band
         is a ValueError naming it.
         `adapter`: the lora.LoraAdapter its sequences run under (loaded and checked by the caller,
-        off this thread); it takes a slot when the sequence is admitted."""
+        off this thread); it takes a slot when the sequence is admitted.
+        `resume`: output tokens an earlier replica already delivered (a request moved between
+        workers, `RequestIntake.resume`); the request continues after them, with one choice."""
         params = params or SamplingParams()
+        if resume and params.n != 1:
+            raise ValueError(f"resumed_token_ids: a resumed request continues one choice (n = 1), got n = {params.n}")
         band = band_rank(priority)
         token_ids, max_tokens = self.intake.check(prompt, params, adapter, self.adapters, self.kv.num_blocks)
         request_id = request_id or self.new_request_id()
@@ -111,16 +115,20 @@ class Engine:
                    for index in range(params.n)]
         for seq in choices:
             seq.tenant, seq.band, seq.adapter = tenant, band, adapter
+        detokenizers = [IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer is not None else None
+                        for _ in choices]
+        if resume:  # before anything is registered: a refusal leaves nothing behind
+            self.intake.resume(choices[0], list(resume), detokenizers[0])
         if adapter is not None:
             requests = self.adapters.counters.requests
             requests[adapter.name] = requests.get(adapter.name, 0) + 1
         leader = choices[0]
         leader.forks = choices[1:]
         self._groups[request_id] = choices
-        for seq in choices:
+        for seq, detokenizer in zip(choices, detokenizers, strict=True):
             self.requests[seq.request_id] = seq
-            if self.tokenizer is not None:
-                self.outputs.track(seq, IncrementalDetokenizer(self.tokenizer, token_ids))
+            if detokenizer is not None:
+                self.outputs.track(seq, detokenizer)
         self.scheduler.add(leader)
         self.counters.prompt_tokens += len(token_ids)
         return leader

@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from inferplane.api.tokenizer import IncrementalDetokenizer
 from inferplane.worker.engine.kv.block_pool import blocks_for
 from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.engine.sequence import Sequence
@@ -93,3 +94,34 @@ class RequestIntake:
         return Sequence(request_id=request_id if index == 0 else f"{request_id}#{index}", group_id=request_id,
                         index=index, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
                         generator=generator, cache_salt=cache_salt, grammar=grammar)
+
+    def resume(self, seq: Sequence, resumed: list[int], detokenizer: IncrementalDetokenizer | None) -> None:
+        """Continues `seq` after output tokens an earlier replica already delivered (a request moved
+        between workers): they become its output as if it had produced them, so max_tokens,
+        penalties, stop strings and the grammar see them, and its first new token is the one the
+        earlier replica would have produced next. The KV of prompt and resumed tokens is computed
+        (or found cached) as a preempted sequence's is. A sampled request's generator skips the
+        draws those tokens took (one exponential per vocabulary entry each, sampling.sample), so a
+        seeded request continues its sequence of draws as if uninterrupted. Resumed tokens'
+        logprobs were delivered already: placeholders keep the lists aligned."""
+        bad = [t for t in resumed if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"resumed_token_ids: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        if len(resumed) >= seq.max_tokens:
+            raise ValueError(f"resumed_token_ids: {len(resumed)} tokens leave nothing of max_tokens ({seq.max_tokens})")
+        if seq.grammar is not None:
+            for token in resumed:
+                if not seq.grammar.accept(token):
+                    raise ValueError("resumed_token_ids: the structured output's grammar refuses them")
+        if not seq.params.greedy:
+            for _ in resumed:
+                torch.empty(self.vocab_size, device=self.device).exponential_(generator=seq.generator)
+        seq.output_token_ids = list(resumed)
+        if seq.params.logprobs:
+            seq.output_logprobs = [0.0] * len(resumed)
+            if seq.params.top_logprobs:
+                seq.output_top_logprobs = [[] for _ in resumed]
+        if detokenizer is not None:
+            for token in resumed:
+                detokenizer.add(token)  # the same state the earlier replica's detokenizer reached
+            seq.output_text = detokenizer.text

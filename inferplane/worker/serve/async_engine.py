@@ -44,6 +44,7 @@ class _Submit:
     tenant: str = ""  # flow control (fair_share.py): whose share, and which band
     priority: str = ""
     adapter: Any = None  # lora.LoraAdapter, read off this thread and the engine's
+    resume: list[int] | None = None  # output tokens an earlier replica delivered (Engine.add_request)
 
 
 class RequestStream:
@@ -99,11 +100,12 @@ class AsyncEngine:
             return len(self._streams) + len(self._submits) + len(self._preparing)
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-               cache_salt: str = "", *, tenant: str = "", priority: str = "", adapter=None) -> RequestStream:
+               cache_salt: str = "", *, tenant: str = "", priority: str = "", adapter=None,
+               resume: list[int] | None = None) -> RequestStream:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         sub = _Submit(request_id, prompt, params, cache_salt, queue, loop, params.n, tenant=tenant, priority=priority,
-                      adapter=adapter)
+                      adapter=adapter, resume=resume)
         stream = RequestStream(request_id, queue, self.abort, params.n)
         compile_grammar = False
         if params.constraint is not None:
@@ -162,7 +164,9 @@ class AsyncEngine:
             error = RuntimeError(f"compiling the structured-output grammar failed: {type(exc).__name__}")
         if error is None:
             try:
-                self.engine.prefetch_kv(sub.prompt, sub.cache_salt, sub.adapter)
+                # A resumed request's delivered tokens are its history too: their blocks are read ahead.
+                history = sub.prompt + sub.resume if sub.resume and isinstance(sub.prompt, list) else sub.prompt
+                self.engine.prefetch_kv(history, sub.cache_salt, sub.adapter)
             except Exception:  # a read ahead that fails costs time only: the engine computes the prefix
                 log.exception("reading a prompt's KV ahead failed")
         with self._wake:
@@ -224,7 +228,8 @@ class AsyncEngine:
             for sub in submits:
                 try:
                     self.engine.add_request(sub.prompt, sub.params, sub.request_id, sub.cache_salt,
-                                            tenant=sub.tenant, priority=sub.priority, adapter=sub.adapter)
+                                            tenant=sub.tenant, priority=sub.priority, adapter=sub.adapter,
+                                            resume=sub.resume)
                     self._streams[sub.request_id] = sub
                 except ValueError as exc:
                     self._deliver(sub, exc)
