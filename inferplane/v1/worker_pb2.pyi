@@ -76,7 +76,7 @@ class Chat(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "params", "cache_salt", "tenant", "priority", "adapter", "resumed_token_ids")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "params", "cache_salt", "tenant", "priority", "adapter", "resumed_token_ids", "choice_index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -97,7 +98,8 @@ class GenerateRequest(_message.Message):
     priority: str
     adapter: Adapter
     resumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[str] = ..., adapter: _Optional[_Union[Adapter, _Mapping]] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    choice_index: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[str] = ..., adapter: _Optional[_Union[Adapter, _Mapping]] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ..., choice_index: _Optional[int] = ...) -> None: ...
 
 class Adapter(_message.Message):
     __slots__ = ("name", "uri", "sha256")

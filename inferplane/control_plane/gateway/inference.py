@@ -382,41 +382,69 @@ class InferenceService:
         served = False  # a worker answered: only then is there anything to bill
 
         async def replica_stream(token_ids: list[int], part: int) -> AsyncIterator[worker_pb2.GenerateResponse]:
-            """One prompt's answer from a replica; with one choice, a replica that fails mid-answer
-            hands it to another (`max_migrations` times at most), which continues after the tokens
-            delivered so far: the client's stream goes on with no error, no token twice or missing."""
+            """One prompt's answer from a replica. A replica that fails mid-answer hands it to
+            another (`max_migrations` times in all at most), which continues after the tokens
+            delivered so far, each unfinished choice as a request of its own: the client's stream
+            goes on with no error, no token twice or missing."""
             request_id = prepared.request_id if len(prepared.prompts) == 1 else f"{prepared.request_id}-{part}"
-            params = prepared.params
-            delivered: list[int] = []
-            failed: list[str] = []
-            while True:
-                request = worker_pb2.GenerateRequest(
-                    request_id=request_id, params=params, cache_salt=salt, token_ids=worker_pb2.TokenIds(ids=token_ids),
-                    tenant=tenant or "", priority=prepared.priority, adapter=adapter, resumed_token_ids=delivered)
+            failed: list[str] = []  # one entry per migration: the replica that failed
 
-                def call(endpoint, request=request):
+            def attempt(params: worker_pb2.SamplingParams, resumed: list[int],
+                        choice: int) -> AsyncIterator[worker_pb2.GenerateResponse]:
+                request = worker_pb2.GenerateRequest(
+                    request_id=request_id if choice == 0 else f"{request_id}#{choice}", params=params,
+                    cache_salt=salt, token_ids=worker_pb2.TokenIds(ids=token_ids), tenant=tenant or "",
+                    priority=prepared.priority, adapter=adapter, resumed_token_ids=resumed, choice_index=choice)
+
+                def call(endpoint):
                     return self.channels.stub(endpoint.address).Generate(request, timeout=self.request_timeout)
 
-                routed = RouteRequest(route, token_ids=token_ids + delivered, cache_salt=salt, adapter=adapter_route)
-                try:
-                    # aclosing: a client that goes away closes this generator, and that must close
-                    # the worker call at once (freeing its blocks), not whenever it is collected.
-                    async with contextlib.aclosing(route_and_stream(self.router, routed, call,
-                                                                    exclude=failed)) as messages:
-                        async for message in messages:
-                            delivered += message.token_ids
-                            yield message
-                    return
-                except StreamBrokenAfterStart as exc:
-                    if not self._migratable(exc, prepared, len(failed)):
-                        raise
-                    failed.append(exc.endpoint)
-                    if self.metrics is not None:
-                        self.metrics.migrations.labels(_migration_cause(exc)).inc()
-                    if params.HasField("prompt_logprobs"):  # delivered with the first message already
-                        params = worker_pb2.SamplingParams()
-                        params.CopyFrom(prepared.params)
-                        params.ClearField("prompt_logprobs")
+                routed = RouteRequest(route, token_ids=token_ids + resumed, cache_salt=salt, adapter=adapter_route)
+                # aclosing: a client that goes away closes this generator, and that must close the
+                # worker call at once (freeing its blocks), not whenever it is collected.
+                return contextlib.aclosing(route_and_stream(self.router, routed, call, exclude=list(failed)))
+
+            def moved(broken: StreamBrokenAfterStart) -> None:
+                if not self._migratable(broken, len(failed)):
+                    raise broken
+                failed.append(broken.endpoint)
+                if self.metrics is not None:
+                    self.metrics.migrations.labels(_migration_cause(broken)).inc()
+
+            # What continues a choice elsewhere: one choice, no prompt logprobs (they came first).
+            single = worker_pb2.SamplingParams()
+            single.CopyFrom(prepared.params)
+            single.n = 1
+            single.ClearField("prompt_logprobs")
+
+            async def continued(choice: int, delivered: list[int]) -> AsyncIterator[worker_pb2.GenerateResponse]:
+                while True:
+                    try:
+                        async with attempt(single, delivered, choice) as messages:
+                            async for message in messages:
+                                delivered += message.token_ids
+                                yield message
+                        return
+                    except StreamBrokenAfterStart as broken:
+                        moved(broken)
+
+            n = max(1, prepared.params.n)
+            delivered: dict[int, list[int]] = {i: [] for i in range(n)}
+            finished: set[int] = set()
+            try:
+                async with attempt(prepared.params, [], 0) as messages:
+                    async for message in messages:
+                        delivered[message.index] += message.token_ids
+                        if message.finished:
+                            finished.add(message.index)
+                        yield message
+                return
+            except StreamBrokenAfterStart as broken:
+                moved(broken)
+            rest = [continued(i, delivered[i]) for i in range(n) if i not in finished]
+            async with contextlib.aclosing(merged(rest, 0)) as messages:
+                async for message in messages:
+                    yield message
 
         # An adapter is served by its base's replicas, which load it by URI and digest.
         route = model.route_name
@@ -448,12 +476,10 @@ class InferenceService:
         finally:
             self._account(prepared, completion_tokens, served)
 
-    def _migratable(self, broken: StreamBrokenAfterStart, prepared: PreparedRequest, migrations: int) -> bool:
+    def _migratable(self, broken: StreamBrokenAfterStart, migrations: int) -> bool:
         """Whether a stream broken mid-answer moves to another replica: the replica failed (not the
-        request: a grammar's refusal stays the request's error), one choice (each choice of n > 1
-        would need a request of its own), and migrations are left."""
-        return (migrations < self.max_migrations and prepared.params.n <= 1
-                and broken.__cause__ is not None and is_retryable(broken.__cause__))
+        request: a grammar's refusal stays the request's error) and migrations are left."""
+        return migrations < self.max_migrations and broken.__cause__ is not None and is_retryable(broken.__cause__)
 
     async def embed(self, prepared: PreparedRequest) -> worker_pb2.EmbedResponse:
         """The inputs' vectors from one replica, routed by load alone (an encoder keeps no prefix
@@ -549,7 +575,8 @@ def _tokenize(model: ServedModel, prompts: list[str | list[int]], messages: list
 async def merged(streams: list[AsyncIterator[worker_pb2.GenerateResponse]],
                  n: int) -> AsyncIterator[worker_pb2.GenerateResponse]:
     """Several prompts' worker streams as one, each message's `index` made the request's: prompt
-    i's choice j is choice i * n + j (OpenAI's order). The first failure ends all of them."""
+    i's choice j is choice i * n + j (OpenAI's order; n 0 keeps the indexes, for the choices of one
+    prompt continued as requests of their own). The first failure ends all of them."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 

@@ -95,23 +95,28 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str = "", *, tenant: str = "",
-                    priority: str = "", adapter=None, resume: list[int] | None = None) -> Sequence:
+                    priority: str = "", adapter=None, resume: list[int] | None = None,
+                    choice_index: int = 0) -> Sequence:
         """Queues a request (its `params.n` choices), once `RequestIntake.check` passed it. `tenant`
         and `priority` (a band name) place its sequences in flow control (fair_share.py); a bad band
         is a ValueError naming it.
         `adapter`: the lora.LoraAdapter its sequences run under (loaded and checked by the caller,
         off this thread); it takes a slot when the sequence is admitted.
         `resume`: output tokens an earlier replica already delivered (a request moved between
-        workers, `RequestIntake.resume`); the request continues after them, with one choice."""
+        workers, `RequestIntake.resume`); the request continues after them, with one choice.
+        `choice_index`: with n = 1, the choice of an earlier request (n > 1) it continues: its seed
+        and its outputs' index are that choice's."""
         params = params or SamplingParams()
         if resume and params.n != 1:
             raise ValueError(f"resumed_token_ids: a resumed request continues one choice (n = 1), got n = {params.n}")
+        if choice_index and params.n != 1:
+            raise ValueError(f"choice_index: names one choice of an earlier request (n = 1), got n = {params.n}")
         band = band_rank(priority)
         token_ids, max_tokens = self.intake.check(prompt, params, adapter, self.adapters, self.kv.num_blocks)
         request_id = request_id or self.new_request_id()
         if request_id in self._groups or request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        choices = [self.intake.sequence(request_id, index, token_ids, params, max_tokens, cache_salt)
+        choices = [self.intake.sequence(request_id, choice_index + index, token_ids, params, max_tokens, cache_salt)
                    for index in range(params.n)]
         for seq in choices:
             seq.tenant, seq.band, seq.adapter = tenant, band, adapter

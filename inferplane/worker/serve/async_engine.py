@@ -45,6 +45,7 @@ class _Submit:
     priority: str = ""
     adapter: Any = None  # lora.LoraAdapter, read off this thread and the engine's
     resume: list[int] | None = None  # output tokens an earlier replica delivered (Engine.add_request)
+    choice_index: int = 0  # which choice of an earlier request (n > 1) this one continues
 
 
 class RequestStream:
@@ -101,11 +102,11 @@ class AsyncEngine:
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                cache_salt: str = "", *, tenant: str = "", priority: str = "", adapter=None,
-               resume: list[int] | None = None) -> RequestStream:
+               resume: list[int] | None = None, choice_index: int = 0) -> RequestStream:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         sub = _Submit(request_id, prompt, params, cache_salt, queue, loop, params.n, tenant=tenant, priority=priority,
-                      adapter=adapter, resume=resume)
+                      adapter=adapter, resume=resume, choice_index=choice_index)
         stream = RequestStream(request_id, queue, self.abort, params.n)
         compile_grammar = False
         if params.constraint is not None:
@@ -229,7 +230,7 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(sub.prompt, sub.params, sub.request_id, sub.cache_salt,
                                             tenant=sub.tenant, priority=sub.priority, adapter=sub.adapter,
-                                            resume=sub.resume)
+                                            resume=sub.resume, choice_index=sub.choice_index)
                     self._streams[sub.request_id] = sub
                 except ValueError as exc:
                     self._deliver(sub, exc)

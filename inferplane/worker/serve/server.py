@@ -182,7 +182,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         stream = engine.submit(request.request_id or uuid.uuid4().hex, prompt, params, request.cache_salt,
                                tenant=request.tenant, priority=request.priority, adapter=adapter,
-                               resume=list(request.resumed_token_ids) or None)
+                               resume=list(request.resumed_token_ids) or None, choice_index=request.choice_index)
         try:
             async for out in stream:
                 yield _response(out)
