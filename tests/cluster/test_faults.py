@@ -1,8 +1,9 @@
 """Faults on a real node, with two worker replicas serving and a client that keeps asking.
 
-- A worker container killed (SIGKILL, from the node) mid-stream: its streams end with an error
-  event, not a hang or a cut connection; new requests go to the other replica; the kubelet
-  restarts the container and it comes back Ready.
+- A worker container killed (SIGKILL, from the node) mid-stream: its streams go on, on the other
+  replica, after the tokens they had (the gateway migrates them), with no error event, hang or cut
+  connection; new requests go to the other replica; the kubelet restarts the container and it
+  comes back Ready.
 - A worker pod deleted: it stops taking requests, finishes its streams (within its
   `drainGraceSeconds`), and is replaced.
 - The gateway pod deleted while streams run: they finish (the gateway drains on SIGTERM).
@@ -112,7 +113,7 @@ def _container_pid(platform: Platform, pod: dict[str, Any]) -> int:
     raise AssertionError(f"no containerd task for {container_id}")
 
 
-def test_a_worker_killed_mid_stream_ends_its_streams_with_an_error_and_traffic_moves_on(
+def test_a_worker_killed_mid_stream_has_its_streams_finished_elsewhere_and_traffic_moves_on(
         platform: Platform, two_replicas: str) -> None:
     key = two_replicas
     victim = wait_pods_ready(platform, WATCHED, SELECTOR, 2)[0]
@@ -121,7 +122,7 @@ def test_a_worker_killed_mid_stream_ends_its_streams_with_an_error_and_traffic_m
     os.kill(_container_pid(platform, victim), signal.SIGKILL)
     outcomes = _finish(streams)
     print(f"\nstreams when a worker was killed: {outcomes}")
-    assert all(o == "done" or o.startswith("error:") for o in outcomes), outcomes
+    assert all(o == "done" for o in outcomes), outcomes
     with Traffic(platform.gateway_url, key, NAME, max_requests=30) as traffic:
         traffic.wait_for_successes(20)
     assert traffic.failures == [], traffic.failures[:5]
