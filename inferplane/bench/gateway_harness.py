@@ -186,7 +186,7 @@ async def _serve(args: argparse.Namespace) -> int:
         admin_key = secrets.token_urlsafe(32) if args.bootstrap_admin else None
         settings = GatewaySettings(db_url=f"sqlite:///{home}/gateway.db", port=args.port, grpc_port=args.grpc_port,
                                    health_poll_interval=args.health_poll_interval,
-                                   drain_grace_seconds=args.drain_grace_seconds,
+                                   drain_grace_seconds=args.drain_grace_seconds, max_migrations=args.max_migrations,
                                    model_roots=tuple(args.model_root), bootstrap_key=admin_key)
         gateway = Gateway(settings)
         key = _create_key(gateway)  # before start(): the key cache loads it on its first refresh
@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-outstanding", type=int, default=1024, help="per replica before it counts as full")
     serve.add_argument("--health-poll-interval", type=float, default=2.0)
     serve.add_argument("--drain-grace-seconds", type=float, default=30.0)
+    serve.add_argument("--max-migrations", type=int, default=2, help="as `inferplane gateway --max-migrations`")
     serve.add_argument("--tenant", action="append", default=[],
                        help="NAME[:BAND][,rpm=N] another tenant with a key of its own (repeatable); BAND: "
                             "api/priority.py; N: the key's requests per minute")

@@ -142,3 +142,12 @@ def test_the_keep_alive_is_the_gateways_unless_set(monkeypatch: pytest.MonkeyPat
     for refused in ("0", "-1", "nan", "inf"):
         with pytest.raises(cli.UsageError, match="--keep-alive-seconds"):
             cli.gateway_settings(parse("--keep-alive-seconds", refused))
+
+
+def test_how_often_a_stream_may_move_is_the_gateways_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cli.gateway_settings(parse()).max_migrations == 2
+    assert cli.gateway_settings(parse("--max-migrations", "0")).max_migrations == 0
+    monkeypatch.setenv("INFERPLANE_MAX_MIGRATIONS", "5")
+    assert cli.gateway_settings(parse()).max_migrations == 5
+    with pytest.raises(cli.UsageError, match="--max-migrations"):
+        cli.gateway_settings(parse("--max-migrations", "-1"))

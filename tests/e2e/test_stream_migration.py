@@ -23,7 +23,8 @@ ROUNDS = 5  # the answer may finish before the freeze lands: a race in the set-u
 
 
 @pytest.fixture
-def two_replicas(tmp_path_factory):
+def two_replicas(tmp_path_factory, request):
+    """Two tiny-model workers behind a gateway process (started with `request.param`'s flags, if any)."""
     model = make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
     logs = tmp_path_factory.mktemp("logs")
     ports = [free_port(), free_port()]
@@ -35,7 +36,7 @@ def two_replicas(tmp_path_factory):
         for address, worker in workers.items():
             wait_serving(address, worker)
         gateway = start_gateway(list(workers), log_path=str(logs / "gateway.log"),
-                                extra=("--health-poll-interval", "0.5"))
+                                extra=("--health-poll-interval", "0.5", *getattr(request, "param", ())))
         yield gateway, workers
     finally:
         if gateway is not None:
@@ -78,6 +79,25 @@ async def read_stream(client: httpx.AsyncClient, key: str, body: dict, on_first=
     return {"texts": texts, "reasons": reasons}, usage, errors
 
 
+async def killed_mid_stream(client: httpx.AsyncClient, key: str, workers: dict, body: dict):
+    """A streamed request whose worker is SIGKILLed once the first text arrived (run again where the
+    answer finished first: a race in the set-up, not a result)."""
+    killed: list[str] = []
+
+    async def kill_the_streaming_worker() -> None:
+        for address, worker in workers.items():
+            if worker.poll() is None and await running_on(address):
+                worker.send_signal(signal.SIGKILL)
+                killed.append(address)
+                return
+
+    for _ in range(ROUNDS):
+        got = await read_stream(client, key, body, kill_the_streaming_worker)
+        if killed:
+            return got
+    raise AssertionError(f"in {ROUNDS} rounds the answer always finished before its worker could be killed")
+
+
 @pytest.mark.parametrize("body", [
     {"temperature": 0, "n": 1},
     {"temperature": 0.9, "seed": 11, "n": 2},
@@ -89,20 +109,7 @@ def test_a_stream_goes_on_elsewhere_when_its_worker_dies(two_replicas, body) -> 
 
     async def scenario():
         async with httpx.AsyncClient(base_url=gateway.base_url, timeout=httpx.Timeout(300)) as client:
-            killed: list[str] = []
-
-            async def kill_the_streaming_worker() -> None:
-                for address, worker in workers.items():
-                    if worker.poll() is None and await running_on(address):
-                        worker.send_signal(signal.SIGKILL)
-                        killed.append(address)
-                        return
-
-            for _ in range(ROUNDS):
-                answer, usage, errors = await read_stream(client, gateway.key, body, kill_the_streaming_worker)
-                if killed:
-                    break
-            assert killed, f"in {ROUNDS} rounds the answer always finished before its worker could be killed"
+            answer, usage, errors = await killed_mid_stream(client, gateway.key, workers, body)
             # The same request answered by the survivor alone, uninterrupted.
             reference, _, _ = await read_stream(client, gateway.key, body)
             plain = await client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {gateway.key}"})
@@ -116,3 +123,18 @@ def test_a_stream_goes_on_elsewhere_when_its_worker_dies(two_replicas, body) -> 
     assert usage["completion_tokens"] == n * MAX_TOKENS  # each token once
     assert [c["text"] for c in sorted(plain["choices"], key=lambda c: c["index"])] == \
         [reference["texts"][i] for i in range(n)]
+
+
+@pytest.mark.parametrize("two_replicas", [("--max-migrations", "0")], indirect=True)
+def test_with_migrations_off_a_broken_stream_ends_with_an_error_event(two_replicas) -> None:
+    gateway, workers = two_replicas
+    body = {"model": SERVED_MODEL, "prompt": "tell me a long story about the sea", "max_tokens": MAX_TOKENS,
+            "ignore_eos": True, "temperature": 0}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=gateway.base_url, timeout=httpx.Timeout(300)) as client:
+            return await killed_mid_stream(client, gateway.key, workers, body)
+
+    answer, _, errors = asyncio.run(scenario())
+    assert [e["error"]["code"] for e in errors] == ["upstream_error"]
+    assert 0 < len(answer["texts"][0]) < MAX_TOKENS

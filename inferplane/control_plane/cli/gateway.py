@@ -82,6 +82,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="seconds between listings of InferenceDeployments (default: %(default)s)")
     parser.add_argument("--endpoint-interval", type=float, default=env("INFERPLANE_ENDPOINT_INTERVAL", "2"),
                         help="seconds between listings of each deployment's EndpointSlices (default: %(default)s)")
+    parser.add_argument("--max-migrations", type=int, default=env("INFERPLANE_MAX_MIGRATIONS", "2"),
+                        help="a stream whose worker fails mid-answer moves to another replica, continuing after "
+                             "what was delivered, at most this many times (0: it ends with an error event)")
     parser.add_argument("--drain-grace-seconds", type=float, default=env("INFERPLANE_DRAIN_GRACE_SECONDS", "30"),
                         help="on SIGTERM, how long requests and streams in flight may take to finish "
                              "(default: %(default)s)")
@@ -210,6 +213,8 @@ def gateway_settings(args: argparse.Namespace) -> Any:
         raise UsageError("--resync-interval and --endpoint-interval must be positive")
     if args.drain_grace_seconds < 0:
         raise UsageError("--drain-grace-seconds must not be negative")
+    if args.max_migrations < 0:
+        raise UsageError("--max-migrations must not be negative")
     if args.keep_alive_seconds is not None and not 0 < args.keep_alive_seconds < math.inf:
         raise UsageError("--keep-alive-seconds must be a positive number of seconds")
     keep_alive = {} if args.keep_alive_seconds is None else {"keep_alive_seconds": args.keep_alive_seconds}
@@ -228,7 +233,7 @@ def gateway_settings(args: argparse.Namespace) -> Any:
         jwt_algorithm=args.jwt_algorithm, jwt_key=jwt_key, jwt_audience=args.jwt_audience,
         jwt_issuer=args.jwt_issuer or None,
         salt_secret=_salt(_read_secret(args.salt_secret_file, "INFERPLANE_SALT_SECRET", "salt secret")),
-        drain_grace_seconds=args.drain_grace_seconds, **keep_alive,
+        drain_grace_seconds=args.drain_grace_seconds, max_migrations=args.max_migrations, **keep_alive,
         model_roots=tuple(args.model_root),
         rate_limit_redis_url=args.rate_limit_redis_url or None, rate_limit_unreachable=args.rate_limit_unreachable,
         alert_webhook_secret=_read_secret(args.alert_webhook_secret_file, "INFERPLANE_ALERT_WEBHOOK_SECRET",
