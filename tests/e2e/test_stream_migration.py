@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 
 import grpc
 import httpx
@@ -37,7 +38,7 @@ def two_replicas(tmp_path_factory, request):
             wait_serving(address, worker)
         gateway = start_gateway(list(workers), log_path=str(logs / "gateway.log"),
                                 extra=("--health-poll-interval", "0.5", *getattr(request, "param", ())))
-        yield gateway, workers
+        yield gateway, workers, model
     finally:
         if gateway is not None:
             assert gateway.stop() == 0
@@ -103,7 +104,7 @@ async def killed_mid_stream(client: httpx.AsyncClient, key: str, workers: dict, 
     {"temperature": 0.9, "seed": 11, "n": 2},
 ], ids=["greedy", "seeded-n2"])
 def test_a_stream_goes_on_elsewhere_when_its_worker_dies(two_replicas, body) -> None:
-    gateway, workers = two_replicas
+    gateway, workers, _ = two_replicas
     body = {"model": SERVED_MODEL, "prompt": "tell me a long story about the sea", "max_tokens": MAX_TOKENS,
             "ignore_eos": True, **body}
 
@@ -127,7 +128,7 @@ def test_a_stream_goes_on_elsewhere_when_its_worker_dies(two_replicas, body) -> 
 
 @pytest.mark.parametrize("two_replicas", [("--max-migrations", "0")], indirect=True)
 def test_with_migrations_off_a_broken_stream_ends_with_an_error_event(two_replicas) -> None:
-    gateway, workers = two_replicas
+    gateway, workers, _ = two_replicas
     body = {"model": SERVED_MODEL, "prompt": "tell me a long story about the sea", "max_tokens": MAX_TOKENS,
             "ignore_eos": True, "temperature": 0}
 
@@ -138,3 +139,61 @@ def test_with_migrations_off_a_broken_stream_ends_with_an_error_event(two_replic
     answer, _, errors = asyncio.run(scenario())
     assert [e["error"]["code"] for e in errors] == ["upstream_error"]
     assert 0 < len(answer["texts"][0]) < MAX_TOKENS
+
+
+async def kill_once_running(workers: dict, killed: list[str]) -> None:
+    """SIGKILLs the worker running a request as soon as one is (a request not streamed to the client
+    has no first chunk to wait for)."""
+    while not killed:
+        for address, worker in workers.items():
+            if worker.poll() is None and await running_on(address):
+                worker.send_signal(signal.SIGKILL)
+                killed.append(address)
+                return
+        await asyncio.sleep(0.005)
+
+
+def test_an_answer_not_streamed_and_one_on_the_grpc_api_survive_their_worker_too(two_replicas) -> None:
+    """REST without streaming, then the gRPC tenant API, each killed while its worker answers (a new
+    worker takes the first dead one's place in between)."""
+    gateway, workers, model = two_replicas
+    from inferplane.v1 import inference_pb2, inference_pb2_grpc
+
+    body = {"model": SERVED_MODEL, "prompt": "tell me a long story about the sea", "max_tokens": MAX_TOKENS,
+            "ignore_eos": True, "temperature": 0}
+    headers = {"Authorization": f"Bearer {gateway.key}"}
+
+    async def scenario():
+        killed: list[str] = []
+        async with httpx.AsyncClient(base_url=gateway.base_url, timeout=httpx.Timeout(300)) as client:
+            killer = asyncio.create_task(kill_once_running(workers, killed))
+            reply = await client.post("/v1/completions", json=body, headers=headers)
+            await killer
+            reference = await client.post("/v1/completions", json=body, headers=headers)
+        return killed, reply, reference
+
+    killed, reply, reference = asyncio.run(scenario())
+    assert killed and reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
+    assert reply.json()["usage"]["completion_tokens"] == MAX_TOKENS
+
+    # The gRPC tenant API on the same gateway: a worker is started again in the dead one's place.
+    dead = killed[0]
+    workers[dead] = start_worker(model, int(dead.rsplit(":", 1)[1]), "--max-model-len", "256")
+    wait_serving(dead, workers[dead])
+    time.sleep(2)  # the gateway's health checks (every 0.5 s) take it back
+    async def over_grpc():
+        killed.clear()
+        params = worker_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        request = inference_pb2.CompleteRequest(model=SERVED_MODEL, prompt=body["prompt"], params=params)
+        metadata = [("authorization", f"Bearer {gateway.key}")]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            killer = asyncio.create_task(kill_once_running(workers, killed))
+            text = "".join([m.text async for m in stub.Complete(request, metadata=metadata, timeout=300)])
+            await killer
+            again = "".join([m.text async for m in stub.Complete(request, metadata=metadata, timeout=300)])
+        return text, again
+
+    text, again = asyncio.run(over_grpc())
+    assert killed and text == again == reference.json()["choices"][0]["text"]
