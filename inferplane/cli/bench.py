@@ -18,6 +18,8 @@ BENCHMARKS = {
     "kv": ("inferplane.bench.kv", "a returning conversation's KV read back from the tiers vs computed again"),
     "kv-routing": ("inferplane.bench.kv_routing", "multi-turn over replicas, one added and one removed: kv-aware vs "
                                                   "prefix-hash vs least-loaded routing, real router and KV managers"),
+    "faults": ("inferplane.bench.faults", "streams while a worker is SIGKILLed every N seconds: tokens lost, "
+                                          "duplicated, latency a migration adds"),
     "footprint": ("inferplane.bench.footprint", "a CPU worker's measured peak and served memory vs its estimate"),
 }
 
