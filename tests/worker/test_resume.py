@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from inferplane.api.tokenizer import IncrementalDetokenizer
 from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.llm import LLM
 
@@ -71,3 +72,44 @@ def test_what_cannot_be_resumed_is_refused_naming_the_field(tiny_llama) -> None:
     assert not llm.engine.has_unfinished()  # a refusal leaves nothing queued
     out = llm.engine.add_request(prompt, SamplingParams(max_tokens=8), request_id="again", resume=[5, 6])
     assert out.output_token_ids == [5, 6]
+
+
+def test_a_structured_output_resumes_inside_its_document(smollm2) -> None:
+    """The grammar replays the delivered tokens: the resumed answer is the same document, and a
+    token the grammar would refuse there is refused as resumed_token_ids."""
+    pytest.importorskip("llguidance")
+    from inferplane.worker.structured import Constraint
+
+    llm = LLM(smollm2, runtime="radix", kv_cache_memory="64MiB")
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    params = SamplingParams(max_tokens=40, temperature=0.0, constraint=Constraint("json_schema", schema))
+    prompt = llm.tokenizer.encode("Describe a sailor as JSON:")
+    whole = llm.generate(prompt, params)[0]
+    cut = len(whole.token_ids) // 2
+    seq, tokens, _ = resumed(llm, prompt, params, whole.token_ids[:cut])
+    assert seq.output_token_ids == whole.token_ids and tokens == whole.token_ids[cut:]
+    assert seq.output_text == whole.text
+    not_json = llm.tokenizer.encode("hello")
+    with pytest.raises(ValueError, match="resumed_token_ids: the structured output's grammar refuses them"):
+        llm.engine.add_request(prompt, params, resume=not_json)
+
+
+def test_text_continues_exactly_when_the_cut_falls_inside_a_character(smollm2) -> None:
+    """Delivered tokens ending inside a multi-byte character: the earlier replica held that byte
+    back; the resumed detokenizer, having replayed them, holds it too and emits it with the bytes
+    that complete it, so the client's text is what it had plus the rest, with nothing lost."""
+    llm = LLM(smollm2, runtime="paged", kv_cache_memory="64MiB")
+    prompt = llm.tokenizer.encode("Say it:")
+    text_tokens = llm.tokenizer.encode(" 🌊 waves 🌊 and more waves")
+    # Find a cut after the first byte-token of the emoji: decoding up to it ends in U+FFFD.
+    cut = next(i for i in range(1, len(text_tokens))
+               if llm.tokenizer.decode(text_tokens[:i]).endswith("\ufffd"))
+    params = SamplingParams(max_tokens=len(text_tokens) + 4, temperature=0.0, ignore_eos=True)
+    seq, _, text = resumed(llm, prompt, params, text_tokens[:cut])
+    # What the earlier replica streamed for the delivered tokens: its detokenizer held the last delta back.
+    earlier = IncrementalDetokenizer(llm.tokenizer, prompt)
+    delivered_text = "".join(earlier.add(t) for t in text_tokens[:cut])
+    assert delivered_text + text == seq.output_text  # what the client had, then the rest, nothing twice
+    assert seq.output_text == llm.tokenizer.decode(seq.output_token_ids)  # the held byte is not lost
+    assert "\ufffd" not in text
