@@ -197,3 +197,46 @@ def test_an_answer_not_streamed_and_one_on_the_grpc_api_survive_their_worker_too
 
     text, again = asyncio.run(over_grpc())
     assert killed and text == again == reference.json()["choices"][0]["text"]
+
+
+def test_a_stream_under_a_lora_adapter_moves_with_its_adapter(tmp_path) -> None:
+    """The moved request carries its adapter: the new replica loads it and continues the adapter's
+    answer (which differs from the base's), equal to an uninterrupted run's."""
+    from inferplane.api.model_config import read_model_config
+    from inferplane.bench.fairness_adapters import RANK, write_valid_adapter
+    from inferplane.bench.gateway_harness import TENANT
+
+    model = make_tiny_model(tmp_path / "tiny")
+    root = (tmp_path / "adapters").resolve()
+    adapter = write_valid_adapter(root / "sea-bot", read_model_config(model), seed=1)
+    ports = [free_port(), free_port()]
+    workers = {f"127.0.0.1:{p}": start_worker(model, p, "--max-model-len", "256", "--max-loras", "2",
+                                              "--max-lora-rank", str(RANK), log_path=str(tmp_path / f"w{i}.log"))
+               for i, p in enumerate(ports)}
+    gateway = None
+    try:
+        for address, worker in workers.items():
+            wait_serving(address, worker)
+        gateway = start_gateway(list(workers), log_path=str(tmp_path / "gateway.log"),
+                                extra=("--health-poll-interval", "0.5", "--model-root", str(root),
+                                       "--register-base", model, "--adapter", f"{TENANT}=sea-bot={adapter}"))
+        body = {"model": "sea-bot", "prompt": "tell me a long story about the sea", "max_tokens": MAX_TOKENS,
+                "ignore_eos": True, "temperature": 0}
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=gateway.base_url, timeout=httpx.Timeout(300)) as client:
+                answer, usage, errors = await killed_mid_stream(client, gateway.key, workers, body)
+                reference, _, _ = await read_stream(client, gateway.key, body)
+                base, _, _ = await read_stream(client, gateway.key, {**body, "model": SERVED_MODEL})
+            return answer, usage, errors, reference, base
+
+        answer, usage, errors, reference, base = asyncio.run(scenario())
+        assert errors == [] and usage["completion_tokens"] == MAX_TOKENS
+        assert answer["texts"] == reference["texts"]
+        assert answer["texts"] != base["texts"]  # the adapter's answer, not the base's
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for worker in workers.values():
+            worker.kill()
+            worker.wait()
