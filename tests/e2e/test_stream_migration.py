@@ -240,3 +240,29 @@ def test_a_stream_under_a_lora_adapter_moves_with_its_adapter(tmp_path) -> None:
         for worker in workers.values():
             worker.kill()
             worker.wait()
+
+
+def test_with_no_other_replica_a_broken_stream_ends_with_an_error_event(tmp_path) -> None:
+    model = make_tiny_model(tmp_path / "tiny")
+    port = free_port()
+    workers = {f"127.0.0.1:{port}": start_worker(model, port, "--max-model-len", "256")}
+    gateway = None
+    try:
+        wait_serving(f"127.0.0.1:{port}", workers[f"127.0.0.1:{port}"])
+        gateway = start_gateway(list(workers), log_path=str(tmp_path / "gateway.log"))
+        body = {"model": SERVED_MODEL, "prompt": "tell me a long story about the sea", "max_tokens": MAX_TOKENS,
+                "ignore_eos": True, "temperature": 0}
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=gateway.base_url, timeout=httpx.Timeout(300)) as client:
+                return await killed_mid_stream(client, gateway.key, workers, body)
+
+        answer, _, errors = asyncio.run(scenario())
+        assert [e["error"]["code"] for e in errors] == ["upstream_error"]  # as before migration existed
+        assert 0 < len(answer["texts"][0]) < MAX_TOKENS
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for worker in workers.values():
+            worker.kill()
+            worker.wait()

@@ -84,6 +84,7 @@ from inferplane.control_plane.gateway.prompt_bound import byte_bound
 from inferplane.control_plane.gateway.tool_formats import tool_format
 from inferplane.control_plane.limits import KeyLimiter, KeyLimits, QuotaTracker
 from inferplane.control_plane.routing import (
+    NoReplicaAvailable,
     Router,
     RouteRequest,
     StreamBrokenAfterStart,
@@ -404,9 +405,12 @@ class InferenceService:
                 # worker call at once (freeing its blocks), not whenever it is collected.
                 return contextlib.aclosing(route_and_stream(self.router, routed, call, exclude=list(failed)))
 
+            breaks: list[StreamBrokenAfterStart] = []
+
             def moved(broken: StreamBrokenAfterStart) -> None:
                 if not self._migratable(broken, len(failed)):
                     raise broken
+                breaks.append(broken)
                 failed.append(broken.endpoint)
                 if self.metrics is not None:
                     self.metrics.migrations.labels(_migration_cause(broken)).inc()
@@ -427,6 +431,9 @@ class InferenceService:
                         return
                     except StreamBrokenAfterStart as broken:
                         moved(broken)
+                    except NoReplicaAvailable as none_left:
+                        # No other replica could take it: the answer stays broken, as the client sees it.
+                        raise breaks[-1] from none_left
 
             n = max(1, prepared.params.n)
             delivered: dict[int, list[int]] = {i: [] for i in range(n)}
