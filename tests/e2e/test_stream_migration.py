@@ -6,38 +6,49 @@ usage counting each token once. Greedy and seeded sampling, one choice and n = 2
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 
-from inferplane.bench.gateway_harness import SERVED_MODEL, free_port, start_gateway, start_worker, wait_serving
+from inferplane.bench.gateway_harness import (
+    SERVED_MODEL,
+    GatewayProcess,
+    free_port,
+    start_gateway,
+    start_worker,
+    wait_serving,
+)
 from inferplane.bench.tiny_model import make_tiny_model
 from inferplane.v1 import worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 200
 ROUNDS = 5  # the answer may finish before the freeze lands: a race in the set-up, run again
+BODY = {"prompt": "tell me a long story about the sea", "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
 
 
-@pytest.fixture
-def two_replicas(tmp_path_factory, request):
-    """Two tiny-model workers behind a gateway process (started with `request.param`'s flags, if any)."""
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
-    logs = tmp_path_factory.mktemp("logs")
-    ports = [free_port(), free_port()]
-    workers = {f"127.0.0.1:{p}": start_worker(model, p, "--max-model-len", "256",
-                                              log_path=str(logs / f"worker-{i}.log"))
+@contextlib.contextmanager
+def stack(folder: Path, count: int, worker_flags: tuple[str, ...] = (), gateway_flags: tuple[str, ...] = (),
+          model: str | None = None) -> Iterator[tuple[GatewayProcess, dict, str]]:
+    """`count` tiny-model workers behind a gateway process: (gateway, {address: process}, model)."""
+    model = model or make_tiny_model(folder / "tiny-model")
+    ports = [free_port() for _ in range(count)]
+    workers = {f"127.0.0.1:{p}": start_worker(model, p, "--max-model-len", "256", *worker_flags,
+                                              log_path=str(folder / f"worker-{i}.log"))
                for i, p in enumerate(ports)}
     gateway = None
     try:
         for address, worker in workers.items():
             wait_serving(address, worker)
-        gateway = start_gateway(list(workers), log_path=str(logs / "gateway.log"),
-                                extra=("--health-poll-interval", "0.5", *getattr(request, "param", ())))
+        gateway = start_gateway(list(workers), log_path=str(folder / "gateway.log"),
+                                extra=("--health-poll-interval", "0.5", *gateway_flags))
         yield gateway, workers, model
     finally:
         if gateway is not None:
@@ -45,6 +56,13 @@ def two_replicas(tmp_path_factory, request):
         for worker in workers.values():
             worker.kill()
             worker.wait()
+
+
+@pytest.fixture
+def two_replicas(tmp_path, request):
+    """Two workers behind a gateway (started with `request.param`'s flags, if any)."""
+    with stack(tmp_path, 2, gateway_flags=getattr(request, "param", ())) as running:
+        yield running
 
 
 async def running_on(address: str) -> bool:
@@ -105,8 +123,7 @@ async def killed_mid_stream(client: httpx.AsyncClient, key: str, workers: dict, 
 ], ids=["greedy", "seeded-n2"])
 def test_a_stream_goes_on_elsewhere_when_its_worker_dies(two_replicas, body) -> None:
     gateway, workers, _ = two_replicas
-    body = {"model": SERVED_MODEL, "prompt": "tell me a long story about the sea", "max_tokens": MAX_TOKENS,
-            "ignore_eos": True, **body}
+    body = {"model": SERVED_MODEL, **BODY, **body}
 
     async def scenario():
         async with httpx.AsyncClient(base_url=gateway.base_url, timeout=httpx.Timeout(300)) as client:
@@ -129,8 +146,7 @@ def test_a_stream_goes_on_elsewhere_when_its_worker_dies(two_replicas, body) -> 
 @pytest.mark.parametrize("two_replicas", [("--max-migrations", "0")], indirect=True)
 def test_with_migrations_off_a_broken_stream_ends_with_an_error_event(two_replicas) -> None:
     gateway, workers, _ = two_replicas
-    body = {"model": SERVED_MODEL, "prompt": "tell me a long story about the sea", "max_tokens": MAX_TOKENS,
-            "ignore_eos": True, "temperature": 0}
+    body = {"model": SERVED_MODEL, **BODY}
 
     async def scenario():
         async with httpx.AsyncClient(base_url=gateway.base_url, timeout=httpx.Timeout(300)) as client:
@@ -159,8 +175,7 @@ def test_an_answer_not_streamed_and_one_on_the_grpc_api_survive_their_worker_too
     gateway, workers, model = two_replicas
     from inferplane.v1 import inference_pb2, inference_pb2_grpc
 
-    body = {"model": SERVED_MODEL, "prompt": "tell me a long story about the sea", "max_tokens": MAX_TOKENS,
-            "ignore_eos": True, "temperature": 0}
+    body = {"model": SERVED_MODEL, **BODY}
     headers = {"Authorization": f"Bearer {gateway.key}"}
 
     async def scenario():
@@ -209,19 +224,10 @@ def test_a_stream_under_a_lora_adapter_moves_with_its_adapter(tmp_path) -> None:
     model = make_tiny_model(tmp_path / "tiny")
     root = (tmp_path / "adapters").resolve()
     adapter = write_valid_adapter(root / "sea-bot", read_model_config(model), seed=1)
-    ports = [free_port(), free_port()]
-    workers = {f"127.0.0.1:{p}": start_worker(model, p, "--max-model-len", "256", "--max-loras", "2",
-                                              "--max-lora-rank", str(RANK), log_path=str(tmp_path / f"w{i}.log"))
-               for i, p in enumerate(ports)}
-    gateway = None
-    try:
-        for address, worker in workers.items():
-            wait_serving(address, worker)
-        gateway = start_gateway(list(workers), log_path=str(tmp_path / "gateway.log"),
-                                extra=("--health-poll-interval", "0.5", "--model-root", str(root),
-                                       "--register-base", model, "--adapter", f"{TENANT}=sea-bot={adapter}"))
-        body = {"model": "sea-bot", "prompt": "tell me a long story about the sea", "max_tokens": MAX_TOKENS,
-                "ignore_eos": True, "temperature": 0}
+    gateway_flags = ("--model-root", str(root), "--register-base", model, "--adapter", f"{TENANT}=sea-bot={adapter}")
+    with stack(tmp_path, 2, ("--max-loras", "2", "--max-lora-rank", str(RANK)), gateway_flags, model) as running:
+        gateway, workers, _ = running
+        body = {"model": "sea-bot", **BODY}
 
         async def scenario():
             async with httpx.AsyncClient(base_url=gateway.base_url, timeout=httpx.Timeout(300)) as client:
@@ -231,38 +237,19 @@ def test_a_stream_under_a_lora_adapter_moves_with_its_adapter(tmp_path) -> None:
             return answer, usage, errors, reference, base
 
         answer, usage, errors, reference, base = asyncio.run(scenario())
-        assert errors == [] and usage["completion_tokens"] == MAX_TOKENS
-        assert answer["texts"] == reference["texts"]
-        assert answer["texts"] != base["texts"]  # the adapter's answer, not the base's
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        for worker in workers.values():
-            worker.kill()
-            worker.wait()
+    assert errors == [] and usage["completion_tokens"] == MAX_TOKENS
+    assert answer["texts"] == reference["texts"]
+    assert answer["texts"] != base["texts"]  # the adapter's answer, not the base's
 
 
 def test_with_no_other_replica_a_broken_stream_ends_with_an_error_event(tmp_path) -> None:
-    model = make_tiny_model(tmp_path / "tiny")
-    port = free_port()
-    workers = {f"127.0.0.1:{port}": start_worker(model, port, "--max-model-len", "256")}
-    gateway = None
-    try:
-        wait_serving(f"127.0.0.1:{port}", workers[f"127.0.0.1:{port}"])
-        gateway = start_gateway(list(workers), log_path=str(tmp_path / "gateway.log"))
-        body = {"model": SERVED_MODEL, "prompt": "tell me a long story about the sea", "max_tokens": MAX_TOKENS,
-                "ignore_eos": True, "temperature": 0}
+    with stack(tmp_path, 1) as (gateway, workers, _):
+        body = {"model": SERVED_MODEL, **BODY}
 
         async def scenario():
             async with httpx.AsyncClient(base_url=gateway.base_url, timeout=httpx.Timeout(300)) as client:
                 return await killed_mid_stream(client, gateway.key, workers, body)
 
         answer, _, errors = asyncio.run(scenario())
-        assert [e["error"]["code"] for e in errors] == ["upstream_error"]  # as before migration existed
-        assert 0 < len(answer["texts"][0]) < MAX_TOKENS
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        for worker in workers.values():
-            worker.kill()
-            worker.wait()
+    assert [e["error"]["code"] for e in errors] == ["upstream_error"]  # as before migration existed
+    assert 0 < len(answer["texts"][0]) < MAX_TOKENS
