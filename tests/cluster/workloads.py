@@ -81,11 +81,19 @@ def generation(platform: Platform, name: str) -> int:
 def wait_served(platform: Platform, key: str, name: str, timeout: float = 240) -> None:
     """The gateway lists `name` and one request is answered (its endpoints come from the EndpointSlice)."""
     client = openai.OpenAI(base_url=f"{platform.gateway_url}/v1", api_key=key, max_retries=0, timeout=300)
-    wait_for(lambda: any(m.id == name for m in client.models.list()), timeout, f"{name} listed by the gateway")
+
+    def listed() -> bool:
+        try:
+            return any(m.id == name for m in client.models.list())
+        except openai.APIConnectionError:  # a gateway pod just replaced: its Service may not route to it yet
+            return False
+    wait_for(listed, timeout, f"{name} listed by the gateway")
 
     def answers() -> bool:
         try:
             client.chat.completions.create(model=name, max_tokens=1, messages=[{"role": "user", "content": "Hi"}])
+        except openai.APIConnectionError:
+            return False
         except openai.APIStatusError as error:
             if error.status_code in (404, 503):
                 return False
