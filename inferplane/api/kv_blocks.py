@@ -14,8 +14,19 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+from enum import StrEnum
 
 KEY_BYTES = 16  # 128-bit names: collisions are out of reach at any cache size
+
+
+class Medium(StrEnum):
+    """Where a worker holds a block's KV, as its KV events say (the proto's `medium`): its own pool
+    (GPU memory, or host memory on the CPU runtimes), its host-memory tier, or its disk tier. vLLM's
+    `medium` names the device; ours name the worker's store, since the pool may be host memory too."""
+
+    POOL = "pool"
+    MEMORY = "memory"
+    DISK = "disk"
 
 
 def adapter_cache_key(name: str, sha256: str) -> str:

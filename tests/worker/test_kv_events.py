@@ -7,9 +7,9 @@ from array import array
 
 import pytest
 
-from inferplane.api.kv_blocks import adapter_cache_key
+from inferplane.api.kv_blocks import Medium, adapter_cache_key
 from inferplane.control_plane.routing.prefix import block_hashes
-from inferplane.worker.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog, Medium
+from inferplane.worker.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
 from inferplane.worker.engine.kv.radix import RadixKV
 from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.llm import LLM

@@ -92,6 +92,7 @@ from inferplane.control_plane.routing import (
     route_and_stream,
     tenant_cache_salt,
 )
+from inferplane.control_plane.routing.retry import rpc_code
 from inferplane.control_plane.routing.worker_channels import WorkerChannels
 from inferplane.control_plane.usage import UsageRecorder
 from inferplane.v1 import worker_pb2
@@ -616,9 +617,8 @@ async def merged(streams: list[AsyncIterator[worker_pb2.GenerateResponse]],
 def _migration_cause(broken: StreamBrokenAfterStart) -> str:
     """Why a stream moved: the failed call's status (UNAVAILABLE: the worker died or its connection
     broke; CANCELLED: it cancelled the stream, as a drain past its grace does)."""
-    cause = broken.__cause__
-    code = cause.code() if isinstance(cause, grpc.RpcError) and callable(getattr(cause, "code", None)) else None
-    return code.name.lower() if code is not None else type(cause).__name__
+    code = rpc_code(broken.__cause__)
+    return code.name.lower() if code is not None else type(broken.__cause__).__name__
 
 
 def _worker_error(exc: grpc.aio.AioRpcError) -> ControlPlaneError:

@@ -34,7 +34,6 @@ class KVEventSubscriber:
         self.retry_s = retry_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.batches = 0  # applied, for the gateway's metrics
-        self.connects = 0  # streams opened (each starts with a snapshot)
 
     def sync(self) -> None:
         """Starts following new addresses and stops following (and forgets) departed ones."""
@@ -50,7 +49,6 @@ class KVEventSubscriber:
             pause = self.retry_s
             try:
                 stream = self._stub(address).KVEvents(worker_pb2.KVEventsRequest())
-                self.connects += 1
                 async for batch in stream:
                     self.index.apply(address, batch)
                     self.batches += 1

@@ -17,12 +17,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from inferplane.api.kv_blocks import Medium
 from inferplane.v1 import worker_pb2
 
 # What a block held in each medium is worth to a request, against computing it (1 would be free):
 # the pool's blocks are used as they are, the memory tier's are copied in, the disk tier's read.
 # A provisional entry counts as the pool: the replica is computing it now.
-MEDIUM_WEIGHTS: dict[str, float] = {"pool": 1.0, "memory": 0.8, "disk": 0.5}
+MEDIUM_WEIGHTS: dict[str, float] = {Medium.POOL: 1.0, Medium.MEMORY: 0.8, Medium.DISK: 0.5}
 _BITS = {medium: 1 << i for i, medium in enumerate(MEDIUM_WEIGHTS)}
 _WEIGHT_OF_MASK = [max((w for m, w in MEDIUM_WEIGHTS.items() if mask & _BITS[m]), default=0.0)
                    for mask in range(1 << len(_BITS))]
@@ -123,7 +124,7 @@ class KVIndex:
         """`address` was just given a prompt with these blocks: count them as held there for a while."""
         expiry = self._clock() + self.provisional_ttl_s
         for h in hashes:
-            if not self._blocks.get(h, {}).get(address, 0) & _BITS["pool"]:
+            if not self._blocks.get(h, {}).get(address, 0) & _BITS[Medium.POOL]:
                 self._provisional.setdefault(h, {})[address] = expiry
 
     def held_runs(self, hashes: Sequence[bytes], addresses: Iterable[str]) -> dict[str, float]:
@@ -138,7 +139,7 @@ class KVIndex:
             for address in list(alive):
                 weight = _WEIGHT_OF_MASK[held.get(address, 0)]
                 if weight < 1.0 and provisional.get(address, 0.0) > now:
-                    weight = MEDIUM_WEIGHTS["pool"]
+                    weight = MEDIUM_WEIGHTS[Medium.POOL]
                 if weight == 0.0:
                     alive.discard(address)
                 else:

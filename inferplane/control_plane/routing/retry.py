@@ -36,9 +36,14 @@ _REQUEST_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FA
                             grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
+def rpc_code(exc: BaseException | None) -> grpc.StatusCode | None:
+    """The gRPC status of a failed worker call, None for anything else."""
+    return exc.code() if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)) else None
+
+
 def _logged(exc: BaseException, address: str, model: str, what: str) -> None:
     """A replica's failure goes to the log with its address; the errors tenants read never name it."""
-    code = exc.code() if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)) else None
+    code = rpc_code(exc)
     if code in _REQUEST_CODES:
         return
     details = exc.details() if code is not None and callable(getattr(exc, "details", None)) else str(exc)
@@ -48,9 +53,8 @@ def _logged(exc: BaseException, address: str, model: str, what: str) -> None:
 
 def is_retryable(exc: BaseException) -> bool:
     """Whether ``exc`` is the replica's fault; those count against its health, others do not."""
-    if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)):
-        return exc.code() in RETRYABLE_CODES
-    return isinstance(exc, ConnectionError)
+    code = rpc_code(exc)
+    return code in RETRYABLE_CODES if code is not None else isinstance(exc, ConnectionError)
 
 
 async def route_and_stream(

@@ -277,14 +277,12 @@ class Router:
                 # conversations spread over the replicas' pools instead of piling onto the one
                 # replica that happens to hold the common start.
                 key = int.from_bytes(hashes[min(len(hashes), int(run) + d.affinity_blocks) - 1][:8], "big")
-        if key is not None:
-            pass
-        elif request.adapter:
+        if key is None and request.adapter:
             # An adapter's requests go where it is loaded (one replica, its slot warm and its prefixes
             # cached); bounded load moves the excess to the next replica on the ring, which then
             # loads it too: the adapter spreads with its traffic, not with every request.
             key = adapter_key(request.adapter)
-        else:
+        elif key is None:
             key = prefix_key(request.token_ids, d.block_size, request.cache_salt, d.affinity_blocks)
         picked = bounded_pick(self._ring(c), key, loads, d.load_epsilon) if key is not None else None
         outcome = "ring" if picked is not None else "least_loaded"

@@ -24,17 +24,8 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from enum import StrEnum
 
-
-class Medium(StrEnum):
-    """Where a block's KV is: the worker's own pool (GPU memory, or host memory on the CPU
-    runtimes), the host-memory tier, or the disk tier (vLLM's `medium` field, which names the
-    device: our names say which of the worker's stores, since the pool may be host memory too)."""
-
-    POOL = "pool"
-    MEMORY = "memory"
-    DISK = "disk"
+from inferplane.api.kv_blocks import Medium
 
 
 @dataclass(frozen=True)
@@ -68,7 +59,6 @@ DEFAULT_CAPACITY = 4096
 class KVEventLog:
     def __init__(self, block_size: int, capacity: int = DEFAULT_CAPACITY):
         self.block_size = block_size
-        self.capacity = capacity
         self._lock = threading.Lock()
         self._held: dict[Medium, dict[bytes, None]] = {medium: {} for medium in Medium}
         self._events: deque[tuple[int, KVEvent]] = deque(maxlen=capacity)
@@ -151,8 +141,3 @@ class KVEventLog:
         with self._lock:
             if listener in self._listeners:
                 self._listeners.remove(listener)
-
-    def held_blocks(self) -> dict[str, int]:
-        """Blocks per medium, for the worker's stats."""
-        with self._lock:
-            return {medium.value: len(held) for medium, held in self._held.items()}

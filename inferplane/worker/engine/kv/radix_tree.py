@@ -28,9 +28,9 @@ import heapq
 import itertools
 from collections.abc import Iterator, Sequence
 
-from inferplane.api.kv_blocks import LORA_MARK
+from inferplane.api.kv_blocks import LORA_MARK, Medium
 from inferplane.worker.engine.kv.block_pool import BlockPool
-from inferplane.worker.engine.kv.events import KVEventLog, Medium
+from inferplane.worker.engine.kv.events import KVEventLog
 from inferplane.worker.engine.kv.window import NULL_BLOCK
 
 BlockKey = tuple[int, ...]

@@ -22,7 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from inferplane.worker.engine.kv.events import KVEventLog, Medium
+from inferplane.api.kv_blocks import Medium
+from inferplane.worker.engine.kv.events import KVEventLog
 from inferplane.worker.engine.kv.tiers.disk_tier import DiskTier
 from inferplane.worker.engine.kv.tiers.layout import KVLayout
 from inferplane.worker.engine.kv.tiers.memory_tier import MemoryTier
