@@ -60,11 +60,13 @@ def test_a_conversation_keeps_its_kv_through_pod_deletion_rollout_and_scale_to_z
         first = pod_name()
         platform.node.cluster.call("DELETE", f"/api/v1/namespaces/{WATCHED}/pods/{first}")
         wait_for(lambda: pod_name() != first, 900, "a new pod after the deletion", interval=2)
+        wait_served(platform, key, NAME)  # Ready is not yet routed: the gateway lists endpoints every 2 s
         assert turn("after the pod was deleted") > 0
 
         before = generation(platform, NAME)
         patch_spec(platform, NAME, {"engine": {**ENGINE, "maxNumSeqs": 6}})
         wait_for(lambda: rolled_out(platform, NAME, before), 900, "the rollout", interval=2)
+        wait_served(platform, key, NAME)
         assert turn("after a rollout") > 0
 
         patch_spec(platform, NAME, {"replicas": 0})
