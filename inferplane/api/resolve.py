@@ -9,8 +9,10 @@ runtime (and says why, for the status), picks device and dtype and merges preset
 `engine` section; the operator (pod specs), the gateway's cluster sync, local mode and the worker's
 command line all take its answer, so they cannot disagree. The merge itself is `engine_settings`,
 which the worker applies to its own options too: `LLM(runtime=...)`, `inferplane worker --runtime`
-and a deployment of one runtime run with the same settings. It also holds the one rule for cache
-isolation, and the one for the default priority band, across the deployments behind a served name.
+and a deployment of one runtime run with the same settings. A disaggregated deployment's prefill
+pool runs what `resolve(prefill_spec(spec))` says: the same engine on the prefill pool's resources.
+It also holds the one rule for cache isolation, and the one for the default priority band, across
+the deployments behind a served name.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from typing import Any, Literal
 from inferplane.api.deployment import ConcreteRuntime, InferenceDeploymentSpec
 from inferplane.api.priority import band_rank
 from inferplane.api.quantities import parse_quantity
+
+# The KV memory tier of a disaggregated deployment's workers where engine.kvOffloadMemory is unset
+# (kv_offload_memory): room for the prompts a prefill worker holds until their decode workers pull them.
+DISAGGREGATION_TIER_MEMORY = "512MiB"
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,9 @@ def _choose_runtime(spec: InferenceDeploymentSpec) -> tuple[str, str]:
                              ("agent", hints.agent)) if on]
     if named:
         return "radix", f"auto: workload hints {', '.join(named)} reuse prefixes, so the radix cache"
+    if spec.disaggregation.enabled:
+        return "radix", ("auto: disaggregation moves prompts' KV from the prefill pool to the decode pool "
+                         "through the radix cache's memory tier")
     if spec.engine.kv_offload_memory is not None or spec.engine.kv_offload_disk is not None:
         return "radix", "auto: KV tiers (engine.kvOffload*) keep the blocks the radix cache lets go"
     if spec.engine.kv_events or spec.routing.policy == "kv-aware":
@@ -160,6 +169,7 @@ def resolve(spec: InferenceDeploymentSpec) -> ResolvedDeployment:
     preset = PRESETS[runtime]
     device: Literal["cpu", "cuda"] = "cuda" if spec.uses_gpu and not preset.cpu_only else "cpu"
     engine: dict[str, str | int | bool | None] = engine_settings(runtime, device, spec.engine.model_dump())
+    engine["kv_offload_memory"] = kv_offload_memory(spec)
     # An int8 option; `auto` may have picked a GPU runtime, which has no int8 head.
     engine["quantize_head"] = spec.engine.quantize_head if preset.weights == "int8" else None
     engine["requantize_q4"] = spec.engine.requantize_q4 and preset.weights == "int8"
@@ -171,13 +181,36 @@ def resolve(spec: InferenceDeploymentSpec) -> ResolvedDeployment:
     )
 
 
+def kv_offload_memory(spec: InferenceDeploymentSpec) -> str | None:
+    """The KV memory tier a worker keeps: engine.kvOffloadMemory, or where a disaggregated spec
+    leaves it out DISAGGREGATION_TIER_MEMORY, since KV moves between the pools through it (a prefill
+    worker keeps a prompt's blocks there until the decode worker pulls them, and the decode worker
+    receives them there). Counted in resources.memory like a tier asked for (api/footprint.py)."""
+    if spec.engine.kv_offload_memory is None and spec.disaggregation.enabled:
+        return DISAGGREGATION_TIER_MEMORY
+    return spec.engine.kv_offload_memory
+
+
+def prefill_spec(spec: InferenceDeploymentSpec) -> InferenceDeploymentSpec:
+    """What the prefill pool's workers are built from: the spec with disaggregation.prefill's
+    replicas and resources (spec.resources where it sets none). The model, runtime and engine stay
+    the decode pool's, since a decode worker uses the KV a prefill worker computed; so
+    resolve(prefill_spec(spec)) differs from resolve(spec) only in cpu_threads (the prefill pods'
+    CPU; the rules keep both pools on one device). The spec's rules were checked on `spec`: the copy
+    is not validated again (its replica bounds are the prefill pool's)."""
+    pool = spec.disaggregation.prefill
+    return spec.model_copy(update={"replicas": pool.replicas, "min_replicas": pool.min_replicas,
+                                   "max_replicas": pool.max_replicas, "resources": pool.resources or spec.resources})
+
+
 def routing_policy(spec: InferenceDeploymentSpec, runtime: str) -> str:
-    """The spec's routing.policy, or where it is unset: kv-aware when the replicas keep KV tiers and
-    publish KV events (the radix KV manager, events not turned off), else prefix-hash, which needs
-    no events and keeps a conversation's turns together on a hash ring."""
+    """The spec's routing.policy, or where it is unset: kv-aware when the replicas keep KV tiers
+    (asked for, or a disaggregated deployment's) and publish KV events (the radix KV manager, events
+    not turned off), else prefix-hash, which needs no events and keeps a conversation's turns
+    together on a hash ring."""
     if spec.routing.policy is not None:
         return spec.routing.policy
-    tiers = spec.engine.kv_offload_memory is not None or spec.engine.kv_offload_disk is not None
+    tiers = kv_offload_memory(spec) is not None or spec.engine.kv_offload_disk is not None
     events = PRESETS[runtime].kv_manager == "radix" and spec.engine.kv_events is not False
     return "kv-aware" if tiers and events else "prefix-hash"
 

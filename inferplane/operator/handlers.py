@@ -2,7 +2,8 @@
 
     admitted   → validate_spec (admission webhook) refuses specs the schema cannot catch
     created    → reconcile: apply the children, write status Progressing with the chosen runtime
-    changed    → reconcile again: only children whose content changed are written
+    changed    → reconcile again: only children whose content changed are written, and those no
+                 longer built are deleted (a prefill pool when disaggregation is turned off)
     resumed    → reconcile after an operator restart, in case anything drifted meanwhile
     child Deployment changes → child_deployment_changed: status follows the workers' readiness
     deleted    → finalize: remove the children (owner references would too) before the finalizer goes
@@ -133,9 +134,32 @@ def _retry_delay(retry: int, config: OperatorConfig) -> float:
     return min(config.max_backoff_seconds, 2.0 ** retry)
 
 
+class NameTaken(Exception):
+    """A child's name is held by an object another InferenceDeployment controls."""
+
+
+def _controller(obj: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ownerReference of `obj` that controls it, if any."""
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return next((ref for ref in refs if ref.get("controller")), None)
+
+
+def _owned_by(obj: Mapping[str, Any], name: str) -> bool:
+    return any(ref.get("kind") == "InferenceDeployment" and ref.get("name") == name
+               for ref in obj.get("metadata", {}).get("ownerReferences") or [])
+
+
 async def _apply(client: KubeClient, desired: dict[str, Any], logger: logging.Logger) -> str:
-    """Write a child only when its content hash changed, so a repeated reconcile writes nothing."""
+    """Write a child only when its content hash changed, so a repeated reconcile writes nothing.
+
+    A child that another InferenceDeployment controls is left alone (NameTaken): a resource `chat`
+    with disaggregation builds `chat-prefill`, which may be another resource's name.
+    """
     live = await client.get(path_of(desired))
+    ours, theirs = _controller(desired), live and _controller(live)
+    if theirs and ours and theirs.get("kind") == ours["kind"] and theirs.get("name") != ours["name"]:
+        raise NameTaken(f"{desired['kind']} {desired['metadata']['name']} belongs to {theirs['kind']} "
+                        f"{theirs.get('name')}; rename one of them")
     want = desired["metadata"]["annotations"][manifests.ANNOTATION_HASH]
     if live is not None and (live.get("metadata", {}).get("annotations") or {}).get(manifests.ANNOTATION_HASH) == want:
         return "unchanged"
@@ -180,18 +204,40 @@ async def _reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: 
     try:
         for child in desired:
             await _apply(client, child, logger)
+        await _prune(client, desired, name, namespace, config.monitoring, logger)
         deployment = await client.get(path_of(desired[0]))
-    except ApiError as exc:
-        if exc.retryable:
+    except (ApiError, NameTaken) as exc:
+        if isinstance(exc, ApiError) and exc.retryable:
             raise kopf.TemporaryError(str(exc), delay=_retry_delay(retry, config)) from exc
-        patch.status.update({"phase": "Degraded", "conditions": [
-            _degraded("ApplyFailed", str(exc), meta, status)]})
+        reason = "NameTaken" if isinstance(exc, NameTaken) else "ApplyFailed"
+        patch.status.update({"phase": "Degraded", "conditions": [_degraded(reason, str(exc), meta, status)]})
         raise kopf.PermanentError(str(exc)) from exc
     patch.status.update(compute_status(
         name=name, namespace=namespace, desired_replicas=parsed.replicas, resolved=resolved,
         deployment=deployment, generation=meta.get("generation"),
         previous_conditions=status.get("conditions") or [], model=model,
         adapters=[AdapterStatus(name=a.name, version=a.version, sha256=a.sha256) for a in adapters]))
+
+
+async def _delete_owned(client: KubeClient, stub: Mapping[str, Any], owner: str) -> bool:
+    """Delete the object `stub` names if the InferenceDeployment `owner` owns it (never one of
+    another, nor one that someone else made under that name); whether it did."""
+    path = path_of(stub)
+    live = await client.get(path)
+    if live is None or not _owned_by(live, owner):
+        return False
+    await client.delete(path)
+    return True
+
+
+async def _prune(client: KubeClient, desired: list[dict[str, Any]], name: str, namespace: str, monitoring: bool,
+                 logger: logging.Logger) -> None:
+    """Delete the children `manifests.children` no longer builds: the prefill pool's, once
+    spec.disaggregation is turned off."""
+    built = {(child["kind"], child["metadata"]["name"]) for child in desired}
+    for stub in manifests.possible_children(name, namespace, monitoring=monitoring):
+        if (stub["kind"], stub["metadata"]["name"]) not in built and await _delete_owned(client, stub, name):
+            logger.info(f"{stub['kind']} {stub['metadata']['name']} deleted (no longer part of the spec)")
 
 
 async def _resolve_adapters(spec: InferenceDeploymentSpec, config: OperatorConfig, model: ResolvedModel | None,
@@ -255,7 +301,12 @@ def _degraded(reason: str, message: str, meta: Mapping[str, Any], status: Mappin
 async def child_deployment_changed(type: str | None, body: kopf.Body, namespace: str, memo: kopf.Memo,
                                    logger: logging.Logger, **_: Any) -> None:
     """The workers' readiness moved: bring the owner's status up to date (only if it changed)."""
-    owner = (body.get("metadata", {}).get("labels") or {}).get(manifests.LABEL_DEPLOYMENT)
+    object_labels = body.get("metadata", {}).get("labels") or {}
+    owner = object_labels.get(manifests.LABEL_DEPLOYMENT)
+    # The status follows the decode pool (the replicas that serve); a prefill pool's Deployment is
+    # labelled with its own name, which is no InferenceDeployment's.
+    if object_labels.get(manifests.LABEL_POOL) == manifests.POOL_PREFILL:
+        return
     if not owner or type == "DELETED" or memo.get("client") is None:
         return
     client = _client(memo)
@@ -284,25 +335,15 @@ async def child_deployment_changed(type: str | None, body: kopf.Body, namespace:
 @kopf.on.delete(GROUP, VERSION, PLURAL)
 async def finalize(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, retry: int, memo: kopf.Memo,
                    logger: logging.Logger, **_: Any) -> None:
-    """Delete the Deployment first (its pods drain within their grace period), then the rest.
+    """Delete the Deployments first (their pods drain within their grace period), then the rest.
 
     Owner references would garbage-collect them too; deleting explicitly makes the order certain
     and works where the garbage collector lags.
     """
     config, client = _config(memo), _client(memo)
-    kinds = [("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget")]
-    if config.monitoring:
-        kinds += [("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")]
     try:
-        for api_version, kind in kinds:
-            path = path_of({"apiVersion": api_version, "kind": kind,
-                            "metadata": {"name": name, "namespace": namespace}})
-            live = await client.get(path)
-            owned = live is not None and any(
-                ref.get("kind") == "InferenceDeployment" and ref.get("name") == name
-                for ref in live.get("metadata", {}).get("ownerReferences") or [])
-            if owned:
-                await client.delete(path)
+        for stub in manifests.possible_children(name, namespace, monitoring=config.monitoring):
+            await _delete_owned(client, stub, name)
     except ApiError as exc:
         if exc.retryable:
             raise kopf.TemporaryError(str(exc), delay=_retry_delay(retry, config)) from exc

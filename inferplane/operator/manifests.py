@@ -16,9 +16,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from inferplane.api.deployment import API_VERSION, KIND, InferenceDeploymentSpec
+from inferplane.api.deployment import API_VERSION, KIND, InferenceDeploymentSpec, prefill_pool_name
 from inferplane.api.model_resolution import ResolvedAdapter, ResolvedModel
-from inferplane.api.resolve import ResolvedDeployment, resolve
+from inferplane.api.resolve import ResolvedDeployment, prefill_spec, resolve
 from inferplane.monitoring.deployment_rules import DeploymentScope, deployment_groups
 from inferplane.monitoring.rules import rule_file
 from inferplane.operator import kv_tier, model_pod
@@ -34,6 +34,11 @@ PRE_STOP_SECONDS = 5  # lets endpoints drop a terminating pod before it starts r
 LABEL_DEPLOYMENT = "inferplane.io/deployment"
 LABEL_RUNTIME = "inferplane.io/runtime"
 LABEL_TIER = "inferplane.io/tier"
+# A disaggregated deployment's worker pods say which pool they are in (spec.disaggregation): the
+# decode pool (the Deployment <name>, whose selector is unchanged) or the prefill pool (<name>-prefill).
+LABEL_POOL = "inferplane.io/pool"
+POOL_PREFILL = "prefill"
+POOL_DECODE = "decode"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "inferplane-operator"
 ANNOTATION_HASH = "inferplane.io/spec-hash"
@@ -110,16 +115,28 @@ def worker_invocation(
     return WorkerInvocation(command=["inferplane", "worker"], args=args, env=env)
 
 
-def labels(name: str, spec: InferenceDeploymentSpec, resolved: ResolvedDeployment) -> dict[str, str]:
+def pool_name(name: str, pool: str | None) -> str:
+    """The name of the objects of one worker pool of the InferenceDeployment `name`, and its pods'
+    LABEL_DEPLOYMENT (pool None: not disaggregated). The decode pool keeps the resource's name, so
+    enabling disaggregation renames nothing; the prefill pool's objects are prefill_pool_name(name),
+    which no selector of the decode pool's (selector(name)) matches."""
+    return prefill_pool_name(name) if pool == POOL_PREFILL else name
+
+
+def labels(name: str, spec: InferenceDeploymentSpec, resolved: ResolvedDeployment, *,
+           pool: str | None = None) -> dict[str, str]:
+    """The labels of the InferenceDeployment `name`'s workers and objects; `pool` (disaggregated only)
+    adds LABEL_POOL, and the prefill pool's LABEL_DEPLOYMENT is its own name."""
     return {
         "app.kubernetes.io/name": "inferplane-worker",
         "app.kubernetes.io/instance": name,
         "app.kubernetes.io/component": "worker",
         "app.kubernetes.io/part-of": "inferplane",
         LABEL_MANAGED_BY: MANAGED_BY,
-        LABEL_DEPLOYMENT: name,
+        LABEL_DEPLOYMENT: pool_name(name, pool),
         LABEL_RUNTIME: resolved.runtime,
         LABEL_TIER: spec.serving.tier,
+        **({LABEL_POOL: pool} if pool is not None else {}),
     }
 
 
@@ -223,32 +240,38 @@ def worker_pod_spec(name: str, spec: InferenceDeploymentSpec, *, resolved: Resol
 
 
 def _metadata(owner: Owner, spec: InferenceDeploymentSpec, resolved: ResolvedDeployment, *, runtime_label: bool = False,
-              **extra: Any) -> dict[str, Any]:
-    """Only the Deployment carries the runtime label: a runtime change then rewrites nothing else."""
-    object_labels = labels(owner.name, spec, resolved)
+              pool: str | None = None, **extra: Any) -> dict[str, Any]:
+    """Only the Deployment carries the runtime label: a runtime change then rewrites nothing else.
+    Of the pools, only the prefill pool's objects are labelled: the decode pool's keep what they had
+    before disaggregation (its pods are labelled, in their template)."""
+    object_pool = pool if pool == POOL_PREFILL else None
+    object_labels = labels(owner.name, spec, resolved, pool=object_pool)
     if not runtime_label:
         object_labels.pop(LABEL_RUNTIME)
-    return {"name": owner.name, "namespace": owner.namespace, "labels": object_labels,
+    return {"name": pool_name(owner.name, pool), "namespace": owner.namespace, "labels": object_labels,
             "ownerReferences": [owner.reference()], **extra}
 
 
 def deployment(owner: Owner, spec: InferenceDeploymentSpec, *, resolved: ResolvedDeployment, image: str,
                model: ResolvedModel | None = None, cache: model_pod.ModelCache | None = None,
-               adapters: tuple[ResolvedAdapter, ...] = (), kv_volume: KVTierVolume | None = None) -> dict[str, Any]:
+               adapters: tuple[ResolvedAdapter, ...] = (), kv_volume: KVTierVolume | None = None,
+               pool: str | None = None) -> dict[str, Any]:
+    """The workers of one pool (`pool` None: not disaggregated): their replicas and resources are
+    `spec`'s (for the prefill pool, api.resolve.prefill_spec's)."""
     weights = model_pod.plan(spec, model, image=image, cache=cache, adapters=adapters)
     # Without a spare GPU a surge pod cannot schedule, so GPU rollouts replace one pod at a time.
     rolling = {"maxSurge": 0, "maxUnavailable": 1} if spec.uses_gpu else {"maxSurge": 1, "maxUnavailable": 0}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(owner, spec, resolved, runtime_label=True),
+        "metadata": _metadata(owner, spec, resolved, runtime_label=True, pool=pool),
         "spec": {
             "replicas": spec.replicas,
             "revisionHistoryLimit": 3,
-            "selector": {"matchLabels": selector(owner.name)},
+            "selector": {"matchLabels": selector(pool_name(owner.name, pool))},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
             "template": {
-                "metadata": {"labels": labels(owner.name, spec, resolved),
+                "metadata": {"labels": labels(owner.name, spec, resolved, pool=pool),
                              "annotations": {"prometheus.io/scrape": "true",
                                              "prometheus.io/port": str(METRICS_PORT), **weights.annotations}},
                 "spec": worker_pod_spec(owner.name, spec, resolved=resolved, image=image, weights=weights,
@@ -258,17 +281,21 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, *, resolved: Resolve
     }
 
 
-def service(owner: Owner, spec: InferenceDeploymentSpec, *, resolved: ResolvedDeployment) -> dict[str, Any]:
-    """Headless: the gateway resolves pod addresses itself, to route by prefix affinity and load."""
+def service(owner: Owner, spec: InferenceDeploymentSpec, *, resolved: ResolvedDeployment,
+            pool: str | None = None) -> dict[str, Any]:
+    """Headless: the gateway resolves pod addresses itself, to route by prefix affinity and load.
+    The prefill pool's has no served-model annotations: it serves no model to tenants, its workers
+    compute prompts for the decode pool's."""
     annotations = {ANNOTATION_SERVED_MODEL: spec.served_model_name(owner.name),
                    ANNOTATION_WEIGHT: str(spec.serving.weight)}
+    extra = {} if pool == POOL_PREFILL else {"annotations": annotations}
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(owner, spec, resolved, annotations=annotations),
+        "metadata": _metadata(owner, spec, resolved, pool=pool, **extra),
         "spec": {
             "clusterIP": "None",
-            "selector": selector(owner.name),
+            "selector": selector(pool_name(owner.name, pool)),
             "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP",
                        "appProtocol": "kubernetes.io/h2c"},
                       {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}],
@@ -277,23 +304,24 @@ def service(owner: Owner, spec: InferenceDeploymentSpec, *, resolved: ResolvedDe
 
 
 def pod_disruption_budget(owner: Owner, spec: InferenceDeploymentSpec, *,
-                          resolved: ResolvedDeployment) -> dict[str, Any]:
+                          resolved: ResolvedDeployment, pool: str | None = None) -> dict[str, Any]:
     """maxUnavailable 1, not minAvailable: a one-replica deployment must not block node drains forever."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(owner, spec, resolved),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(owner.name)}},
+        "metadata": _metadata(owner, spec, resolved, pool=pool),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(pool_name(owner.name, pool))}},
     }
 
 
-def service_monitor(owner: Owner, spec: InferenceDeploymentSpec, *, resolved: ResolvedDeployment) -> dict[str, Any]:
+def service_monitor(owner: Owner, spec: InferenceDeploymentSpec, *, resolved: ResolvedDeployment,
+                    pool: str | None = None) -> dict[str, Any]:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _metadata(owner, spec, resolved),
+        "metadata": _metadata(owner, spec, resolved, pool=pool),
         "spec": {
-            "selector": {"matchLabels": selector(owner.name)},
+            "selector": {"matchLabels": selector(pool_name(owner.name, pool))},
             "namespaceSelector": {"matchNames": [owner.namespace]},
             "endpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}],
         },
@@ -336,20 +364,50 @@ def children(
     adapters: tuple[ResolvedAdapter, ...] = (),
     kv_volume: KVTierVolume | None = None,
 ) -> list[dict[str, Any]]:
-    """Every object an InferenceDeployment owns, each stamped with the hash of its content.
+    """Every object an InferenceDeployment owns, each stamped with the hash of its content: the
+    decode pool's Deployment first, and a disaggregated deployment's prefill pool after the rest.
 
     monitoring=False leaves out the ServiceMonitor and PrometheusRule, for clusters without the
     Prometheus operator's CRDs.
     """
     owner = Owner.from_body(body)
     resolved = resolved or resolve(spec)
+    disaggregated = spec.disaggregation.enabled
     objects = [
         deployment(owner, spec, resolved=resolved, image=image, model=model, cache=cache, adapters=adapters,
-                   kv_volume=kv_volume),
+                   kv_volume=kv_volume, pool=POOL_DECODE if disaggregated else None),
         service(owner, spec, resolved=resolved),
         pod_disruption_budget(owner, spec, resolved=resolved),
     ]
     if monitoring:
         objects += [service_monitor(owner, spec, resolved=resolved),
                     prometheus_rule(owner, spec, resolved=resolved)]
+    if disaggregated:
+        # The same workers on the prefill pool's replicas and resources; its SLO rules are the
+        # decode pool's (the tenants' requests end there), so it has no PrometheusRule of its own.
+        prefill = prefill_spec(spec)
+        prefill_resolved = resolve(prefill)
+        objects += [
+            deployment(owner, prefill, resolved=prefill_resolved, image=image, model=model, cache=cache,
+                       adapters=adapters, kv_volume=kv_volume, pool=POOL_PREFILL),
+            service(owner, prefill, resolved=prefill_resolved, pool=POOL_PREFILL),
+            pod_disruption_budget(owner, prefill, resolved=prefill_resolved, pool=POOL_PREFILL),
+        ]
+        if monitoring:
+            objects.append(service_monitor(owner, prefill, resolved=prefill_resolved, pool=POOL_PREFILL))
     return [with_hash(obj) for obj in objects]
+
+
+# What `children` may build, by kind; the prefill pool has no PrometheusRule.
+_POOL_KINDS = (("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"))
+_MONITORING_KINDS = (("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule"))
+
+
+def possible_children(name: str, namespace: str, *, monitoring: bool = True) -> list[dict[str, Any]]:
+    """The kind, name and namespace of every object an InferenceDeployment `name` may own, whatever
+    its spec, the Deployments first: what the finalizer deletes, and what reconcile deletes when
+    `children` no longer builds it (disaggregation turned off)."""
+    kinds = [*_POOL_KINDS, *(_MONITORING_KINDS if monitoring else ())]
+    return [{"apiVersion": api_version, "kind": kind, "metadata": {"name": child, "namespace": namespace}}
+            for api_version, kind in kinds
+            for child in (name, prefill_pool_name(name)) if not (kind == "PrometheusRule" and child != name)]

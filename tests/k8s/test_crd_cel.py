@@ -94,6 +94,20 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "autoscaling.panicWindowSeconds must be shorter than autoscaling.stableWindowSeconds": (
         {"autoscaling": {"panicWindowSeconds": 10, "stableWindowSeconds": 30}},
         {"autoscaling": {"panicWindowSeconds": 61}}),  # against the default stable window, 60
+    "disaggregation.enabled needs the radix KV manager: runtime radix, cpu-int8 or auto, and kind generate "
+    "(prompts' KV moves between the pools through its memory tier)": (
+        {"runtime": "radix", "disaggregation": {"enabled": True}},
+        {"runtime": "paged", "disaggregation": {"enabled": True}}),
+    "disaggregation.prefill.minReplicas must not exceed disaggregation.prefill.maxReplicas": (
+        {"disaggregation": {"prefill": {"minReplicas": 2, "replicas": 2, "maxReplicas": 2}}},
+        {"disaggregation": {"prefill": {"minReplicas": 3, "replicas": 3, "maxReplicas": 2}}}),
+    "disaggregation.prefill.replicas must lie within disaggregation.prefill.minReplicas..maxReplicas": (
+        {"disaggregation": {"prefill": {"replicas": 4, "maxReplicas": 4}}},
+        {"disaggregation": {"prefill": {"replicas": 5, "maxReplicas": 4}}}),
+    "the prefill pool runs where the decode pool does: disaggregation.prefill.resources.gpus must be above 0 "
+    "exactly when resources.gpus is (a decode worker uses the KV a prefill worker computed, in its layout)": (
+        {"resources": {"gpus": 1}, "disaggregation": {"prefill": {"resources": {"gpus": 2}}}},
+        {"resources": {"gpus": 1}, "disaggregation": {"prefill": {"resources": {"cpu": "8"}}}}),
 }
 
 

@@ -228,3 +228,32 @@ def test_the_gateways_metrics_have_their_own_port_service_and_policy(helm: Path,
     assert peer == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     refused = helm_run(helm, "template", "demo", str(CHART), "--set", "controlPlane.metricsPort=8000")
     assert refused.returncode != 0 and "metricsPort" in refused.stderr
+
+
+def test_network_policy_lets_decode_workers_pull_kv_from_prefill_workers(helm: Path) -> None:
+    """Prefill/decode disaggregation: a decode worker pulls a prompt's KV from the prefill worker over
+    gRPC. Only prefill pods accept it, from decode pods of their namespace, on the gRPC port alone."""
+    from inferplane.operator.manifests import GRPC_PORT, LABEL_POOL, POOL_DECODE, POOL_PREFILL
+
+    policies = kinds(render(helm, None))["NetworkPolicy"]
+    (policy,) = [p for p in policies if p["metadata"]["name"].endswith("-kv-transfer")]
+    target = policy["spec"]["podSelector"]["matchLabels"]
+    assert target[LABEL_POOL] == POOL_PREFILL and target["app.kubernetes.io/component"] == "worker"
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": GRPC_PORT, "protocol": "TCP"}]
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"}  # no namespaceSelector: the policy's own namespace only
+    assert peer["podSelector"]["matchLabels"][LABEL_POOL] == POOL_DECODE
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    # The operator's pods are what the policy names: its prefill pods are the target, its decode pods the peers.
+    from inferplane.api.deployment import InferenceDeploymentSpec
+    from inferplane.operator.manifests import children
+
+    spec = {"model": {"name": "m"}, "disaggregation": {"enabled": True}}
+    body = {"metadata": {"name": "chat", "namespace": "inference", "uid": "u"}, "spec": spec}
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+            for d in children(body, InferenceDeploymentSpec.from_dict(spec)) if d["kind"] == "Deployment"}
+    assert _matches(target, pods["chat-prefill"]) and not _matches(target, pods["chat"])
+    assert _matches(peer["podSelector"]["matchLabels"], pods["chat"])
+    assert not _matches(peer["podSelector"]["matchLabels"], pods["chat-prefill"])
