@@ -51,6 +51,11 @@ WORKER_KV_TIER_STORED = "inferplane_worker_kv_tier_stored"
 WORKER_KV_TIER_EVICTED = "inferplane_worker_kv_tier_evicted"
 WORKER_KV_TIER_READ_SECONDS = "inferplane_worker_kv_tier_read_seconds"  # label tier: time reading hits
 WORKER_KV_TIER_MISSES = "inferplane_worker_kv_tier_misses"
+# Prefill/decode disaggregation (worker/serve/kv_transfer.py), label direction: pulled | served
+WORKER_KV_TRANSFER_BLOCKS = "inferplane_worker_kv_transfer_blocks"
+WORKER_KV_TRANSFER_BYTES = "inferplane_worker_kv_transfer_bytes"
+WORKER_KV_TRANSFER_SECONDS = "inferplane_worker_kv_transfer_seconds"
+WORKER_KV_TRANSFER_FAILURES = "inferplane_worker_kv_transfer_failures"  # pulls that failed: computed instead
 WORKER_KV_TIER_REJECTED = "inferplane_worker_kv_tier_rejected"
 WORKER_KV_TIER_PREFETCHED = "inferplane_worker_kv_tier_prefetched_blocks"
 WORKER_KV_TIER_SAVED = "inferplane_worker_kv_tier_saved_blocks"
@@ -66,6 +71,8 @@ GATEWAY_TTFT = "inferplane_gateway_time_to_first_token_seconds"
 GATEWAY_TOKENS = "inferplane_gateway_tokens"  # labels model, kind
 GATEWAY_LIMITER_STORE_ERRORS = "inferplane_gateway_limiter_store_errors"
 GATEWAY_MIGRATIONS = "inferplane_gateway_migrations"  # label cause: the failed worker call's status
+GATEWAY_DISAGGREGATION = "inferplane_gateway_disaggregation_requests"  # label outcome: where the prompt ran
+GATEWAY_PREFILL_SECONDS = "inferplane_gateway_prefill_seconds"  # a disaggregated request's time in the prefill pool
 # labels tenant, key, result ("admitted"|"rate_limited"|"quota_exceeded"|"concurrency_limited")
 KEY_REQUESTS = "inferplane_key_requests"
 TENANT_TOKENS = "inferplane_tenant_tokens"  # labels tenant, model, kind ("prompt"|"completion")

@@ -28,12 +28,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferplane import aio
+from inferplane.api.deployment import RoutingPolicy
 from inferplane.local.supervisor import free_port
 
 SERVED_MODEL = "tiny"
@@ -200,8 +202,14 @@ async def _serve(args: argparse.Namespace) -> int:
         await gateway.start()
         try:
             info = await gateway.channels.stub(args.worker[0]).Info(worker_pb2.InfoRequest(), timeout=30)
+            prefill = None
+            if args.prefill_worker:  # a disaggregated deployment: --worker is its decode pool
+                prefill = Deployment(f"{args.served_model_name}-prefill", StaticEndpointSource(args.prefill_worker),
+                                     block_size=info.block_size, max_outstanding=args.max_outstanding)
             deployment = Deployment(args.served_model_name, StaticEndpointSource(args.worker),
-                                    block_size=info.block_size, max_outstanding=args.max_outstanding)
+                                    block_size=info.block_size, max_outstanding=args.max_outstanding,
+                                    routing_policy=args.routing_policy, prefill=prefill,
+                                    min_prefill_tokens=args.min_prefill_tokens)
             gateway.router.set_route(args.served_model_name, [deployment])
             gateway.catalog.put(ServedModel.from_info(args.served_model_name, info, cache_isolation="shared",
                                                       weights_sha256=weights_sha256))
@@ -229,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--health-poll-interval", type=float, default=2.0)
     serve.add_argument("--drain-grace-seconds", type=float, default=30.0)
     serve.add_argument("--max-migrations", type=int, default=2, help="as `inferplane gateway --max-migrations`")
+    serve.add_argument("--prefill-worker", action="append", default=[],
+                       help="host:port of a prefill-pool worker (repeatable): the --worker replicas are then the "
+                            "decode pool of a disaggregated deployment")
+    serve.add_argument("--min-prefill-tokens", type=int, default=512,
+                       help="with --prefill-worker: uncached prompt tokens from which the prefill pool computes them")
+    serve.add_argument("--routing-policy", default="prefix-hash", choices=typing.get_args(RoutingPolicy))
     serve.add_argument("--tenant", action="append", default=[],
                        help="NAME[:BAND][,rpm=N] another tenant with a key of its own (repeatable); BAND: "
                             "api/priority.py; N: the key's requests per minute")

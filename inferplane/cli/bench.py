@@ -20,6 +20,8 @@ BENCHMARKS = {
                                                   "prefix-hash vs least-loaded routing, real router and KV managers"),
     "faults": ("inferplane.bench.faults", "streams while a worker is SIGKILLed every N seconds: tokens lost, "
                                           "duplicated, latency a migration adds"),
+    "disagg": ("inferplane.bench.disagg", "decode streams' inter-token latency while long prompts arrive: two "
+                                          "shared replicas vs a prefill replica and a decode replica"),
     "footprint": ("inferplane.bench.footprint", "a CPU worker's measured peak and served memory vs its estimate"),
 }
 

@@ -212,16 +212,25 @@ class LocalPlatform:
             adapters = await loop.run_in_executor(None, self._adapters, manifest)
             self.supervisor.add(manifest.name, manifest.spec, path, adapters)
         for served, members in self.routes.items():
-            self.gateway.router.set_route(served, [
-                router_deployment(r, self.supervisor.deployments[r.name].source) for r in members])
+            self.gateway.router.set_route(served, [self._router_deployment(r) for r in members])
             for route in members:
                 if route.autoscaling is not None:  # watched; its requests held at zero replicas
                     watch(self.autoscaler, route.name, served, route.name, route.autoscaling)
+                if route.prefill_autoscaling is not None:  # its prefill pool's processes, on their own signals
+                    watch(self.autoscaler, route.prefill_pool, served, route.prefill_pool, route.prefill_autoscaling)
         self._run_state = asyncio.get_running_loop().create_task(self._keep_run_state())
         if self.autoscaler.targets:
             self._autoscaling = asyncio.get_running_loop().create_task(self.autoscaler.run())
 
+    def _router_deployment(self, route: ResourceRoute):
+        """The router's view of a local deployment: its processes, and its prefill pool's if it has one."""
+        prefill = self.supervisor.deployments.get(route.prefill_pool) if route.prefill_pool else None
+        return router_deployment(route, self.supervisor.deployments[route.name].source,
+                                 prefill.source if prefill is not None else None)
+
     def _replica_ready(self, deployment: LocalDeployment, replica: Replica) -> None:
+        if deployment.owner:
+            return  # a prefill pool's replica: the catalog entry comes from the deployment's own
         served = deployment.served_model_name
         if served not in {m.name for m in self.gateway.catalog.visible(None)}:
             asyncio.get_running_loop().create_task(self._publish(deployment, replica))

@@ -24,9 +24,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from inferplane.api.deployment import InferenceDeploymentSpec
+from inferplane.api.deployment import InferenceDeploymentSpec, prefill_pool_name
 from inferplane.api.model_resolution import ResolvedAdapter
-from inferplane.api.resolve import ResolvedDeployment, resolve
+from inferplane.api.resolve import ResolvedDeployment, prefill_spec, resolve
 from inferplane.control_plane.routing import StaticEndpointSource
 from inferplane.local import runstate
 from inferplane.operator.manifests import worker_invocation
@@ -66,10 +66,11 @@ class LocalDeployment:
     source: StaticEndpointSource = field(default_factory=StaticEndpointSource)
     replicas: list[Replica] = field(default_factory=list)
     next_index: int = 0  # replicas keep their number (and log file) for life; a new one takes the next
+    owner: str = ""  # the InferenceDeployment it serves (a prefill pool: its deployment's); "": `name`
 
     @property
     def served_model_name(self) -> str:
-        return self.spec.served_model_name(self.name)
+        return self.spec.served_model_name(self.owner or self.name)
 
 
 class Supervisor:
@@ -92,6 +93,11 @@ class Supervisor:
         deployment = LocalDeployment(name, spec, resolve(spec), model_arg, adapters)
         self.deployments[name] = deployment
         self.scale(name, spec.replicas)
+        if spec.disaggregation.enabled:  # its prefill pool: processes of their own, as pods of their own
+            pool = prefill_spec(spec)
+            self.deployments[prefill_pool_name(name)] = LocalDeployment(
+                prefill_pool_name(name), pool, resolve(pool), model_arg, adapters, owner=name)
+            self.scale(prefill_pool_name(name), pool.replicas)
         return deployment
 
     def scale(self, name: str, replicas: int, *, load: Callable[[str], int] | None = None,
@@ -120,7 +126,8 @@ class Supervisor:
                 self._retire(deployment, replica)
 
     def command(self, deployment: LocalDeployment, replica: Replica) -> tuple[list[str], dict[str, str]]:
-        invocation = worker_invocation(deployment.name, deployment.spec, resolved=deployment.resolved,
+        invocation = worker_invocation(deployment.owner or deployment.name, deployment.spec,
+                                       resolved=deployment.resolved,
                                        host="127.0.0.1", port=replica.port, metrics_port=replica.metrics_port,
                                        model_argument=deployment.model_arg, adapters=deployment.adapters,
                                        # One folder per deployment, as a node's in a cluster (operator/kv_tier.py):

@@ -319,6 +319,27 @@ def deployment_dashboard() -> dashboard_builder.Dashboard:
               width=6, description="Stored blocks that failed a check (checksum, layout, key) and were computed "
                                    "again: never used"),
     ))
+    # A disaggregated deployment's prefill pool: its own Service, <deployment>-prefill (docs/disaggregation.md).
+    prefill_workers = selector(namespace="$namespace", service="$deployment-prefill", model="$model")
+    both_pools = selector(namespace="$namespace", service="$deployment(-prefill)?", model="$model")
+    per_direction = ("direction",)
+    disaggregation = Row("Prefill/decode disaggregation", (
+        graph("Prefill pool queue", [Query(gauge_value(m.WORKER_WAITING, prefill_workers), "waiting"),
+                                     Query(gauge_value(m.WORKER_RUNNING, prefill_workers), "running")], width=6,
+              description="Requests the prefill pool's workers hold (its autoscaling signal); empty where the "
+                          "deployment is not disaggregated"),
+        graph("Decode pool time per output token", quantile_queries(m.WORKER_TPOT, workers), "s", width=6,
+              description="The decode workers' inter-token latency: what disaggregation keeps steady"),
+        graph("KV moved between workers", [
+            Query(counter_rate(m.WORKER_KV_TRANSFER_BYTES, both_pools, per_direction), "{{direction}}")],
+              "Bps", width=6, description="Record bytes the decode workers pulled and the prefill workers served"),
+        graph("KV pull time per block", [
+            Query(ratio(counter_rate(m.WORKER_KV_TRANSFER_SECONDS, workers, per_direction),
+                        counter_rate(m.WORKER_KV_TRANSFER_BLOCKS, workers, per_direction)), "{{direction}}"),
+            Query(counter_rate(m.WORKER_KV_TRANSFER_FAILURES, workers), "failed pulls/s")], "s", width=6,
+              description="Mean time a decode worker took per block pulled (the request waits for it), and "
+                          "pulls that failed (their prompts computed on the decode worker)"),
+    ))
     flow_control = Row("Flow control", (
         graph("Waiting sequences by tenant and band", [
             Query(gauge_value(m.WORKER_TENANT_SEQUENCES, selector(namespace="$namespace", service="$deployment",
@@ -355,7 +376,7 @@ def deployment_dashboard() -> dashboard_builder.Dashboard:
     ]
     return dashboard("inferplane-deployment", "Inferplane / Deployment",
                      "One deployment: its workers' latency, throughput and engine, and its autoscaler.", variables,
-                     [latency, throughput, engine, kv_tiers, flow_control, scaling])
+                     [latency, throughput, engine, kv_tiers, disaggregation, flow_control, scaling])
 
 
 def tenant_dashboard() -> dashboard_builder.Dashboard:

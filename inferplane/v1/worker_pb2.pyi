@@ -76,7 +76,7 @@ class Chat(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "params", "cache_salt", "tenant", "priority", "adapter", "resumed_token_ids", "choice_index")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "params", "cache_salt", "tenant", "priority", "adapter", "resumed_token_ids", "choice_index", "kv_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class GenerateRequest(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHOICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -99,7 +100,8 @@ class GenerateRequest(_message.Message):
     adapter: Adapter
     resumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     choice_index: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[str] = ..., adapter: _Optional[_Union[Adapter, _Mapping]] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ..., choice_index: _Optional[int] = ...) -> None: ...
+    kv_source: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[str] = ..., adapter: _Optional[_Union[Adapter, _Mapping]] = ..., resumed_token_ids: _Optional[_Iterable[int]] = ..., choice_index: _Optional[int] = ..., kv_source: _Optional[str] = ...) -> None: ...
 
 class Adapter(_message.Message):
     __slots__ = ("name", "uri", "sha256")
@@ -285,3 +287,27 @@ class KVEventBatch(_message.Message):
     instance_id: str
     events: _containers.RepeatedCompositeFieldContainer[KVEvent]
     def __init__(self, ts: _Optional[float] = ..., sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ..., instance_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
+
+class FetchKVRequest(_message.Message):
+    __slots__ = ("layout_fingerprint", "keys")
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    layout_fingerprint: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, layout_fingerprint: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KVRecord(_message.Message):
+    __slots__ = ("key", "window", "record")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    window: bool
+    record: bytes
+    def __init__(self, key: _Optional[bytes] = ..., window: _Optional[bool] = ..., record: _Optional[bytes] = ...) -> None: ...
+
+class KVRecords(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[KVRecord]
+    def __init__(self, records: _Optional[_Iterable[_Union[KVRecord, _Mapping]]] = ...) -> None: ...

@@ -59,6 +59,11 @@ class WorkerStub:
                 request_serializer=inferplane_dot_v1_dot_worker__pb2.KVEventsRequest.SerializeToString,
                 response_deserializer=inferplane_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
                 _registered_method=True)
+        self.FetchKV = channel.unary_stream(
+                '/inferplane.v1.Worker/FetchKV',
+                request_serializer=inferplane_dot_v1_dot_worker__pb2.FetchKVRequest.SerializeToString,
+                response_deserializer=inferplane_dot_v1_dot_worker__pb2.KVRecords.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -104,6 +109,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchKV(self, request, context):
+        """Prefill/decode disaggregation: the records (kv/tiers/record.py: header, checksum, payload) of
+        the blocks named, in order, as far as this worker's KV tiers hold them in a row, each with its
+        sliding-window part where the model has one. A decode worker calls it on the prefill worker the
+        gateway names in GenerateRequest.kv_source. FAILED_PRECONDITION without KV tiers or for another
+        layout (model, KV dtype, block size).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +147,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.KVEvents,
                     request_deserializer=inferplane_dot_v1_dot_worker__pb2.KVEventsRequest.FromString,
                     response_serializer=inferplane_dot_v1_dot_worker__pb2.KVEventBatch.SerializeToString,
+            ),
+            'FetchKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchKV,
+                    request_deserializer=inferplane_dot_v1_dot_worker__pb2.FetchKVRequest.FromString,
+                    response_serializer=inferplane_dot_v1_dot_worker__pb2.KVRecords.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +289,33 @@ class Worker:
             '/inferplane.v1.Worker/KVEvents',
             inferplane_dot_v1_dot_worker__pb2.KVEventsRequest.SerializeToString,
             inferplane_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/inferplane.v1.Worker/FetchKV',
+            inferplane_dot_v1_dot_worker__pb2.FetchKVRequest.SerializeToString,
+            inferplane_dot_v1_dot_worker__pb2.KVRecords.FromString,
             options,
             channel_credentials,
             insecure,

@@ -112,7 +112,9 @@ class Autoscaler:
             deployments = self.router.deployments(target.served_model)
         except Exception:
             return []
-        return [ep for d in deployments if d.name == target.deployment for ep in d.source.endpoints()]
+        # A disaggregated deployment's prefill pool is a target of its own.
+        pools = [pool for d in deployments for pool in (d, d.prefill) if pool is not None]
+        return [ep for d in pools if d.name == target.deployment for ep in d.source.endpoints()]
 
     def _addresses(self, target: ScaleTarget) -> list[str]:
         return [ep.address for ep in self._endpoints(target)]

@@ -37,9 +37,23 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
+# A disaggregated deployment's prefill pool is scaled as "namespace/name/prefill": its replicas are
+# spec.disaggregation.prefill.replicas (the scale subresource maps spec.replicas, the decode pool's).
+PREFILL_TARGET = "prefill"
+
+
+def prefill_target(name: str) -> str:
+    """The scaler name of deployment `name`'s ("namespace/name") prefill pool."""
+    return f"{name}/{PREFILL_TARGET}"
+
+
 def _split(name: str) -> tuple[str, str]:
     namespace, _, resource = name.partition("/")
-    return namespace, resource
+    return namespace, resource.removesuffix(f"/{PREFILL_TARGET}")
+
+
+def _is_prefill(name: str) -> bool:
+    return name.count("/") == 2 and name.endswith(f"/{PREFILL_TARGET}")
 
 
 class KubernetesScaler:
@@ -51,6 +65,11 @@ class KubernetesScaler:
 
     async def current(self, name: str) -> int:
         namespace, resource = _split(name)
+        if _is_prefill(name):
+            body = await asyncio.to_thread(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                                           resource)
+            pool = ((body.get("spec") or {}).get("disaggregation") or {}).get("prefill") or {}
+            return int(pool.get("replicas", 1))
         scale = await asyncio.to_thread(self.custom.get_namespaced_custom_object_scale, GROUP, VERSION, namespace,
                                         PLURAL, resource)
         return int((scale.get("spec") or {}).get("replicas") or 0)
@@ -65,6 +84,13 @@ class KubernetesScaler:
                     DELETION_COST: str(-1000)}}})
             except Exception as exc:  # gone already, or no permission: the scale-down still happens
                 log.warning("autoscaler: marking pod %s/%s for removal failed: %s", namespace, pod, exc)
+        if _is_prefill(name):  # the prefill pool: its own field; status.autoscaler is the decode pool's
+            body = await asyncio.to_thread(self.custom.patch_namespaced_custom_object, GROUP, VERSION, namespace,
+                                           PLURAL, resource,
+                                           {"spec": {"disaggregation": {"prefill": {"replicas": replicas}}}})
+            await asyncio.to_thread(self._event, namespace, resource, body["metadata"]["uid"], previous, replicas,
+                                    decision, _now().replace(microsecond=0), pool=PREFILL_TARGET)
+            return
         await asyncio.to_thread(self.custom.patch_namespaced_custom_object_scale, GROUP, VERSION, namespace, PLURAL,
                                 resource, {"spec": {"replicas": replicas}})
         now = _now().replace(microsecond=0)
@@ -78,7 +104,7 @@ class KubernetesScaler:
                                 decision, now)
 
     def _event(self, namespace: str, resource: str, uid: str, previous: int, replicas: int, decision: Decision,
-               now: datetime.datetime) -> None:
+               now: datetime.datetime, pool: str = "") -> None:
         from kubernetes import client
 
         self.core.create_namespaced_event(namespace, client.CoreV1Event(
@@ -86,7 +112,7 @@ class KubernetesScaler:
             involved_object=client.V1ObjectReference(api_version=API_VERSION, kind=KIND, name=resource,
                                                      namespace=namespace, uid=uid),
             reason="ScaledUp" if replicas > previous else "ScaledDown", type="Normal",
-            message=f"replicas {previous} -> {replicas}: {decision.reason}"[:1024],
+            message=f"{pool + ' ' if pool else ''}replicas {previous} -> {replicas}: {decision.reason}"[:1024],
             source=client.V1EventSource(component=COMPONENT), reporting_component=COMPONENT,
             reporting_instance=socket.gethostname()[:128], first_timestamp=now, last_timestamp=now, count=1))
 

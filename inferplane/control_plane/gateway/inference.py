@@ -48,6 +48,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -84,6 +86,9 @@ from inferplane.control_plane.gateway.prompt_bound import byte_bound
 from inferplane.control_plane.gateway.tool_formats import tool_format
 from inferplane.control_plane.limits import KeyLimiter, KeyLimits, QuotaTracker
 from inferplane.control_plane.routing import (
+    Deployment,
+    Endpoint,
+    Lease,
     NoReplicaAvailable,
     Router,
     RouteRequest,
@@ -98,6 +103,7 @@ from inferplane.control_plane.usage import UsageRecorder
 from inferplane.v1 import worker_pb2
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -398,13 +404,22 @@ class InferenceService:
                     cache_salt=salt, token_ids=worker_pb2.TokenIds(ids=token_ids), tenant=tenant or "",
                     priority=prepared.priority, adapter=adapter, resumed_token_ids=resumed, choice_index=choice)
 
+                routed = RouteRequest(route, token_ids=token_ids + resumed, cache_salt=salt, adapter=adapter_route)
+                picked: list[Lease] = []
+
                 def call(endpoint):
+                    deployment = picked[-1].deployment
+                    if not resumed and deployment.prefill is not None and self.router.uncached_tokens(
+                            deployment, endpoint.address, routed) >= deployment.min_prefill_tokens:
+                        return self._disaggregated(deployment, endpoint, request, routed)
+                    if deployment.prefill is not None and self.metrics is not None:
+                        self.metrics.disaggregation.labels("decode_only" if not resumed else "resumed").inc()
                     return self.channels.stub(endpoint.address).Generate(request, timeout=self.request_timeout)
 
-                routed = RouteRequest(route, token_ids=token_ids + resumed, cache_salt=salt, adapter=adapter_route)
                 # aclosing: a client that goes away closes this generator, and that must close the
                 # worker call at once (freeing its blocks), not whenever it is collected.
-                return contextlib.aclosing(route_and_stream(self.router, routed, call, exclude=list(failed)))
+                return contextlib.aclosing(route_and_stream(self.router, routed, call, exclude=list(failed),
+                                                            on_pick=picked.append))
 
             breaks: list[StreamBrokenAfterStart] = []
 
@@ -483,6 +498,86 @@ class InferenceService:
             raise
         finally:
             self._account(prepared, completion_tokens, served)
+
+    async def _disaggregated(self, deployment: Deployment, decode: Endpoint, request: worker_pb2.GenerateRequest,
+                             routed: RouteRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        """A request through `deployment`'s prefill pool: a prefill replica computes the prompt and
+        each choice's first token (max_tokens 1), keeping the prompt's KV; then the decode replica
+        `decode` continues each choice after its first token (`resumed_token_ids`, as a migrated
+        request does: the same draws, grammar state and text), pulling the KV from the prefill
+        replica (`kv_source`) instead of computing it. Where the prefill pool has no replica or
+        fails before its token, the decode replica computes the prompt itself: the pool is a
+        speed-up, never a new way to fail."""
+        first = worker_pb2.GenerateRequest()
+        first.CopyFrom(request)
+        first.params.max_tokens = 1
+        first.params.min_tokens = min(first.params.min_tokens, 1)
+        calls: list[Any] = []  # every worker call opened here, cancelled however this ends
+
+        def open_call(address: str, message: worker_pb2.GenerateRequest):
+            call = self.channels.stub(address).Generate(message, timeout=self.request_timeout)
+            calls.append(call)
+            return call
+
+        try:
+            started = time.perf_counter()
+            prefilled, source = await self._prefill(deployment, routed, first, open_call)
+            if self.metrics is not None:
+                self.metrics.disaggregation.labels("prefilled" if prefilled else "prefill_unavailable").inc()
+            if not prefilled:
+                async for message in open_call(decode.address, request):
+                    yield message
+                return
+            if self.metrics is not None:
+                self.metrics.prefill_seconds.observe(time.perf_counter() - started)
+            first_tokens: dict[int, list[int]] = {}
+            for message in prefilled:
+                first_tokens.setdefault(message.index, []).extend(message.token_ids)
+                if message.finish_reason == "length" and request.params.max_tokens != 1:
+                    # The prefill's own limit, not the request's: the choice goes on on the decode replica.
+                    message.finished = False
+                    message.finish_reason = ""
+                    message.ClearField("usage")
+                yield message
+            finished = {m.index for m in prefilled if m.finished}
+            streams = [open_call(decode.address, _continuation(request, index, first_tokens[index], source))
+                       for index in sorted(set(first_tokens) - finished)]
+            if len(streams) == 1:
+                async for message in streams[0]:
+                    yield message
+            elif streams:
+                async with contextlib.aclosing(merged(streams, 0)) as messages:
+                    async for message in messages:
+                        yield message
+        finally:
+            for call in calls:
+                call.cancel()  # a no-op on a finished call; frees the worker's blocks on a client gone
+
+    async def _prefill(self, deployment: Deployment, routed: RouteRequest, first: worker_pb2.GenerateRequest,
+                       open_call: Callable[[str, worker_pb2.GenerateRequest], Any],
+                       ) -> tuple[list[worker_pb2.GenerateResponse], str]:
+        """The prefill replica's answer to `first` (every choice's first token) and its address; ([], "")
+        where the pool has no replica or the one picked failed (a request error is raised: it is the
+        request's, as the decode replica would answer it too)."""
+        try:
+            lease = self.router.pick_prefill(deployment, routed)
+        except NoReplicaAvailable:
+            return [], ""
+        prefilled: list[worker_pb2.GenerateResponse] = []
+        verdict: bool | None = None
+        try:
+            async for message in open_call(lease.address, first):
+                prefilled.append(message)
+            verdict = True
+        except grpc.aio.AioRpcError as exc:
+            if not is_retryable(exc):
+                raise
+            verdict, prefilled = False, []
+            log.warning("prefill replica %s failed (%s): the decode replica computes the prompt",
+                        lease.address, exc.code().name)
+        finally:
+            lease.release(verdict)
+        return prefilled, lease.address
 
     def _migratable(self, broken: StreamBrokenAfterStart, migrations: int) -> bool:
         """Whether a stream broken mid-answer moves to another replica: the replica failed (not the
@@ -612,6 +707,22 @@ async def merged(streams: list[AsyncIterator[worker_pb2.GenerateResponse]],
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _continuation(request: worker_pb2.GenerateRequest, index: int, first_tokens: list[int],
+                  source: str) -> worker_pb2.GenerateRequest:
+    """Choice `index` of `request` continued after its `first_tokens` on a decode replica, which pulls
+    the prompt's KV from the prefill replica `source`: one choice, no prompt logprobs (they came
+    with the first token)."""
+    continued = worker_pb2.GenerateRequest()
+    continued.CopyFrom(request)
+    continued.params.n = 1
+    continued.params.ClearField("prompt_logprobs")
+    continued.request_id = request.request_id if index == 0 else f"{request.request_id}#{index}"
+    continued.choice_index = index
+    continued.resumed_token_ids[:] = first_tokens
+    continued.kv_source = source
+    return continued
 
 
 def _migration_cause(broken: StreamBrokenAfterStart) -> str:

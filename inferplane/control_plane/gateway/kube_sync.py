@@ -29,6 +29,7 @@ import grpc
 
 from inferplane.api.deployment import GROUP, PLURAL, VERSION
 from inferplane.control_plane.autoscale.autoscaler import Autoscaler
+from inferplane.control_plane.autoscale.kube import prefill_target
 from inferplane.control_plane.autoscale.settings import watch
 from inferplane.control_plane.gateway.catalog import Catalog
 from inferplane.control_plane.gateway.served_routes import (
@@ -72,6 +73,12 @@ class _Tracked:
     route: ResourceRoute
     source: PollingEndpointSource
     task: asyncio.Task[None]
+    prefill: tuple[str, PollingEndpointSource, asyncio.Task[None]] | None = None  # (Service, source, poller)
+
+    def cancel(self) -> None:
+        self.task.cancel()
+        if self.prefill is not None:
+            self.prefill[2].cancel()
 
 
 @dataclass
@@ -142,15 +149,18 @@ class KubernetesCatalogSync:
         """Start/stop endpoint polling per resource, then set or remove routes that changed."""
         wanted = {r.key: r for r in routes}
         for key in [k for k in self._tracked if k not in wanted]:
-            self._tracked.pop(key).task.cancel()
+            self._tracked.pop(key).cancel()
         for key, route in wanted.items():
             tracked = self._tracked.get(key)
             if tracked is None:
-                source = self.source_factory(route.name, route.namespace)
-                task = asyncio.create_task(source.run(self.endpoint_interval), name=f"endpoints {key[0]}/{key[1]}")
-                self._tracked[key] = _Tracked(route, source, task)
-            else:
-                tracked.route = route
+                tracked = self._tracked[key] = _Tracked(route, *self._poll(route.name, route.namespace))
+            tracked.route = route
+            if (tracked.prefill[0] if tracked.prefill else None) != route.prefill_pool:
+                if tracked.prefill is not None:
+                    tracked.prefill[2].cancel()
+                tracked.prefill = None
+                if route.prefill_pool is not None:  # a disaggregated deployment's prefill pool: its own Service
+                    tracked.prefill = (route.prefill_pool, *self._poll(route.prefill_pool, route.namespace))
         table = route_table(wanted.values())
         for model in [m for m in self._table if m not in table]:
             self.router.remove_route(model)
@@ -178,6 +188,10 @@ class KubernetesCatalogSync:
             watch(autoscaler, route.deployment_name, route.served_model_name, route.deployment_name,
                   route.autoscaling)
             watched.add(route.deployment_name)
+            if route.prefill_autoscaling is not None:  # its prefill pool, on its own signals
+                watch(autoscaler, prefill_target(route.deployment_name), route.served_model_name,
+                      route.prefill_deployment_name, route.prefill_autoscaling)
+                watched.add(prefill_target(route.deployment_name))
             if route.autoscaling.hold is not None:
                 held_models.add(route.served_model_name)
         for name in [n for n in autoscaler.targets if n not in watched]:
@@ -186,8 +200,14 @@ class KubernetesCatalogSync:
             autoscaler.activator.configure(model, None)
         self._held_models = held_models
 
+    def _poll(self, service: str, namespace: str | None) -> tuple[PollingEndpointSource, asyncio.Task[None]]:
+        """The endpoint source of a headless Service, and the task that keeps it current."""
+        source = self.source_factory(service, namespace)
+        return source, asyncio.create_task(source.run(self.endpoint_interval), name=f"endpoints {namespace}/{service}")
+
     def _deployment(self, route: ResourceRoute) -> Deployment:
-        return router_deployment(route, self._tracked[route.key].source)
+        tracked = self._tracked[route.key]
+        return router_deployment(route, tracked.source, tracked.prefill[1] if tracked.prefill else None)
 
     async def publish(self) -> None:
         """Put each served model that has a replica into the catalog, from that replica's ``Info``.
@@ -264,7 +284,8 @@ class KubernetesCatalogSync:
 
     async def stop(self) -> None:
         """Cancel the loop and every endpoint poller; routes and catalog are left as they were."""
-        tasks = [t.task for t in self._tracked.values()]
+        tasks = [task for t in self._tracked.values()
+                 for task in (t.task, *((t.prefill[2],) if t.prefill is not None else ()))]
         if self._task is not None:
             tasks.append(self._task)
             self._task = None

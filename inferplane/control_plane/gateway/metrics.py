@@ -45,6 +45,13 @@ class GatewayMetrics:
                                      ["tenant", "model", "kind"], registry=self.registry)
         self.migrations = Counter(m.GATEWAY_MIGRATIONS, "streams moved to another replica mid-answer, by the "
                                   "failed call's status", ["cause"], registry=self.registry)
+        self.disaggregation = Counter(m.GATEWAY_DISAGGREGATION, "requests to a disaggregated deployment by where "
+                                      "their prompt was computed: prefilled (the prefill pool), decode_only (few "
+                                      "uncached tokens), prefill_unavailable (no prefill replica answered), resumed "
+                                      "(a migrated request)", ["outcome"], registry=self.registry)
+        self.prefill_seconds = Histogram(m.GATEWAY_PREFILL_SECONDS, "time a disaggregated request spent in the "
+                                         "prefill pool (queue, prompt, first token)", buckets=_BUCKETS,
+                                         registry=self.registry)
 
     def key_admission(self, tenant: str | None, key: str, result: str) -> None:
         """Counts one admission decision; the key's other results start at 0, so a share is defined."""

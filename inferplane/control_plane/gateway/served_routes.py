@@ -13,6 +13,7 @@ Invariant: equal inputs give equal routes and tables (sorted), so a sync can ski
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -20,8 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
-from inferplane.api.resolve import resolve, served_cache_isolation, served_priority
+from inferplane.api.deployment import InferenceDeploymentSpec, SpecError, prefill_pool_name
+from inferplane.api.resolve import prefill_spec, resolve, served_cache_isolation, served_priority
 from inferplane.control_plane.autoscale.settings import AutoscaleSettings, autoscale_settings
 from inferplane.control_plane.gateway.catalog import ServedModel
 from inferplane.control_plane.routing import Deployment, EndpointSource, Tier
@@ -50,6 +51,11 @@ class ResourceRoute:
     # weights'), None where none is known: what LoRA adapters bind to.
     model_sha256: str | None = None
     routing_policy: str = "prefix-hash"  # spec.routing.policy, resolved
+    # Prefill/decode disaggregation: the prefill pool's name (its headless Service in a cluster, its
+    # process group locally), None where the deployment has none; and the decider's threshold.
+    prefill_pool: str | None = None
+    min_prefill_tokens: int = 512
+    prefill_autoscaling: AutoscaleSettings | None = None  # the prefill pool's, on its own workers' signals
 
     @property
     def key(self) -> tuple[str, str]:
@@ -59,6 +65,13 @@ class ResourceRoute:
     def deployment_name(self) -> str:
         """namespace/name: unique across namespaces, which one served model may span (local: the name)."""
         return self.name if self.namespace is None else f"{self.namespace}/{self.name}"
+
+    @property
+    def prefill_deployment_name(self) -> str | None:
+        """The prefill pool's router deployment name (namespace/name, as `deployment_name`)."""
+        if self.prefill_pool is None:
+            return None
+        return self.prefill_pool if self.namespace is None else f"{self.namespace}/{self.prefill_pool}"
 
     @classmethod
     def of(cls, name: str, spec: InferenceDeploymentSpec, *, namespace: str | None = None,
@@ -70,7 +83,20 @@ class ResourceRoute:
                    block_size=resolved.block_size, cache_isolation=spec.cache_isolation,
                    model_fingerprint=fingerprint, autoscaling=autoscale_settings(spec, resolved),
                    replicas=None if namespace is None else spec.replicas, priority=spec.priority,
-                   model_sha256=model_sha256, routing_policy=resolved.routing_policy)
+                   model_sha256=model_sha256, routing_policy=resolved.routing_policy,
+                   prefill_pool=prefill_pool_name(name) if spec.disaggregation.enabled else None,
+                   min_prefill_tokens=spec.disaggregation.min_prefill_tokens,
+                   prefill_autoscaling=_prefill_autoscaling(spec))
+
+
+def _prefill_autoscaling(spec: InferenceDeploymentSpec) -> AutoscaleSettings | None:
+    """A disaggregated deployment's prefill pool scales with the spec's autoscaling settings, within
+    its own replica bounds and on its own workers' queue and KV use. It never holds requests at zero
+    replicas: without a prefill replica the decode replica computes the prompt."""
+    if not spec.disaggregation.enabled:
+        return None
+    settings = autoscale_settings(prefill_spec(spec))
+    return None if settings is None else dataclasses.replace(settings, hold=None)
 
 
 def _fingerprint(spec: Mapping[str, Any]) -> str:
@@ -119,12 +145,18 @@ def route_table(routes: Iterable[ResourceRoute]) -> dict[str, tuple[ResourceRout
     return {model: tuple(sorted(members, key=lambda r: r.key)) for model, members in sorted(table.items())}
 
 
-def router_deployment(route: ResourceRoute, source: EndpointSource) -> Deployment:
+def router_deployment(route: ResourceRoute, source: EndpointSource,
+                      prefill_source: EndpointSource | None = None) -> Deployment:
     """The router's view of one deployment: its replicas (from `source`), weight, tier, block size and
-    routing policy."""
+    routing policy; a disaggregated one's prefill pool over `prefill_source` (prefix-hash: a prefix
+    shared by many prompts stays cached on one prefill replica)."""
+    prefill = None
+    if route.prefill_pool is not None and prefill_source is not None:
+        prefill = Deployment(route.prefill_deployment_name, prefill_source, block_size=route.block_size)
     return Deployment(route.deployment_name, source, weight=route.weight, tier=route.tier,
                       block_size=route.block_size, desired_replicas=route.replicas,
-                      routing_policy=route.routing_policy)
+                      routing_policy=route.routing_policy, prefill=prefill,
+                      min_prefill_tokens=route.min_prefill_tokens)
 
 
 def served_settings(members: Sequence[ResourceRoute]) -> tuple[str, str]:

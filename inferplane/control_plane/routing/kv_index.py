@@ -148,6 +148,17 @@ class KVIndex:
                 break
         return {address: score for address, score in scores.items() if score > 0}
 
+    def confirmed_run(self, hashes: Sequence[bytes], address: str) -> int:
+        """How many of `hashes`, in a row from the first, `address`'s own events say it holds (in any
+        medium; this gateway's provisional entries do not count: they say where a prompt was sent,
+        not what was computed)."""
+        run = 0
+        for h in hashes:
+            if not self._blocks.get(h, {}).get(address, 0):
+                break
+            run += 1
+        return run
+
     def expire(self) -> int:
         """Drops provisional entries past their time; returns how many."""
         now = self._clock()

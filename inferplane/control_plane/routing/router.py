@@ -73,6 +73,11 @@ class Deployment:
     # sets); None: the listed endpoints are all there is to want (a local group).
     desired_replicas: int | None = None
     routing_policy: str = "prefix-hash"  # spec.routing.policy, resolved (api/resolve.routing_policy)
+    # Prefill/decode disaggregation (spec.disaggregation): the pool that computes long prompts, whose
+    # KV this deployment's (decode) replicas pull; a request goes there when at least
+    # `min_prefill_tokens` of its prompt are not held by the decode replica picked.
+    prefill: Deployment | None = None
+    min_prefill_tokens: int = 512
 
     def __post_init__(self) -> None:
         self.tier = Tier(self.tier)
@@ -164,8 +169,9 @@ class Router:
             raise UnknownModel(model) from None
 
     def addresses(self) -> set[str]:
-        """Every listed replica of every route: what the health poller should check."""
-        return {ep.address for deps in self._routes.values() for d in deps for ep in d.source.endpoints()}
+        """Every listed replica of every route, prefill pools' too: what the health poller should check."""
+        return {ep.address for deps in self._routes.values() for d in deps for pool in _pools(d)
+                for ep in pool.source.endpoints()}
 
     def kv_aware_addresses(self) -> set[str]:
         """The replicas whose deployment routes kv-aware: whose KV events the gateway follows."""
@@ -176,7 +182,7 @@ class Router:
         """(model, deployment, ready, desired) per deployment: what the gateway's metrics report."""
         counts = []
         for model, deployments in sorted(self._routes.items()):
-            for d in deployments:
+            for d in (pool for owner in deployments for pool in _pools(owner)):
                 listed = d.source.endpoints()
                 ready = sum(1 for ep in listed if self.health.is_healthy(ep.address))
                 desired = d.desired_replicas if d.desired_replicas is not None else len(listed)
@@ -201,6 +207,30 @@ class Router:
         address = self._choose_replica(request, chosen)
         self.load.acquire(address)
         return Lease(chosen.endpoints[address], chosen.deployment, self.load, self.health)
+
+    def pick_prefill(self, d: Deployment, request: RouteRequest, *, exclude: Collection[str] = ()) -> Lease:
+        """A replica of `d`'s prefill pool for `request` (by the pool's own policy: prefix-hash keeps a
+        shared prefix on one prefill replica's cache), counted on it until released. Raises
+        ``NoReplicaAvailable`` where the pool has none healthy (the caller computes the prompt on the
+        decode replica instead)."""
+        if d.prefill is None:
+            raise ValueError(f"deployment {d.name} has no prefill pool")
+        candidates = self._candidates(d.prefill, exclude)
+        if not candidates.endpoints:
+            raise NoReplicaAvailable(request.model, tuple(exclude))
+        address = self._choose_replica(request, candidates)
+        self.load.acquire(address)
+        return Lease(candidates.endpoints[address], d.prefill, self.load, self.health)
+
+    def uncached_tokens(self, d: Deployment, address: str, request: RouteRequest) -> int:
+        """Tokens of the request's prompt that replica `address` of `d` would compute: all but the run
+        of leading blocks its own KV events say it holds (known only where `d` routes kv-aware, whose
+        events this gateway follows; elsewhere the whole prompt)."""
+        tokens = request.token_ids or ()
+        if d.routing_policy != "kv-aware" or len(tokens) <= d.block_size:
+            return len(tokens)
+        hashes = block_hashes(tokens[:len(tokens) - 1], d.block_size, request.cache_salt, adapter_key=request.adapter)
+        return len(tokens) - self.kv_index.confirmed_run(hashes, address) * d.block_size
 
     def _candidates(self, d: Deployment, exclude: Collection[str]) -> _Candidates:
         listed = d.source.endpoints()
@@ -309,6 +339,11 @@ class Router:
     def _least_loaded(self, loads: Mapping[str, int]) -> str:
         low = min(loads.values())
         return self._rng.choice(sorted(a for a, n in loads.items() if n == low))
+
+
+def _pools(d: Deployment) -> tuple[Deployment, ...]:
+    """A deployment and its prefill pool, if it has one."""
+    return (d,) if d.prefill is None else (d, d.prefill)
 
 
 def adapter_key(adapter: str) -> int:

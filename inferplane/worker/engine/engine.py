@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from inferplane.api.kv_blocks import kv_namespace
+from inferplane.api.kv_blocks import chain_keys, kv_namespace
 from inferplane.api.priority import band_rank
 from inferplane.api.tokenizer import IncrementalDetokenizer
 from inferplane.worker.engine.decode_bursts import DecodeBursts
@@ -137,6 +137,15 @@ class Engine:
         self.scheduler.add(leader)
         self.counters.prompt_tokens += len(token_ids)
         return leader
+
+    def kv_keys(self, tokens: list[int], cache_salt: str = "", adapter=None) -> list[bytes]:
+        """The tier keys of the blocks a prefix match of `tokens` can use (every full block before
+        the last token), under the request's namespace: what a decode worker pulls (serve/kv_transfer.py)."""
+        usable = (len(tokens) - 1) // self.block_size * self.block_size
+        if usable <= 0:
+            return []
+        return chain_keys(kv_namespace(cache_salt, adapter.key if adapter is not None else ""), tokens[:usable],
+                          self.block_size)
 
     def prefetch_kv(self, prompt: str | list[int], cache_salt: str = "", adapter=None) -> int:
         """Thread-safe, for the serving side to call before it hands a request over: reads the

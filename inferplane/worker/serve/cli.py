@@ -169,7 +169,12 @@ def _install_engine(state: WorkerState, args: argparse.Namespace, built) -> tupl
                       block_size=engine.block_size, architecture=engine.loaded.config.architecture,
                       device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
                       **(engine.tokenizer.to_wire() if engine.tokenizer is not None else {}))
-    metrics = WorkerMetrics(state.model, args.runtime, lambda: {**state.engine.last_stats, **state.extra_stats})
+    if engine.kv.tiers is not None:  # what it keeps, it can hand to another worker and take from one
+        from inferplane.worker.serve.kv_transfer import KVTransfer
+
+        state.transfer = KVTransfer(engine.kv.tiers.store)
+    metrics = WorkerMetrics(state.model, args.runtime,
+                            lambda: {**state.engine.last_stats, **state.extra_stats, **state.live_stats()})
     state.engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
     details = f"kv_blocks={engine.kv.num_blocks} kv_dtype={str(engine.kv_dtype).removeprefix('torch.')}"
     memory = {name: state.extra_stats.get(f"memory_{name}_bytes") for name in ("resident", "peak", "estimate",

@@ -38,6 +38,7 @@ _COUNTER_STATS = {
     "kv_tier_saved_blocks_total": m.WORKER_KV_TIER_SAVED,
     "kv_tier_loaded_blocks_total": m.WORKER_KV_TIER_LOADED,
     "kv_events_published_total": m.WORKER_KV_EVENTS,
+    "kv_transfer_failures_total": m.WORKER_KV_TRANSFER_FAILURES,
 }
 _GAUGE_STATS = {
     "num_running": m.WORKER_RUNNING,
@@ -56,6 +57,12 @@ _GAUGE_STATS = {
 _LABELLED_STATS = {
     "lora_requests:": (m.WORKER_LORA_REQUESTS, "requests per LoRA adapter", True, "adapter"),
     "lora_loaded:": (m.WORKER_LORA_LOADED, "1 for each LoRA adapter in a slot now", False, "adapter"),
+    "kv_transfer_blocks_total:": (m.WORKER_KV_TRANSFER_BLOCKS, "KV blocks moved between workers (disaggregation), "
+                                  "by direction: pulled here or served to another", True, "direction"),
+    "kv_transfer_bytes_total:": (m.WORKER_KV_TRANSFER_BYTES, "KV record bytes moved between workers, by direction",
+                                 True, "direction"),
+    "kv_transfer_seconds_total:": (m.WORKER_KV_TRANSFER_SECONDS, "time spent pulling KV from, or serving it to, "
+                                   "another worker, by direction", True, "direction"),
     "kv_tier_blocks:": (m.WORKER_KV_TIER_BLOCKS, "KV blocks each tier holds", False, "tier"),
     "kv_tier_bytes:": (m.WORKER_KV_TIER_BYTES, "bytes each KV tier holds", False, "tier"),
     "kv_tier_hits_total:": (m.WORKER_KV_TIER_HITS, "KV blocks read from each tier", True, "tier"),

@@ -33,6 +33,7 @@ from inferplane.worker.engine.outputs import StepOutput
 from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.serve.async_engine import AsyncEngine
 from inferplane.worker.serve.kv_event_stream import kv_event_stream
+from inferplane.worker.serve.kv_transfer import KVTransfer
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -107,6 +108,11 @@ class WorkerState:
     info: dict = field(default_factory=dict)
     extra_stats: dict[str, float] = field(default_factory=dict)
     adapter_source: Any = None  # lora.AdapterSource, made on the first request for an adapter
+    transfer: KVTransfer | None = None  # with KV tiers: pulls a prompt's KV from, and serves it to, other workers
+
+    def live_stats(self) -> dict[str, float]:
+        """Figures kept outside the engine's snapshot, read at scrape time: the KV transfer's."""
+        return self.transfer.stats() if self.transfer is not None else {}
 
     @property
     def runner(self) -> AsyncEngine | EmbeddingBatcher | None:
@@ -180,6 +186,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             adapter = await self._adapter(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if request.kv_source and self.state.transfer is not None and isinstance(prompt, list):
+            # Disaggregated: the prompt's KV was computed by the prefill worker named; what arrives is
+            # found by the prefix match like any tier hit, the rest is computed here.
+            history = prompt + list(request.resumed_token_ids)
+            await self.state.transfer.pull(request.kv_source,
+                                           engine.engine.kv_keys(history, request.cache_salt, adapter))
         stream = engine.submit(request.request_id or uuid.uuid4().hex, prompt, params, request.cache_salt,
                                tenant=request.tenant, priority=request.priority, adapter=adapter,
                                resume=list(request.resumed_token_ids) or None, choice_index=request.choice_index)
@@ -213,6 +225,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         runner = await self._runner(context)
         values = {k: float(v) for k, v in runner.last_stats.items()}
         values.update(self.state.extra_stats)
+        values.update(self.state.live_stats())
         values["num_in_flight"] = float(runner.num_in_flight)
         return worker_pb2.StatsResponse(model=self.state.model, runtime=self.state.runtime, values=values)
 
@@ -225,6 +238,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 "is paged)")
         async for batch in kv_event_stream(log):
             yield batch
+
+    async def FetchKV(self, request, context):
+        await self._engine(context)
+        transfer = self.state.transfer
+        if transfer is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this worker keeps no KV tiers to serve blocks from (engine.kvOffloadMemory)")
+        refusal = transfer.check_layout(request.layout_fingerprint)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+        async for message in transfer.serve(list(request.keys)):
+            yield message
 
     async def Info(self, request, context):
         await self._runner(context)

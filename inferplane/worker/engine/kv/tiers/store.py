@@ -27,7 +27,7 @@ from inferplane.worker.engine.kv.events import KVEventLog
 from inferplane.worker.engine.kv.tiers.disk_tier import DiskTier
 from inferplane.worker.engine.kv.tiers.layout import KVLayout
 from inferplane.worker.engine.kv.tiers.memory_tier import MemoryTier
-from inferplane.worker.engine.kv.tiers.record import Miss, Part, decode, encode
+from inferplane.worker.engine.kv.tiers.record import HEADER, Miss, Part, decode, encode
 
 # What a disk tier without a memory tier above it holds of prefetched records at most (the oldest
 # go first; they are still on disk); the worker's memory footprint counts it (api/footprint.py).
@@ -101,7 +101,41 @@ class TieredKVStore:
         """Stores one block's payload (its KV bytes in the layout's shape) under `key`: in memory,
         and on disk too (written through, so that the disk holds every block a worker computed when
         it stops or crashes, not only what memory had evicted)."""
-        record = encode(self.layout, key, payload, part)
+        self._put_record(key, encode(self.layout, key, payload, part), part)
+
+    def put_record(self, key: bytes, record: bytes, part: Part = Part.MAIN) -> bool:
+        """Stores a record another worker sent (FetchKV), as `put` stores a payload, if it is block
+        `key`'s `part` under this store's layout and intact (record.py's checks); False, nothing
+        stored, otherwise."""
+        checked = decode(self.layout, key, record, part)
+        if isinstance(checked, Miss):
+            self.counters.rejected[checked.reason] += 1
+            return False
+        self._put_record(key, bytes(record), part)
+        return True
+
+    def record_of(self, key: bytes, part: Part = Part.MAIN) -> bytes | None:
+        """Block `key`'s record as a tier holds it (memory first, then disk), unchecked: what FetchKV
+        sends, the receiver checking it (`put_record`). None where no tier holds it."""
+        name = record_name(key, part)
+        with self._lock:
+            if self.memory is not None:
+                record = self.memory.get(name)
+                if record is not None:
+                    return record
+            if self.disk is None or name not in self.disk:
+                return None
+            path = self.disk.path_of(name)
+        try:
+            return path.read_bytes()
+        except OSError:
+            return None
+
+    def record_bytes(self, part: Part = Part.MAIN) -> int:
+        """One record's size: what a tier's capacity is counted in."""
+        return HEADER.size + self.layout.block_bytes(window=part is Part.WINDOW)
+
+    def _put_record(self, key: bytes, record: bytes, part: Part) -> None:
         name = record_name(key, part)
         with self._lock:
             spilled = [(name, record)]
