@@ -15,9 +15,10 @@ Load, the same in both: `--streams` clients each stream short completions (greed
 turn: temperature 0.8, top_p 0.95) in a loop; one client sends long prompts of `--long-min` to
 `--long-max` tokens (random words, never repeated, so no cache helps) with `--long-tokens` output
 tokens, one after another. Printed per layout: the short streams' inter-token latency p50/p99 (the
-gap between two text events over the tokens the later one carries: tokens arriving in one burst
-share its gap), the long prompts' time to first token, and output tokens per second of all
-requests; then the ratios (goal: ITL p99 <= 0.5x the shared pool's, throughput >= 0.8x).
+gap between two text events as the client reads them: cpu-int8 streams its decode bursts as one
+event, so a stall behind a prefill chunk shows as one long gap), the long prompts' time to first
+token, and output tokens per second of all requests; then the ratios (goal: ITL p99 <= 0.5x the
+shared pool's, throughput >= 0.8x).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclass
 class Load:
-    gaps: list[float] = field(default_factory=list)  # short streams: seconds per token between text events
+    gaps: list[float] = field(default_factory=list)  # short streams: seconds between text events
     long_ttft: list[float] = field(default_factory=list)
     tokens: int = 0  # output tokens of every request that finished
     errors: list[str] = field(default_factory=list)

@@ -8,7 +8,9 @@
   `drainGraceSeconds`), and is replaced.
 - The gateway pod deleted while streams run: they finish (the gateway drains on SIGTERM).
 - `kubectl drain` of the node: the PodDisruptionBudget lets one worker go at a time, so one
-  replica keeps serving while the node is drained.
+  replica keeps serving while the node is drained, and the streams the evicted pod had finish.
+
+Every stream that finishes was billed each of its tokens once (usage), however often it moved.
 """
 
 from __future__ import annotations
@@ -57,11 +59,13 @@ class Stream(threading.Thread):
         self.platform, self.key, self.max_tokens = platform, key, max_tokens
         self.outcome = ""
         self.tokens = 0
+        self.usage: dict[str, Any] = {}
         self.first_token = threading.Event()
 
     def run(self) -> None:
         body = {"model": NAME, "max_tokens": self.max_tokens, "stream": True, "temperature": 0.8, "seed": 1,
-                "min_tokens": self.max_tokens, "messages": [{"role": "user", "content": "Tell a long story."}]}
+                "min_tokens": self.max_tokens, "messages": [{"role": "user", "content": "Tell a long story."}],
+                "stream_options": {"include_usage": True}}
         try:
             with httpx.stream("POST", f"{self.platform.gateway_url}/v1/chat/completions", json=body, timeout=600,
                               headers={"Authorization": f"Bearer {self.key}"}) as reply:
@@ -75,6 +79,7 @@ class Stream(threading.Thread):
                         return
                     if line.startswith("data: "):
                         chunk: dict[str, Any] = json.loads(line[6:])
+                        self.usage = chunk.get("usage") or self.usage
                         if "error" in chunk:
                             self.outcome = f"error: {chunk['error']}"
                         elif chunk.get("choices"):
@@ -97,9 +102,14 @@ def _streams(platform: Platform, key: str, count: int, max_tokens: int = 120) ->
 
 
 def _finish(streams: list[Stream]) -> list[str]:
+    """Each stream's outcome, once all ended; a stream that ended well was billed each token once
+    (min_tokens = max_tokens: exactly that many, however often it moved)."""
     for stream in streams:
         stream.join(timeout=600)
         assert not stream.is_alive(), "a stream hung"
+    for stream in streams:
+        if stream.outcome == "done":
+            assert stream.usage.get("completion_tokens") == stream.max_tokens, stream.usage
     return [s.outcome for s in streams]
 
 
@@ -167,6 +177,7 @@ def test_a_node_drain_keeps_one_replica_serving_by_the_disruption_budget(platfor
     wait_pods_ready(platform, WATCHED, SELECTOR, 2)
     with Traffic(platform.gateway_url, key, NAME) as traffic:
         traffic.wait_for_successes(2)
+        streams = _streams(platform, key, 2)  # in flight when the drain evicts their pod: they finish
         try:
             drained = kubectl_on(platform.node, kubectl, "drain", NODE_NAME, f"--pod-selector={SELECTOR}",
                                  "--delete-emptydir-data", "--ignore-daemonsets", "--timeout=90s", check=False)
@@ -180,4 +191,5 @@ def test_a_node_drain_keeps_one_replica_serving_by_the_disruption_budget(platfor
         finally:
             kubectl_on(platform.node, kubectl, "uncordon", NODE_NAME)
         wait_pods_ready(platform, WATCHED, SELECTOR, 2)
+    assert _finish(streams) == ["done"] * 2
     assert traffic.failures == [], traffic.failures[:5]

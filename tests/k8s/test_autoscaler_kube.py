@@ -84,3 +84,29 @@ def test_the_lease_holder_scales_through_the_subresource_and_says_why(cluster: C
         assert not first.try_acquire() and not first.is_leader()
         lease = k8s.CoordinationV1Api(api_client).read_namespaced_lease("inferplane-autoscaler", ns)
         assert lease.spec.holder_identity == "gateway-b" and lease.spec.lease_transitions == 1
+
+
+def test_a_prefill_pool_is_scaled_through_its_own_field(cluster: Cluster, crds: Cluster) -> None:
+    """A disaggregated deployment's prefill pool (scaler name namespace/name/prefill) is scaled by a
+    patch of spec.disaggregation.prefill.replicas, the decode pool's spec.replicas untouched."""
+    from inferplane.control_plane.autoscale.decision import Decision
+    from inferplane.control_plane.autoscale.kube import prefill_target
+
+    with namespace(cluster, "autoscale-prefill") as ns:
+        cluster.apply(idep("chat", ns, runtime="cpu-int8", replicas=2, maxReplicas=2,
+                           disaggregation={"enabled": True, "prefill": {"replicas": 1, "maxReplicas": 4}}))
+        scaler = KubernetesScaler(load_api_client(str(cluster.admin_kubeconfig)))
+        name = prefill_target(f"{ns}/chat")
+        decision = Decision(desired=3, panic=False, reason="prefill queue", stable_load=2.5, panic_load=2.5)
+
+        async def scale() -> int:
+            before = await scaler.current(name)
+            await scaler.scale(name, 3, decision)
+            return before
+
+        assert asyncio.run(scale()) == 1
+        spec = cluster.get(idep_path(ns, "chat"))["spec"]
+        assert spec["disaggregation"]["prefill"]["replicas"] == 3 and spec["replicas"] == 2
+        assert asyncio.run(scaler.current(name)) == 3
+        events = cluster.get(f"/api/v1/namespaces/{ns}/events")["items"]
+        assert any(e["reason"] == "ScaledUp" and "prefill replicas 1 -> 3" in e["message"] for e in events), events
