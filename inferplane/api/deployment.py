@@ -584,6 +584,14 @@ RULES: tuple[Rule, ...] = (
          lambda s: _prefill(s).resources is None or (_prefill(s).resources.gpus > 0) == s.uses_gpu,
          cel="!has(self.disaggregation.prefill.resources) || "
              "(self.disaggregation.prefill.resources.gpus > 0) == (self.resources.gpus > 0)"),
+    # A prefill pool scaled to zero would stay there: its signals are its own workers' (the decode
+    # pool computes every prompt meanwhile, so no request waits for it to come back).
+    Rule("", "disaggregation.prefill.minReplicas",
+         "disaggregation.prefill.minReplicas must be at least 1 with autoscaling enabled (a prefill pool at "
+         "zero has no workers' load to scale back up by); to stop using the pool, set disaggregation.enabled false",
+         lambda s: not (s.disaggregation.enabled and s.autoscaling.enabled and _prefill(s).min_replicas < 1),
+         cel="!(self.disaggregation.enabled && self.autoscaling.enabled && "
+             "self.disaggregation.prefill.minReplicas < 1)"),
     *_resource_rules("disaggregation.prefill.resources", lambda s: _prefill(s).resources),
 )
 

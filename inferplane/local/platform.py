@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from inferplane.api.deployment import InferenceDeploymentSpec, SpecError
+from inferplane.api.deployment import InferenceDeploymentSpec, SpecError, prefill_pool_name
 from inferplane.api.model_resolution import BUILTIN_MODELS, ModelResolutionError, ResolvedAdapter, ResolvedModel
 from inferplane.control_plane import auth, registry, tenants
 from inferplane.control_plane.autoscale.autoscaler import Autoscaler, AutoscalerMetrics
@@ -65,6 +65,12 @@ def read_manifests(paths: list[str]) -> list[Manifest]:
         if not name:
             raise SpecError("metadata.name", f"{path}: required")
         manifests.append(Manifest(name, InferenceDeploymentSpec.from_dict(doc.get("spec"))))
+    names = {m.name for m in manifests}
+    for manifest in manifests:  # a prefill pool's processes are named after their deployment
+        pool = prefill_pool_name(manifest.name)
+        if manifest.spec.disaggregation.enabled and pool in names:
+            raise SpecError("disaggregation.enabled", f"{manifest.name}'s prefill pool would be named {pool}, "
+                                                      "which another InferenceDeployment is; rename one of them")
     return manifests
 
 

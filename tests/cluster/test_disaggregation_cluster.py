@@ -34,6 +34,16 @@ def test_a_disaggregated_deployment_answers_as_its_decode_pod_alone(platform: Pl
             client = openai.OpenAI(base_url=f"{platform.gateway_url}/v1", api_key=key, max_retries=0, timeout=600)
             return client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0)
 
+        probes = iter(range(1000))
+
+        def probe(key: str) -> bool:
+            """Whether a prompt never sent before came back cached: computed by the prefill pod."""
+            text = f"Probe {next(probes)}: " + "count the waves on the shore, one by one, slowly. " * 8
+            usage = ask(key, text).usage
+            return usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 16
+
+        # The prefill pod Ready is not yet routed: the gateway lists EndpointSlices every 2 s.
+        wait_for(lambda: probe(keys[0]), 300, "the gateway sending prompts through the prefill pod", interval=3)
         split = ask(keys[0])
         assert split.usage.prompt_tokens > 64
         # The decode pod computed none of the prompt's full blocks: they came from the prefill pod.
@@ -43,13 +53,8 @@ def test_a_disaggregated_deployment_answers_as_its_decode_pod_alone(platform: Pl
         # The decode pod alone: every prompt skips the prefill pool; another tenant, whose cache is
         # its own, so the decode pod computes the whole prompt.
         patch_spec(platform, NAME, {"disaggregation": {"enabled": True, "minPrefillTokens": 100000}})
-        probes = iter(range(1000))
-
-        def decode_alone() -> bool:  # a prompt never sent before, cached only if the prefill pool ran it
-            probe = f"Probe {next(probes)}: " + "count the waves on the shore, one by one, slowly. " * 8
-            return ask(keys[1], probe).usage.prompt_tokens_details.cached_tokens == 0
-
-        wait_for(decode_alone, 300, "the gateway's decider sending prompts to the decode pod alone", interval=5)
+        wait_for(lambda: not probe(keys[1]), 300, "the gateway's decider sending prompts to the decode pod alone",
+                 interval=5)
         alone = ask(keys[1])
         assert alone.choices[0].text == split.choices[0].text
 

@@ -108,6 +108,12 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "exactly when resources.gpus is (a decode worker uses the KV a prefill worker computed, in its layout)": (
         {"resources": {"gpus": 1}, "disaggregation": {"prefill": {"resources": {"gpus": 2}}}},
         {"resources": {"gpus": 1}, "disaggregation": {"prefill": {"resources": {"cpu": "8"}}}}),
+    "disaggregation.prefill.minReplicas must be at least 1 with autoscaling enabled (a prefill pool at zero has no "
+    "workers' load to scale back up by); to stop using the pool, set disaggregation.enabled false": (
+        {"runtime": "radix", "autoscaling": {"enabled": True},
+         "disaggregation": {"enabled": True, "prefill": {"minReplicas": 1}}},
+        {"runtime": "radix", "autoscaling": {"enabled": True},
+         "disaggregation": {"enabled": True, "prefill": {"minReplicas": 0, "replicas": 0}}}),
 }
 
 

@@ -15,6 +15,7 @@ from inferplane.api.deployment import InferenceDeploymentSpec
 from inferplane.bench.tiny_model import make_tiny_model
 from inferplane.local.platform import LocalPlatform, Manifest
 from inferplane.v1 import worker_pb2, worker_pb2_grpc
+from tests.local.test_autoscale_local import until
 from tests.worker.test_worker_process import free_port
 
 pytestmark = pytest.mark.slow
@@ -41,6 +42,9 @@ async def test_a_disaggregated_deployment_runs_both_pools_as_processes(tmp_path:
         assert await platform.wait_ready(300), platform.supervisor.failed_to_start()
         pools = platform.supervisor.deployments
         assert len(pools["split-prefill"].replicas) == 1 and len(pools["split"].replicas) == 1
+        # The model is served once a decode replica is; the prefill pool may come up after it (its
+        # requests' prompts are computed on the decode replica meanwhile).
+        await until(lambda: pools["split-prefill"].source.endpoints(), 300, "the prefill pool serving")
         (deployment,) = platform.gateway.router.deployments("split")
         assert deployment.prefill is not None and deployment.min_prefill_tokens == 64
         headers = {"authorization": f"Bearer {platform.tenant_key}"}

@@ -44,6 +44,9 @@ class ScaleTarget:
     policy: Policy
     targets: Targets
     slots: int  # the workers' maxNumSeqs (resolved), for a replica whose Stats do not answer
+    # Whether the served model's requests held at zero replicas (the activator's) are this target's
+    # load: a deployment's, not a prefill pool's (its requests are computed by the decode pool meanwhile).
+    counts_held: bool = True
     samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=4096))
     state: State = field(default_factory=State)
     last: Decision | None = None
@@ -131,7 +134,7 @@ class Autoscaler:
         """The saturation now, and how many replicas serve (are in the router)."""
         addresses = self._addresses(target)
         replicas = await asyncio.gather(*(self._replica(a, target.slots) for a in addresses))
-        held = self.activator.held(target.served_model)
+        held = self.activator.held(target.served_model) if target.counts_held else 0
         return Sample(self.clock(), saturation(replicas, target.targets, held=held)), len(addresses)
 
     async def tick(self) -> dict[str, Decision]:

@@ -40,6 +40,7 @@ def watch(autoscaler: Autoscaler, name: str, served_model: str, deployment: str,
     """Has `autoscaler` scale `name` (a Scaler's name), and its activator hold `served_model`'s requests
     at zero replicas when the settings allow zero."""
     autoscaler.watch(ScaleTarget(name=name, served_model=served_model, deployment=deployment,
-                                 policy=settings.policy, targets=settings.targets, slots=settings.slots))
+                                 policy=settings.policy, targets=settings.targets, slots=settings.slots,
+                                 counts_held=settings.hold is not None))
     if settings.hold is not None:
         autoscaler.activator.configure(served_model, settings.hold)

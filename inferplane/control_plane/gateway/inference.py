@@ -530,7 +530,10 @@ class InferenceService:
                 return
             if self.metrics is not None:
                 self.metrics.prefill_seconds.observe(time.perf_counter() - started)
+            # Read before anything is yielded: a caller may renumber the messages (merged() makes a
+            # batched /v1/completions prompt's choice indexes the request's).
             first_tokens: dict[int, list[int]] = {}
+            finished: set[int] = set()
             for message in prefilled:
                 first_tokens.setdefault(message.index, []).extend(message.token_ids)
                 if message.finish_reason == "length" and request.params.max_tokens != 1:
@@ -538,10 +541,13 @@ class InferenceService:
                     message.finished = False
                     message.finish_reason = ""
                     message.ClearField("usage")
+                elif message.finished:
+                    finished.add(message.index)
+            continuations = [_continuation(request, index, first_tokens[index], source)
+                             for index in sorted(set(first_tokens) - finished)]
+            for message in prefilled:
                 yield message
-            finished = {m.index for m in prefilled if m.finished}
-            streams = [open_call(decode.address, _continuation(request, index, first_tokens[index], source))
-                       for index in sorted(set(first_tokens) - finished)]
+            streams = [open_call(decode.address, continued) for continued in continuations]
             if len(streams) == 1:
                 async for message in streams[0]:
                     yield message
@@ -561,7 +567,7 @@ class InferenceService:
         request's, as the decode replica would answer it too)."""
         try:
             lease = self.router.pick_prefill(deployment, routed)
-        except NoReplicaAvailable:
+        except NoReplicaAvailable:  # none, or every one at its limit: the decode replica computes it
             return [], ""
         prefilled: list[worker_pb2.GenerateResponse] = []
         verdict: bool | None = None
@@ -570,9 +576,12 @@ class InferenceService:
                 prefilled.append(message)
             verdict = True
         except grpc.aio.AioRpcError as exc:
-            if not is_retryable(exc):
-                raise
-            verdict, prefilled = False, []
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise  # the request's own error (a 400), as the decode replica would answer it
+            # Anything else (the replica gone, draining, timed out, failed) is the pool's: the
+            # decode replica computes the prompt, so the pool never adds a way to fail.
+            verdict = False if is_retryable(exc) else None  # a replica failure counts against its health
+            prefilled = []
             log.warning("prefill replica %s failed (%s): the decode replica computes the prompt",
                         lease.address, exc.code().name)
         finally:

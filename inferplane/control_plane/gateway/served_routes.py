@@ -56,6 +56,7 @@ class ResourceRoute:
     prefill_pool: str | None = None
     min_prefill_tokens: int = 512
     prefill_autoscaling: AutoscaleSettings | None = None  # the prefill pool's, on its own workers' signals
+    prefill_replicas: int | None = None  # spec.disaggregation.prefill.replicas (as `replicas`: None locally)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -86,7 +87,8 @@ class ResourceRoute:
                    model_sha256=model_sha256, routing_policy=resolved.routing_policy,
                    prefill_pool=prefill_pool_name(name) if spec.disaggregation.enabled else None,
                    min_prefill_tokens=spec.disaggregation.min_prefill_tokens,
-                   prefill_autoscaling=_prefill_autoscaling(spec))
+                   prefill_autoscaling=_prefill_autoscaling(spec),
+                   prefill_replicas=None if namespace is None else spec.disaggregation.prefill.replicas)
 
 
 def _prefill_autoscaling(spec: InferenceDeploymentSpec) -> AutoscaleSettings | None:
@@ -125,14 +127,25 @@ def resource_routes(objs: Iterable[Mapping[str, Any]]) -> list[ResourceRoute]:
     set: its pods are draining) is left out, as is one whose spec does not parse; the latter is
     logged, never fatal, so one bad object cannot take the other models off the gateway."""
     routes = []
+    objs = list(objs)
+    names = {((o.get("metadata") or {}).get("namespace") or "default", (o.get("metadata") or {}).get("name"))
+             for o in objs}
     for obj in objs:
         meta = obj.get("metadata") or {}
         if meta.get("deletionTimestamp"):
             continue
         try:
-            routes.append(resource_route(obj))
+            route = resource_route(obj)
         except (SpecError, ValueError) as exc:
             log.warning("ignoring InferenceDeployment %s/%s: %s", meta.get("namespace"), meta.get("name"), exc)
+            continue
+        if route.prefill_pool is not None and (route.namespace, route.prefill_pool) in names:
+            # Its prefill pool's name is another resource's (the operator refuses it: NameTaken):
+            # never send one deployment's prompts to the other's pods; it serves as one pool.
+            log.warning("InferenceDeployment %s: its prefill pool's name %s is another resource's; served without it",
+                        route.deployment_name, route.prefill_pool)
+            route = dataclasses.replace(route, prefill_pool=None, prefill_autoscaling=None)
+        routes.append(route)
     return routes
 
 
@@ -152,7 +165,8 @@ def router_deployment(route: ResourceRoute, source: EndpointSource,
     shared by many prompts stays cached on one prefill replica)."""
     prefill = None
     if route.prefill_pool is not None and prefill_source is not None:
-        prefill = Deployment(route.prefill_deployment_name, prefill_source, block_size=route.block_size)
+        prefill = Deployment(route.prefill_deployment_name, prefill_source, block_size=route.block_size,
+                             desired_replicas=route.prefill_replicas)
     return Deployment(route.deployment_name, source, weight=route.weight, tier=route.tier,
                       block_size=route.block_size, desired_replicas=route.replicas,
                       routing_policy=route.routing_policy, prefill=prefill,

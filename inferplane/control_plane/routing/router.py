@@ -211,12 +211,12 @@ class Router:
     def pick_prefill(self, d: Deployment, request: RouteRequest, *, exclude: Collection[str] = ()) -> Lease:
         """A replica of `d`'s prefill pool for `request` (by the pool's own policy: prefix-hash keeps a
         shared prefix on one prefill replica's cache), counted on it until released. Raises
-        ``NoReplicaAvailable`` where the pool has none healthy (the caller computes the prompt on the
-        decode replica instead)."""
+        ``NoReplicaAvailable`` where the pool has none healthy, or each is at its limit (the caller
+        computes the prompt on the decode replica instead of queueing it)."""
         if d.prefill is None:
             raise ValueError(f"deployment {d.name} has no prefill pool")
         candidates = self._candidates(d.prefill, exclude)
-        if not candidates.endpoints:
+        if not candidates.endpoints or self._saturated(candidates):  # full: better computed on the decode replica
             raise NoReplicaAvailable(request.model, tuple(exclude))
         address = self._choose_replica(request, candidates)
         self.load.acquire(address)

@@ -140,7 +140,8 @@ class Engine:
 
     def kv_keys(self, tokens: list[int], cache_salt: str = "", adapter=None) -> list[bytes]:
         """The tier keys of the blocks a prefix match of `tokens` can use (every full block before
-        the last token), under the request's namespace: what a decode worker pulls (serve/kv_transfer.py)."""
+        the last token), under the request's namespace: what is read ahead from disk (`prefetch_kv`)
+        and what a decode worker pulls (serve/kv_transfer.py)."""
         usable = (len(tokens) - 1) // self.block_size * self.block_size
         if usable <= 0:
             return []
@@ -154,8 +155,7 @@ class Engine:
         tiers = self.kv.tiers
         if tiers is None or isinstance(prompt, str):
             return 0
-        namespace = kv_namespace(cache_salt, adapter.key if adapter is not None else "")
-        return tiers.prefetch(namespace, prompt, self.block_size)
+        return tiers.store.prefetch(self.kv_keys(prompt, cache_salt, adapter))
 
     def group(self, request_id: str) -> list[Sequence]:
         """A request's unfinished choices."""

@@ -49,6 +49,7 @@ class KVTransfer:
         self.failures = 0  # pulls that failed (the source gone, a refusal): the prompt computed here
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._pulling: dict[bytes, asyncio.Future] = {}  # pulls under way, by their first key
+        self._closing: set[asyncio.Task] = set()  # channels being closed
 
     # -- serving (the prefill side) ---------------------------------------------------------------
 
@@ -109,17 +110,21 @@ class KVTransfer:
     async def pull(self, source: str, keys: Sequence[bytes]) -> int:
         """Pulls from worker `source` ("host:port") the blocks of `keys` this worker's tiers lack;
         returns the blocks stored. A failure is logged and counted, never raised: the engine then
-        computes what did not arrive."""
-        wanted = await asyncio.to_thread(self.missing, keys)
-        if not wanted:
-            return 0
-        running = self._pulling.get(wanted[0])
-        if running is not None:  # the same prompt's other choices (n > 1): one pull serves them all
+        computes what did not arrive. Only records of the keys asked for, in their order, are kept."""
+        stored = 0
+        while True:
+            wanted = await asyncio.to_thread(self.missing, keys)
+            if not wanted:
+                return stored
+            running = self._pulling.get(wanted[0])
+            if running is None:
+                break
+            # The same blocks are being pulled for another request (n > 1 choices, or prompts that
+            # share a start): wait for that pull, then take what it left.
             await asyncio.shield(running)
-            return 0
         done = self._pulling[wanted[0]] = asyncio.get_running_loop().create_future()
         try:
-            return await self._pull(source, wanted)
+            return stored + await self._pull(source, wanted)
         finally:
             del self._pulling[wanted[0]]
             done.set_result(None)
@@ -128,31 +133,42 @@ class KVTransfer:
         started = time.perf_counter()
         stored = 0
         request = worker_pb2.FetchKVRequest(layout_fingerprint=self.store.layout.fingerprint(), keys=wanted)
+        call = None
         try:
-            stub = worker_pb2_grpc.WorkerStub(self._channel(source))
-            async for message in stub.FetchKV(request, timeout=PULL_TIMEOUT_S):
-                accepted, size = await asyncio.to_thread(self._store, message.records)
+            call = worker_pb2_grpc.WorkerStub(self._channel(source)).FetchKV(request, timeout=PULL_TIMEOUT_S)
+            expected = iter(wanted)
+            async for message in call:
+                accepted, size, intact = await asyncio.to_thread(self._store, message.records, expected)
                 stored += accepted
                 self.bytes["pulled"] += size
-                if accepted < sum(not r.window for r in message.records):
-                    break  # a record failed its checks: the prefix ends there
-        except (TimeoutError, grpc.aio.AioRpcError) as exc:
+                if not intact:
+                    break  # a record failed its checks or came out of order: the prefix ends there
+        except Exception as exc:  # the source gone, refusing, or anything else: the prompt is computed here
             self.failures += 1
             log.warning("pulling KV from %s failed after %d blocks: %s", source, stored, exc)
+        finally:
+            if call is not None:
+                call.cancel()  # a no-op once it ended; stops the sender where this side stopped reading
         self.blocks["pulled"] += stored
         self.seconds["pulled"] += time.perf_counter() - started
         return stored
 
-    def _store(self, records: Sequence[worker_pb2.KVRecord]) -> tuple[int, int]:
-        """Stores one message's records (checked); returns (main parts stored, bytes received)."""
+    def _store(self, records: Sequence[worker_pb2.KVRecord], expected) -> tuple[int, int, bool]:
+        """Stores one message's records, each checked against the key asked for next (a main part
+        names the next key; its window part follows it) and by record.py; returns (main parts
+        stored, bytes received, whether every record passed)."""
         stored = size = 0
+        key = None
         for item in records:
             size += len(item.record)
-            ok = self.store.put_record(item.key, item.record, Part.WINDOW if item.window else Part.MAIN)
-            if not ok:
-                break
+            if not item.window:
+                key = next(expected, None)
+            if item.key != key:
+                return stored, size, False
+            if not self.store.put_record(item.key, item.record, Part.WINDOW if item.window else Part.MAIN):
+                return stored, size, False
             stored += not item.window
-        return stored, size
+        return stored, size, True
 
     def _channel(self, source: str) -> grpc.aio.Channel:
         channel = self._channels.pop(source, None)
@@ -160,7 +176,9 @@ class KVTransfer:
             channel = grpc.aio.insecure_channel(source, options=CHANNEL_OPTIONS)
             while len(self._channels) >= MAX_CHANNELS:  # prefill pods come and go: the oldest goes
                 oldest = next(iter(self._channels))
-                asyncio.get_running_loop().create_task(self._channels.pop(oldest).close())
+                closing = asyncio.get_running_loop().create_task(self._channels.pop(oldest).close())
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
         self._channels[source] = channel  # the most recently used last
         return channel
 

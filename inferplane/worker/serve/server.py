@@ -240,7 +240,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             yield batch
 
     async def FetchKV(self, request, context):
-        await self._engine(context)
+        # Served while draining too: a decode worker pulls what this worker prefilled just before.
         transfer = self.state.transfer
         if transfer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -295,6 +295,8 @@ class WorkerServer:
         if runner is not None and runner.num_in_flight:
             log.warning("drain grace period over with %d requests in flight", runner.num_in_flight)
         await self.server.stop(grace=1.0)
+        if self.state.transfer is not None:
+            await self.state.transfer.close()
         if runner is not None:
             runner.stop()
 

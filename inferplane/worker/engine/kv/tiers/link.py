@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from inferplane.api.kv_blocks import chain_keys
 from inferplane.worker.engine.kv.tiers.record import Part
 from inferplane.worker.engine.kv.tiers.store import TieredKVStore
 from inferplane.worker.ops.kv_cache import PagedKVCache
@@ -53,15 +52,6 @@ class TierLink:
         self.cache.load_block(block, payload, window)
         self.loaded_blocks += not window
         return True
-
-    def prefetch(self, namespace: str, prompt: Sequence[int], block_size: int) -> int:
-        """Reads ahead, off the engine's thread, the disk-held blocks of `prompt`'s prefix (every full
-        block before its last token, the most a match uses), so that the engine's own read finds
-        them in memory. Returns the blocks read."""
-        usable = (len(prompt) - 1) // block_size * block_size
-        if usable <= 0:
-            return 0
-        return self.store.prefetch(chain_keys(namespace, prompt[:usable], block_size))
 
     def stats(self) -> dict[str, float]:
         return {**self.store.stats(), "kv_tier_saved_blocks_total": float(self.saved_blocks),
