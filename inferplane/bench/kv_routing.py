@@ -26,8 +26,6 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from inferplane.control_plane.routing import Deployment, Router, RouteRequest, StaticEndpointSource
 from inferplane.v1 import worker_pb2
 from inferplane.worker.engine.kv.events import KVEventLog
@@ -163,7 +161,7 @@ def run(policy: str | None, args: argparse.Namespace, workload, seed: int) -> Ou
         lease = router.pick(RouteRequest("m", token_ids=prompt))
         replica = replicas[lease.address]
         seq = Sequence(request_id=f"r{now}", prompt_token_ids=list(prompt), params=params,
-                       max_tokens=len(answer) + 1, generator=torch.Generator())
+                       max_tokens=len(answer) + 1, rng_key=0)
         replica.kv.match_prefix(seq)
         outcome.prompt_tokens += len(prompt)
         outcome.cached_tokens += seq.num_cached_tokens

@@ -1,6 +1,7 @@
-"""Bursts of greedy decode steps in one C call (engine/decode_bursts.py, native ip_decode_steps): the
-tokens single steps give, a stop inside a burst ending the request where single steps end it, and
-no burst where one would change what a request gets or make a waiting request wait longer."""
+"""Bursts of decode steps in one C call (engine/decode_bursts.py, native ip_decode_steps): the tokens
+single steps give, greedy and sampled (each row's draws are its own key's at each position, in
+both), a stop inside a burst ending the request where single steps end it, and no burst where one
+would change what a request gets or make a waiting request wait longer."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from tests.worker.conftest import one_kernel_for_every_row_count, prompts_of_len
 from tests.worker.test_fused_decode import tiny_gemma3  # noqa: F401 (the fixture: sliding layers, window pool)
 
 GREEDY = SamplingParams(max_tokens=37, temperature=0.0, ignore_eos=True)  # 37: bursts cut at block ends
+SAMPLED = SamplingParams(max_tokens=37, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
 
 
 def _llm(path: str, steps: int, **options) -> LLM:
@@ -26,18 +28,20 @@ def _bursts(llm: LLM) -> float:
     return llm.engine.stats()["decode_burst_steps_total"]
 
 
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("kv_manager", ["paged", "radix"])
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_gemma3"])
-def test_bursts_give_the_tokens_of_single_steps(model, kv_manager, request):
+def test_bursts_give_the_tokens_of_single_steps(model, kv_manager, params, request):
     """Three sequences decoding together (one row finishing its prompt later), across block ends
     and, on Gemma 3's sliding layers, past their window of 16 in the window pool; the radix runtime
-    then serves the prompts from its cache and decodes again."""
+    then serves the prompts from its cache and decodes again. Sampled rows draw in the burst's C
+    call what single steps draw."""
     path = request.getfixturevalue(model)
     prompts = prompts_of_lengths([5, 16, 23], vocab=320, seed=3)
     single, burst = _llm(path, 1, kv_manager=kv_manager), _llm(path, 8, kv_manager=kv_manager)
     for _ in range(2):
-        expected = [o.token_ids for o in single.generate(prompts, GREEDY)]
-        assert [o.token_ids for o in burst.generate(prompts, GREEDY)] == expected
+        expected = [o.token_ids for o in single.generate(prompts, params)]
+        assert [o.token_ids for o in burst.generate(prompts, params)] == expected
     assert _bursts(single) == 0
     assert _bursts(burst) > 0
     assert burst.engine.stats()["generation_tokens_total"] == single.engine.stats()["generation_tokens_total"]
@@ -74,11 +78,11 @@ def test_a_stop_string_inside_a_burst_cuts_the_text_where_single_steps_cut_it():
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=20, temperature=0.8, seed=1),
+    SamplingParams(max_tokens=20, temperature=0.8, seed=1, logprobs=True),
     SamplingParams(max_tokens=20, temperature=0, logprobs=True),
     SamplingParams(max_tokens=20, temperature=0, presence_penalty=0.5),
-], ids=["sampled", "logprobs", "penalty"])
-def test_no_burst_where_the_argmax_is_not_the_token(tiny_llama, params):
+], ids=["sampled-logprobs", "logprobs", "penalty"])
+def test_no_burst_where_the_logits_alone_do_not_choose_the_token(tiny_llama, params):
     llm = _llm(tiny_llama, 8)
     outs = llm.generate(prompts_of_lengths([6, 9], vocab=320, seed=1), params)
     assert all(len(o.token_ids) == 20 for o in outs)

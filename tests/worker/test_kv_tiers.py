@@ -236,7 +236,7 @@ def compute(kv, tokens: list[int], salt: str = "", cache: PagedKVCache | None = 
     from inferplane.worker.engine.sequence import Sequence
 
     seq = Sequence(request_id=f"r{len(tokens)}{salt}", prompt_token_ids=list(tokens), params=SamplingParams(),
-                   max_tokens=4, generator=torch.Generator(), cache_salt=salt)
+                   max_tokens=4, rng_key=0, cache_salt=salt)
     kv.match_prefix(seq)
     computed = seq.num_computed_tokens // 4
     assert kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
@@ -273,7 +273,7 @@ def test_a_load_that_raises_gives_its_blocks_back() -> None:
     from inferplane.worker.engine.sequence import Sequence
 
     seq = Sequence(request_id="x", prompt_token_ids=tokens, params=SamplingParams(), max_tokens=4,
-                   generator=torch.Generator(), cache_salt="a")
+                   rng_key=0, cache_salt="a")
     with pytest.raises(RuntimeError, match="device lost"):
         kv.match_prefix(seq)
     assert kv.pool.num_free == 16 and kv.tree.num_blocks == 0

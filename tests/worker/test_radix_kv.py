@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 
 from inferplane.worker.engine.kv.radix import RadixKV
 from inferplane.worker.engine.radix_scheduler import RadixScheduler
@@ -19,7 +18,7 @@ _ids = itertools.count()
 
 def make_seq(tokens: list[int], salt: str = "") -> Sequence:
     return Sequence(request_id=f"s{next(_ids)}", prompt_token_ids=list(tokens), params=SamplingParams(),
-                    max_tokens=16, generator=torch.Generator(), cache_salt=salt)
+                    max_tokens=16, rng_key=0, cache_salt=salt)
 
 
 def run_to_end(kv: RadixKV, seq: Sequence) -> Sequence:

@@ -9,7 +9,6 @@ shows up as wrong contents, whatever the bookkeeping says.
 
 from __future__ import annotations
 
-import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -27,7 +26,7 @@ STEMS = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 9], [4, 4, 4, 4, 4, 4], [1, 2]]
 
 def _seq(name: str, tokens: list[int], salt: str) -> Sequence:
     return Sequence(request_id=name, prompt_token_ids=tokens, params=SamplingParams(), max_tokens=64,
-                    generator=torch.Generator(), cache_salt=salt)
+                    rng_key=0, cache_salt=salt)
 
 
 class RadixMachine(RuleBasedStateMachine):

@@ -59,7 +59,7 @@ def test_rows_without_adjustments_are_untouched_and_batches_mix() -> None:
 def test_greedy_follows_the_bias_and_logprobs_stay_the_models() -> None:
     logits = torch.tensor([LOGITS])
     params = SamplingParams(temperature=0, logit_bias={4: 100.0}, top_logprobs=3, logprobs=True)
-    result = sample(logits, [params], [torch.Generator()], True, [History([0], [], frozenset())])
+    result = sample(logits, [params], [0.5], True, [History([0], [], frozenset())])
     assert result.tokens == [4]
     raw = torch.tensor(LOGITS).log_softmax(-1)
     assert result.logprobs == pytest.approx([raw[4].item()])  # the model's own, before the bias
@@ -72,9 +72,9 @@ def test_greedy_follows_the_bias_and_logprobs_stay_the_models() -> None:
 def test_min_tokens_masks_stop_tokens_only_until_reached() -> None:
     params = SamplingParams(temperature=0, min_tokens=2, max_tokens=5)
     logits = torch.tensor([LOGITS])  # argmax is 3
-    early = sample(logits, [params], [torch.Generator()], False, [History([0], [1], frozenset({3}))])
+    early = sample(logits, [params], [0.5], False, [History([0], [1], frozenset({3}))])
     assert early.tokens == [0]  # 3 is a stop token and only one token was generated
-    later = sample(logits, [params], [torch.Generator()], False, [History([0], [1, 2], frozenset({3}))])
+    later = sample(logits, [params], [0.5], False, [History([0], [1, 2], frozenset({3}))])
     assert later.tokens == [3]
 
 

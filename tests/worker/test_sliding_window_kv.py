@@ -10,7 +10,6 @@ blocks of 8 tokens, so a 100-token context spans 13 blocks and a window at most 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from inferplane import LLM, SamplingParams
 from inferplane.worker.engine.kv.window import NULL_BLOCK, WindowBlocks, first_needed, window_pool_blocks
@@ -39,7 +38,7 @@ def _llm(path: str, **options) -> LLM:
 def test_window_table_frees_exactly_what_no_later_query_reads():
     windows = WindowBlocks(num_blocks=20, block_size=4, window=6)
     seq = Sequence(request_id="a", prompt_token_ids=list(range(30)), params=SamplingParams(), max_tokens=4,
-                   generator=torch.Generator())
+                   rng_key=0)
     windows.grow(seq, 8)  # 32 positions
     seq.num_computed_tokens = 30
     assert windows.trim(seq) == 6  # blocks 0..5 end before position 30 - 6 = 24

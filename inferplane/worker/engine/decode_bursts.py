@@ -41,8 +41,9 @@ class DecodeBursts:
         """How many greedy decode steps this batch may run in one call, 1 for one step. A burst runs
         only where its tokens are what single steps would give and nothing waits on it:
         - every row a decode past its first output token (that one goes out at once) whose next
-          token is the argmax of the logits (greedy, no penalties, bias, grammar or logprobs) and
-          whose request serves no adapter;
+          token is chosen from the logits alone: their argmax, or a draw by temperature, top-k and
+          top-p (the C call samples as sampling.sample does, at the same positions' draws); no
+          penalties, bias, grammar or logprobs, and no adapter;
         - with more than one row, no row with stop strings: the C call ends a burst after a step in
           which a row's token is a stop token or EOS (the next steps would run without that row, and
           the attention splits a context by the number of rows), but a stop string shows only in
@@ -66,7 +67,7 @@ class DecodeBursts:
             seq, params = item.seq, item.seq.params
             if (item.num_new_tokens != 1 or seq.num_computed_tokens + 1 != seq.num_tokens
                     or seq.num_computed_tokens < seq.num_prompt_tokens  # its first token: not held back
-                    or not params.greedy or params.logprobs or params.adjusts_logits or seq.grammar is not None
+                    or params.logprobs or params.adjusts_logits or seq.grammar is not None
                     or seq.adapter is not None or seq.forks or (params.stop and len(batch) > 1)):
                 return 1
             position = seq.num_computed_tokens

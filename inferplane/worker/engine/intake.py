@@ -87,23 +87,21 @@ class RequestIntake:
         so that the choices differ and each is reproducible. A structured-output request's grammar
         state comes from the grammar AsyncEngine compiled (GrammarCompiler.prepare) before handing
         the request to the engine, else it is compiled now (LLM)."""
-        generator = torch.Generator(device=self.device)
-        seed = params.seed + index if params.seed is not None else random.getrandbits(63)
-        generator.manual_seed(seed % (1 << 64))
+        seed = params.seed + index if params.seed is not None else random.getrandbits(64)
         grammar = self.grammar_compiler().new_state(params.constraint) if params.constraint is not None else None
         return Sequence(request_id=request_id if index == 0 else f"{request_id}#{index}", group_id=request_id,
                         index=index, prompt_token_ids=token_ids, params=params, max_tokens=max_tokens,
-                        generator=generator, cache_salt=cache_salt, grammar=grammar)
+                        rng_key=seed % (1 << 64), cache_salt=cache_salt, grammar=grammar)
 
     def resume(self, seq: Sequence, resumed: list[int], detokenizer: IncrementalDetokenizer | None) -> None:
         """Continues `seq` after output tokens an earlier replica already delivered (a request moved
         between workers): they become its output as if it had produced them, so max_tokens,
         penalties, stop strings and the grammar see them, and its first new token is the one the
         earlier replica would have produced next. The KV of prompt and resumed tokens is computed
-        (or found cached) as a preempted sequence's is. A sampled request's generator skips the
-        draws those tokens took (one exponential per vocabulary entry each, sampling.sample), so a
-        seeded request continues its sequence of draws as if uninterrupted. Resumed tokens'
-        logprobs were delivered already: placeholders keep the lists aligned."""
+        (or found cached) as a preempted sequence's is. A sampled request's next draw is the one at
+        its next position (sampling.uniform_draw), so a seeded request continues its sequence of
+        draws as if uninterrupted. Resumed tokens' logprobs were delivered already: placeholders
+        keep the lists aligned."""
         bad = [t for t in resumed if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"resumed_token_ids: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
@@ -113,9 +111,6 @@ class RequestIntake:
             for token in resumed:
                 if not seq.grammar.accept(token):
                     raise ValueError("resumed_token_ids: the structured output's grammar refuses them")
-        if not seq.params.greedy:
-            for _ in resumed:
-                torch.empty(self.vocab_size, device=self.device).exponential_(generator=seq.generator)
         seq.output_token_ids = list(resumed)
         if seq.params.logprobs:
             seq.output_logprobs = [0.0] * len(resumed)

@@ -11,10 +11,18 @@ from collections.abc import Callable
 import torch
 
 from inferplane.worker.engine.kv.window import first_kept_block
-from inferplane.worker.engine.sampling import History, Sampled, SamplingParams, given_token_logprobs, sample
+from inferplane.worker.engine.sampling import (
+    History,
+    Sampled,
+    SamplingParams,
+    given_token_logprobs,
+    sample,
+    uniform_draw,
+)
 from inferplane.worker.engine.scheduler import ScheduledSequence
 from inferplane.worker.model.llama import LlamaForCausalLM
 from inferplane.worker.ops.attention import AttentionBatch, PrefillSegment
+from inferplane.worker.ops.fused_decode import BurstDraws
 from inferplane.worker.ops.kv_cache import PagedKVCache
 
 
@@ -175,7 +183,8 @@ class ModelRunner:
                 return self.model.forward_and_logits(input_ids, positions, self.cache, attn)
             # a burst ends after any row's stop token: single steps would go on without that row
             stop_ids = frozenset().union(*(self._stop_ids(item.seq.params) for item in batch))
-            return self.model.forward_and_logits(input_ids, positions, self.cache, attn, steps, stop_ids)
+            return self.model.forward_and_logits(input_ids, positions, self.cache, attn, steps, stop_ids,
+                                                 burst_draws(batch, steps))
         finally:
             if self.adapters is not None:
                 self.adapters.end()
@@ -202,7 +211,7 @@ class ModelRunner:
             argmax = None
         else:  # logits of every row (and their argmax) where the fused CPU decode's C call ran the head
             hidden, logits, argmax = self._forward(batch, input_ids, positions, attn, steps)
-            if argmax is not None and argmax.dim() == 2:  # a burst: greedy rows, nothing else to sample
+            if argmax is not None and argmax.dim() == 2:  # a burst: its tokens were chosen in its C call
                 return Sampled(argmax[0].tolist(), bursts=argmax.t().tolist())
         self._score_prompts(batch, hidden)
         if not sample_rows:
@@ -217,5 +226,21 @@ class ModelRunner:
         if any(s.params.adjusts_logits for s in sampling):
             histories = [History(s.prompt_token_ids, s.output_token_ids, self._stop_ids(s.params)) for s in sampling]
         grammars = [s.grammar for s in sampling] if any(s.grammar is not None for s in sampling) else None
-        return sample(logits, [s.params for s in sampling], [s.generator for s in sampling], want_logprobs, histories,
-                      grammars, argmax)
+        uniforms = [0.0 if s.params.greedy else uniform_draw(s.rng_key, len(s.output_token_ids)) for s in sampling]
+        return sample(logits, [s.params for s in sampling], uniforms, want_logprobs, histories, grammars, argmax)
+
+
+def burst_draws(batch: list[ScheduledSequence], steps: int) -> BurstDraws | None:
+    """How a burst's sampled rows draw (None where every row is greedy): each row's filters and its
+    uniform at each step's position, as single steps would draw them (sampling.uniform_draw)."""
+    params = [item.seq.params for item in batch]
+    if all(p.greedy for p in params):
+        return None
+    return BurstDraws(
+        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        min_p=torch.zeros(len(params), dtype=torch.float32),
+        uniform=torch.tensor([[0.0 if item.seq.params.greedy else
+                               uniform_draw(item.seq.rng_key, len(item.seq.output_token_ids) + s) for item in batch]
+                              for s in range(steps)], dtype=torch.float64))

@@ -1,7 +1,12 @@
 """SamplingParams (vLLM's field names) and the batched sampler.
 
-Every request owns a torch.Generator seeded from its `seed` (or from fresh entropy), so a seeded
-request samples the same tokens whatever else shares its batch, and after a preemption.
+Every request owns a 64-bit key, its `seed` (or fresh entropy), and the draw for its output token
+at position t is a uniform number that depends on the key and t alone (`uniform_draw`: counter-based,
+as Philox-style samplers are): a seeded request samples the same tokens whatever else shares its
+batch, after a preemption, and after a move to another worker (which continues at the position it
+resumes at, with no draws to replay). The token is drawn by inverse CDF at that number from the
+filtered distribution: in C on the CPU (native/csrc/sample.c: no sort of the vocabulary), else by
+the torch path below (sort, softmax, cumulative sum), which filters the same way.
 
 Before choosing, each row's logits are adjusted as OpenAI and vLLM specify, in this order:
 repetition penalty over prompt and output (vLLM/HF: a seen token's positive logit divided by it,
@@ -135,6 +140,30 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def uniform_draw(key: int, position: int) -> float:
+    """The uniform number in (0, 1] that the request with `key` draws its output token at `position`
+    (0: the first) by: SplitMix64 of key + (position + 1) x the golden ratio, its top 53 bits. A pure
+    function of both, so draws never depend on the batch, the worker or what was drawn before."""
+    z = (key + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return ((z >> 11) + 1) / float(1 << 53)
+
+
+def _draw_rows(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's token by inverse CDF at its uniform (float64, (0, 1]) from softmax(scaled) filtered
+    by top-k and top-p: the torch path (a GPU, or a CPU without the C kernels)."""
+    probs = _filter_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+    cdf = probs.double().cumsum(dim=-1)
+    target = (uniforms.to(cdf.device) * cdf[:, -1])[:, None]
+    chosen = torch.searchsorted(cdf, target).squeeze(-1)
+    return chosen.clamp_(max=probs.shape[-1] - 1)
+
+
 @dataclass(frozen=True)
 class History:
     """What a row's adjustments read: the prompt, what it generated, and its stop tokens."""
@@ -204,10 +233,11 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories:
             row[torch.tensor(sorted(history.stop_ids), device=row.device, dtype=torch.long)] = float("-inf")
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+def sample(logits: torch.Tensor, params: list[SamplingParams], uniforms: Sequence[float],
            want_logprobs: bool, histories: list[History] | None = None,
            grammars: Sequence[Any] | None = None, argmax: torch.Tensor | None = None) -> Sampled:
-    """logits: [S, V] float32, one row per sequence that samples this step. `grammars`: per row a
+    """logits: [S, V] float32, one row per sequence that samples this step. `uniforms`: per row its
+    draw (`uniform_draw` of its key and position; unused by greedy rows). `grammars`: per row a
     structured-output state (or None), whose disallowed tokens are masked after the adjustments.
     `argmax`: each row's argmax of these logits where it is known already (the fused CPU decode
     computes it in its C call); used where nothing adjusts or masks them, and written over."""
@@ -232,12 +262,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         temps = torch.tensor([params[i].temperature for i in random_rows], device=dev, dtype=logits.dtype)
         top_k = torch.tensor([params[i].top_k for i in random_rows], device=dev)
         top_p = torch.tensor([params[i].top_p for i in random_rows], device=dev, dtype=logits.dtype)
-        scaled = _filter_top_k_top_p(logits[rows] / temps[:, None], top_k, top_p)
-        probs = scaled.softmax(dim=-1)
-        # Exponential-race sampling (argmax of p / Exp(1)) equals drawing from p; the noise comes
-        # from each request's own generator, so the draw does not depend on the batch.
-        noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=generators[i]) for i in random_rows])
-        chosen[rows] = argmax_rows(probs / noise)
+        draws = torch.tensor([uniforms[i] for i in random_rows], dtype=torch.float64)
+        kernels = native.kernels() if dev.type == "cpu" and logits.dtype == torch.float32 else None
+        if kernels is not None:
+            min_p = torch.zeros(len(random_rows), dtype=torch.float32)
+            chosen[rows] = kernels.sample_rows(logits[rows], temps, top_k.to(torch.int64), top_p, min_p, draws)
+        else:
+            chosen[rows] = _draw_rows(logits[rows] / temps[:, None], top_k, top_p, draws)
     result = Sampled(chosen.tolist())
     if raw is not None:
         result.logprobs = raw.gather(-1, chosen[:, None]).squeeze(-1).tolist()

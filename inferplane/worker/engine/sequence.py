@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from inferplane.api.priority import DEFAULT_RANK
 from inferplane.worker.engine.sampling import SamplingParams
 
@@ -25,7 +23,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # the effective cap, never None (SamplingParams.validate: params' or the context's room)
-    generator: torch.Generator
+    rng_key: int  # what its draws are made from (sampling.uniform_draw): its seed, or fresh entropy
     cache_salt: str = ""
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

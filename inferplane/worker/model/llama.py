@@ -26,7 +26,7 @@ from inferplane.worker.model.gemma import SandwichDecoderLayer
 from inferplane.worker.model.layers import Rotary
 from inferplane.worker.model.step_inputs import StepInputs
 from inferplane.worker.ops.attention import AttentionBatch
-from inferplane.worker.ops.fused_decode import FusedDecode
+from inferplane.worker.ops.fused_decode import BurstDraws, FusedDecode
 from inferplane.worker.ops.head import HeadKernel
 from inferplane.worker.ops.kv_cache import PagedKVCache
 from inferplane.worker.ops.norm import RMSNorm
@@ -75,14 +75,15 @@ class LlamaForCausalLM(nn.Module):
         return self.forward_and_logits(input_ids, positions, cache, batch)[0]
 
     def forward_and_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                           batch: AttentionBatch, steps: int = 1, stop_ids: frozenset[int] = frozenset()
+                           batch: AttentionBatch, steps: int = 1, stop_ids: frozenset[int] = frozenset(),
+                           draws: BurstDraws | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Final hidden states [T, hidden] and, where a decode step's C call ran the head too (the
         fused decode), the logits of every row, as compute_logits gives them, and each row's argmax
         of them (what greedy sampling takes); else None, None (the caller computes the sampled rows'
         logits). `steps` > 1: a burst of greedy decode steps where the fused decode can run one
         (FusedDecode.forward, which ends it after a step where a row's token is in `stop_ids`): the
-        argmax is then [steps run, rows]."""
+        argmax is then [steps run, rows], each sampled row's draws where `draws` says how to draw."""
         rotaries = {FULL: self.rotary}
         if self.rotary_local is not None:
             rotaries[SLIDING] = self.rotary_local
@@ -90,7 +91,7 @@ class LlamaForCausalLM(nn.Module):
         # The fused decode runs the base weights only: a step with adapter rows runs layer by layer.
         adapter_rows = self.adapters is not None and self.adapters.batch is not None
         if step.device.type == "cpu" and self.config.fused_decode_block and not adapter_rows:
-            fused = self.fused_decode.forward(step, cache, batch, self.fused_head, steps, stop_ids)
+            fused = self.fused_decode.forward(step, cache, batch, self.fused_head, steps, stop_ids, draws)
             if fused is not None:
                 return fused
         x, tables = step.x(), step.tables()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -165,13 +166,14 @@ class FusedDecode:
 
     def forward(self, step: DecodeStep, cache: PagedKVCache, batch: AttentionBatch,
                 head: Callable[[int], tuple | None] | None = None, steps: int = 1,
-                stop_ids: frozenset[int] = frozenset()
+                stop_ids: frozenset[int] = frozenset(), draws: BurstDraws | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
         """(x after every decoder layer and the final norm, the logits of every row or None, each
         row's argmax of them or None). `steps` > 1 asks for a burst of greedy steps in one C call
         (native decode_steps, ending after a step where a row's token is in `stop_ids`), which runs
         where every layer is fused, the call looks the inputs up and runs the head: the third item is
-        then each step's argmax [steps run, rows] (the logits and x are the last step's); elsewhere
+        then each step's argmax [steps run, rows] (the logits and x are the last step's), or with
+        `draws`, each sampled row's draw instead (csrc/sample.c, in the same call); elsewhere
         one step runs as without it. Fused
         runs in C and the rest op by op; None where the step is not decode rows only or the C kernels
         do not apply (the caller then runs every layer). Where the first run of layers is fused and
@@ -219,10 +221,12 @@ class FusedDecode:
             if end == len(self.layers):
                 tail, logits, argmax = self._tail(x, head)
             if steps > 1 and start == 0 and argmax is not None and lookups is not None:  # the whole model, one call
+                scratch = draws.attach(tail, logits) if draws is not None else None
                 tokens = kernels.decode_steps(x, weights, config.rms_norm_eps, shape, views[:2], cache.block_size,
                                               config.attention_scale, kv_half=cache.data.dtype == torch.float16,
                                               gelu=config.hidden_act == "gelu_tanh", tail=tail, inputs=lookups,
                                               steps=steps, stop_ids=stop_ids)
+                del scratch  # alive until the call returned
                 return x, logits, tokens
             ropes = None
             if start > 0 or lookups is None:
@@ -255,6 +259,28 @@ class FusedDecode:
         argmax = torch.empty(x.shape[0], dtype=torch.int64)
         tail.head, tail.logits, tail.argmax = self._head[1], logits.data_ptr(), argmax.data_ptr()
         return tail, logits, argmax
+
+
+@dataclass
+class BurstDraws:
+    """What a burst of decode steps samples its sampled rows by: per row its temperature (0: greedy),
+    top_k, top_p and min_p, and its uniform draw at each step [steps, rows] (sampling.uniform_draw
+    of its key and that step's position), so a burst draws what single steps would have."""
+
+    temperature: torch.Tensor  # float32 [rows]
+    top_k: torch.Tensor  # int64 [rows]
+    top_p: torch.Tensor  # float32 [rows]
+    min_p: torch.Tensor  # float32 [rows]
+    uniform: torch.Tensor  # float64 [steps, rows]
+
+    def attach(self, tail: native.DecodeTail, logits: torch.Tensor) -> torch.Tensor:
+        """Points the tail's sampling fields at these tensors; returns the scratch the C call draws
+        in (as large as the logits), which the caller keeps alive until the call returned."""
+        scratch = torch.empty_like(logits)
+        tail.temperature, tail.top_k = self.temperature.data_ptr(), self.top_k.data_ptr()
+        tail.top_p, tail.min_p = self.top_p.data_ptr(), self.min_p.data_ptr()
+        tail.uniform, tail.weights = self.uniform.data_ptr(), scratch.data_ptr()
+        return scratch
 
 
 def linear_operands(lin: torch.nn.Module) -> tuple | None:

@@ -59,9 +59,12 @@ class LayerWeights(ctypes.Structure):
 
 class DecodeTail(ctypes.Structure):
     """decode_layers.c's ip_decode_tail: the final norm's weight (NULL: none) and eps, and the head (its w
-    NULL: none) with the logits buffer it writes and the buffer of each row's argmax (NULL: none)."""
+    NULL: none) with the logits buffer it writes and the buffer of each row's argmax (NULL: none);
+    where `temperature` is set, the rows above 0 are drawn instead (top_k, top_p, min_p, a uniform
+    per step and row, and scratch weights as large as the logits: csrc/sample.c)."""
 
-    _fields_ = [("norm", _P), ("eps", ctypes.c_float), ("head", LinearOperands), ("logits", _P), ("argmax", _P)]
+    _fields_ = [("norm", _P), ("eps", ctypes.c_float), ("head", LinearOperands), ("logits", _P), ("argmax", _P),
+                ("temperature", _P), ("top_k", _P), ("top_p", _P), ("min_p", _P), ("uniform", _P), ("weights", _P)]
 
 
 class DecodeInputs(ctypes.Structure):
@@ -117,6 +120,8 @@ class NativeKernels:
         lib.ip_moe_route.restype = ctypes.c_int
         lib.ip_argmax_rows.argtypes = [_P, _I, _I, _I, _P]
         lib.ip_argmax_rows.restype = None
+        lib.ip_sample_rows.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P]
+        lib.ip_sample_rows.restype = None
         lib.ip_rope_store_kv.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, ctypes.c_int]
         lib.ip_rope_store_kv.restype = ctypes.c_int
         lib.ip_decode_layers.argtypes = [_P, _I, _I, _P, _I, ctypes.c_float, _I, _I, _I, _I, _P, _P, _I,
@@ -243,6 +248,23 @@ class NativeKernels:
             x = x.contiguous()
         out = torch.empty(m, dtype=torch.int64)
         self._lib.ip_argmax_rows(x.data_ptr(), m, n, x.stride(0), out.data_ptr())
+        return out
+
+    def sample_rows(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """logits [M, N] float32 on the CPU -> int64 [M]: each row's token drawn by inverse CDF at its
+        `uniform` (float64 in (0, 1]) from softmax(logits / temperature) filtered by top_k (<= 0: off),
+        top_p (1: off) and min_p (0: off), as engine/sampling.py's torch path filters (csrc/sample.c)."""
+        m, n = logits.shape
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        weights = torch.empty(m, n, dtype=torch.float32)
+        out = torch.empty(m, dtype=torch.int64)
+        self._lib.ip_sample_rows(logits.data_ptr(), m, n, logits.stride(0), temperature.data_ptr(), top_k.data_ptr(),
+                                 top_p.data_ptr(), min_p.data_ptr(), uniform.data_ptr(), weights.data_ptr(),
+                                 out.data_ptr())
+        if bool((out < 0).any()):
+            raise MemoryError("ip_sample_rows: no memory for a row's nucleus")
         return out
 
     def rope_store_kv(self, qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor,

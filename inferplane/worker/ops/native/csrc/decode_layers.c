@@ -174,14 +174,35 @@ static int decode_layer(float *x, int64_t b, int64_t hidden, const ip_layer_weig
  * forward_and_logits runs them op by op): x normed in place by `norm` (NULL: left as the last layer's
  * output), then, where head.w is set, logits [b, head.n] = x @ head (the kernel head.s/bits name)
  * and, where argmax is set, each row's argmax of them (ip_argmax_rows: what greedy sampling takes,
- * read while the logits are still in cache; Gemma 3's are 1 MB a row). */
+ * read while the logits are still in cache; Gemma 3's are 1 MB a row). Where temperature is set too,
+ * a row whose temperature is above 0 gets instead the token drawn at its uniform (sample.c's
+ * sample_row, with its top_k, top_p and min_p; weights: [b, head.n] scratch), so a burst of steps
+ * (ip_decode_steps) runs sampled rows as it runs greedy ones; uniform holds a draw per step and row
+ * [steps, b], the step's row read by ip_decode_steps. */
 typedef struct {
     const float *norm;
     float eps;
     ip_linear head;
     float *logits;
     int64_t *argmax;
+    const float *temperature; /* [b], NULL: every row greedy */
+    const int64_t *top_k;
+    const float *top_p, *min_p;
+    const double *uniform;    /* [steps, b] */
+    float *weights;
 } ip_decode_tail;
+
+/* The tail's choice for each row: its argmax, or where its temperature is above 0, its draw at
+ * `uniform` [b] (this step's row of the tail's). */
+static void choose_tokens(const ip_decode_tail *tail, int64_t b, const double *uniform) {
+    const int64_t n = tail->head.n;
+    ip_argmax_rows(tail->logits, b, n, n, tail->argmax);
+    if (!tail->temperature) return;
+    for (int64_t r = 0; r < b; r++)
+        if (tail->temperature[r] > 0.0f)
+            sample_row(tail->logits, n, n, tail->temperature, tail->top_k, tail->top_p, tail->min_p, uniform,
+                       tail->weights, tail->argmax, r);
+}
 
 /* What the first layer reads, looked up inside the call where `inputs` is given: each row's token
  * embedding (times `scale` where it is not 0, Gemma's multiplier as float32) into x, and each rope's
@@ -260,14 +281,14 @@ int ip_decode_layers(float *x, int64_t b, int64_t hidden, const ip_layer_weights
     free(h); free(wide); free(narrow); free(delta); free(rows);
     if (rc == 0 && tail && tail->norm) ip_rms_norm(x, NULL, b, hidden, tail->norm, tail->eps, x);
     if (rc == 0 && tail && tail->head.w) rc = run_linear(x, b, hidden, &tail->head, tail->logits);
-    if (rc == 0 && tail && tail->head.w && tail->argmax)
-        ip_argmax_rows(tail->logits, b, tail->head.n, tail->head.n, tail->argmax);
+    if (rc == 0 && tail && tail->head.w && tail->argmax) choose_tokens(tail, b, tail->uniform);
     return rc;
 }
 
-/* Up to `steps` greedy decode steps of b rows in one call: ip_decode_layers, then each row's argmax
- * becomes its next token, at the next position, in the next slot of the block its first token went
- * to, with one more token of context in each pool's view. tokens [steps, b] gets each step's argmax.
+/* Up to `steps` decode steps of b rows in one call: ip_decode_layers, then each row's token (its
+ * argmax, or its draw where the tail samples it: the step's row of tail->uniform) becomes its next
+ * token, at the next position, in the next slot of the block its first token went to, with one more
+ * token of context in each pool's view. tokens [steps, b] gets each step's tokens.
  * The call ends after the first step in which any row's token is one of stop_ids [n_stop] (a stop
  * token or EOS of some row): single steps would run without that row from there on, and the attention
  * splits a context by the number of rows, so the other rows' next steps are not this call's to run.
@@ -300,6 +321,7 @@ int ip_decode_steps(float *x, int64_t b, int64_t hidden, const ip_layer_weights 
     }
     looked.token_ids = ids;
     looked.positions = positions;
+    ip_decode_tail step_tail = *tail; /* its uniform moves a row of draws each step */
     int rc = 0;
     int64_t s = 0;
     for (; rc == 0 && s < steps; s++) {
@@ -326,8 +348,9 @@ int ip_decode_steps(float *x, int64_t b, int64_t hidden, const ip_layer_weights 
                 }
             }
         }
+        if (tail->uniform) step_tail.uniform = tail->uniform + s * b;
         rc = ip_decode_layers(x, b, hidden, layers, n_layers, eps, heads, kv_heads, d, inter, NULL, own, block_size,
-                              scale, half, gelu, tail, &looked);
+                              scale, half, gelu, &step_tail, &looked);
         if (rc != 0) break;
         memcpy(tokens + s * b, tail->argmax, sizeof(int64_t) * (size_t)b);
         int stopped = 0;

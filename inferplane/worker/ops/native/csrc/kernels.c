@@ -37,6 +37,7 @@
 #include "activation.c"    /* ip_silu_mul, ip_gelu_mul */
 #include "moe_route.c"     /* ip_moe_route */
 #include "argmax.c"        /* ip_argmax_rows */
+#include "sample.c"        /* ip_sample_rows */
 #include "rope.c"          /* ip_rope_store_kv */
 #include "features.c"      /* ip_features, ip_isa */
 #include "decode_layers.c" /* ip_decode_layers, ip_decode_steps */

@@ -48,6 +48,9 @@ int ip_moe_route(const float *logits, int64_t m, int64_t e, int64_t k, int norma
 
 /* argmax.c */
 void ip_argmax_rows(const float *x, int64_t m, int64_t n, int64_t ldx, int64_t *out);
+void ip_sample_rows(const float *logits, int64_t m, int64_t n, int64_t ld, const float *temperature,
+                    const int64_t *top_k, const float *top_p, const float *min_p, const double *uniform,
+                    float *weights, int64_t *out);
 
 /* rope.c */
 int ip_rope_store_kv(float *qkv, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, const float *cos,
