@@ -137,3 +137,25 @@ def test_with_its_prefill_worker_gone_the_decode_worker_computes_the_prompt(tmp_
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["text"] == reference[0]
     assert decode["kv_transfer_blocks_total:pulled"] == 0
+
+
+def test_a_batched_prompt_list_through_the_prefill_pool_continues_only_its_unfinished_choices(tmp_path) -> None:
+    """/v1/completions with two prompts: each prompt's choices are renumbered into the request's, and
+    a choice that finished on the prefill replica (max_tokens 1) is not continued on the decode one."""
+    with disaggregated(tmp_path) as (gateway, addresses, _):
+        prompts = [prompt_ids(4), prompt_ids(5)]
+
+        async def scenario(max_tokens: int):
+            async with httpx.AsyncClient(base_url=gateway.base_url, timeout=httpx.Timeout(300)) as client:
+                reply = await client.post("/v1/completions", headers={"Authorization": f"Bearer {gateway.key}"},
+                                          json={"model": SERVED_MODEL, "prompt": prompts, "max_tokens": max_tokens,
+                                                "ignore_eos": True, "temperature": 0})
+            params = worker_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            return reply, [(await reference_texts(addresses["reference"], p, params))[0] for p in prompts]
+
+        for max_tokens in (1, 12):
+            reply, reference = asyncio.run(scenario(max_tokens))
+            assert reply.status_code == 200, reply.text
+            body = reply.json()
+            assert [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])] == reference
+            assert body["usage"]["completion_tokens"] == 2 * max_tokens
