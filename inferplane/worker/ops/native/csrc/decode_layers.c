@@ -194,14 +194,16 @@ typedef struct {
 
 /* The tail's choice for each row: its argmax, or where its temperature is above 0, its draw at
  * `uniform` [b] (this step's row of the tail's). */
+static void choose_row(const ip_decode_tail *tail, const double *uniform, int64_t i) {
+    if (tail->temperature[i] > 0.0f)
+        sample_row(tail->logits, tail->head.n, tail->head.n, tail->temperature, tail->top_k, tail->top_p,
+                   tail->min_p, uniform, tail->weights, tail->argmax, i);
+}
+
 static void choose_tokens(const ip_decode_tail *tail, int64_t b, const double *uniform) {
     const int64_t n = tail->head.n;
     ip_argmax_rows(tail->logits, b, n, n, tail->argmax);
-    if (!tail->temperature) return;
-    for (int64_t r = 0; r < b; r++)
-        if (tail->temperature[r] > 0.0f)
-            sample_row(tail->logits, n, n, tail->temperature, tail->top_k, tail->top_p, tail->min_p, uniform,
-                       tail->weights, tail->argmax, r);
+    if (tail->temperature) FOR_ROWS(b, 4, choose_row(tail, uniform, i));
 }
 
 /* What the first layer reads, looked up inside the call where `inputs` is given: each row's token

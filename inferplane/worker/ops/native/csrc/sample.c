@@ -11,12 +11,9 @@
  *     compares against the heap's top), quickselect on a copy for k above HEAP_K;
  *     min-p: every logit below m + T ln(min_p) is out (its probability is below min_p x the top's);
  *  3. the weights w = exp((l - m) / T) of what survives, and their sum W (a vector pass);
- *  4. top-p: the nucleus is the smallest set of best tokens whose mass reaches top_p x W. Every token
- *     with w < (1 - top_p) W / n (n: the survivors) is outside it, since all such tokens together
- *     weigh less than (1 - top_p) W and each has only worse tokens after it; so only the few tokens
- *     above that bound are sorted; where they are many (a flat distribution), the nucleus is the
- *     tokens at or above the weight threshold, found by bisection, whose mass first reaches top_p W
- *     (tokens tied within float precision at the threshold are all kept);
+ *  4. top-p: the nucleus is the smallest set of best tokens whose mass reaches top_p x W: a
+ *     histogram of the weights by their top bits finds the bucket it ends in, and only that
+ *     bucket's tokens are sorted (nucleus_draw);
  *  5. one uniform u in (0, 1] per row (the caller's, drawn from the request's own key and the
  *     token's position: the same draws whatever shares the batch) picks the token whose cumulative
  *     weight first reaches u x W': inverse-CDF sampling, exact for the filtered distribution.
@@ -27,7 +24,7 @@
 #include "kernels.h"
 
 #define HEAP_K 1024  /* top-k above this: quickselect on a copy instead of a heap */
-#define SORT_CANDIDATES 4096  /* top-p: above this many candidates, a threshold by bisection instead of a sort */
+#define SORT_CANDIDATES 4096  /* top-p: a crossing bucket with more tokens than this is split again */
 
 typedef struct {
     float w;
@@ -90,26 +87,158 @@ static int by_weight_descending(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
+/* A positive float's bits order as the float does: its top bits bucket weights by size. */
+static inline uint32_t weight_bits(float w) {
+    uint32_t bits;
+    memcpy(&bits, &w, sizeof bits);
+    return bits;
+}
+
+/* Mask of the lanes of v at or above `low` (a NaN is below), one bit a lane. */
+#if IP_AVX512
+static inline uint32_t lanes_at_least(vf v, vf low) { return _mm512_cmp_ps_mask(v, low, _CMP_GE_OQ); }
+static inline vf keep_lanes(vf v, uint32_t mask) { return _mm512_maskz_mov_ps((__mmask16)mask, v); }
+#elif IP_AVX2
+static inline uint32_t lanes_at_least(vf v, vf low) {
+    return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(v, low, _CMP_GE_OQ));
+}
+static inline vf keep_lanes(vf v, uint32_t mask) {
+    const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)mask), bits), bits);
+    return _mm256_and_ps(v, _mm256_castsi256_ps(set));
+}
+#endif
+
+/* The tokens whose weight is at least `low` (and above 0), in vocabulary order, into cand; their count. */
+static int64_t gather_at_least(const float *w, int64_t n, float low, ip_weighted *cand) {
+    int64_t c = 0, j = 0;
+#if IP_VECTOR
+    const vf vlow = vf_set1(low > 0.0f ? low : FLT_MIN);
+    for (; j + VF_WIDTH <= n; j += VF_WIDTH) {
+        uint32_t mask = lanes_at_least(vf_load(w + j), vlow);
+        while (mask) {
+            const int q = __builtin_ctz(mask);
+            cand[c++] = (ip_weighted){w[j + q], (int32_t)(j + q)};
+            mask &= mask - 1;
+        }
+    }
+#endif
+    for (; j < n; j++)
+        if (w[j] > 0.0f && w[j] >= low) cand[c++] = (ip_weighted){w[j], (int32_t)j};
+    return c;
+}
+
+/* The top-p draw over weights w [n] (0: out) summing to `total` (kept of them above 0): the nucleus
+ * is the smallest set of the heaviest tokens whose weight reaches top_p x total, found without
+ * sorting the row. Every token below (1 - top_p) x total / kept is outside it (all of them together
+ * weigh less than the tail the nucleus leaves out, and each has only lighter tokens after it), so
+ * only the tokens above that bound are gathered, in vocabulary order. A histogram of their weights
+ * by the top bits (exponent and 3 mantissa bits: 1,024 buckets, a factor of 1.09 apart) says which
+ * bucket the nucleus ends in: every token of the buckets above is in it, and only that bucket's
+ * tokens are sorted (where they are more than SORT_CANDIDATES, a flat row, a second histogram by the
+ * next 12 bits narrows them first). Then the draw at `u`, by inverse CDF over the nucleus in
+ * vocabulary order, as the torch path's cumulative sum over the masked row draws. */
+static int64_t nucleus_draw(const float *w, int64_t n, double total, int64_t kept, float top_p, double u) {
+    enum { B1 = 1024, B2 = 4096 };
+    ip_weighted *all = malloc((size_t)n * sizeof *all);
+    if (all == NULL) return -1;
+    const int64_t count_all = gather_at_least(w, n, (float)((1.0 - top_p) * total / (double)kept), all);
+    double mass1[B1] = {0};
+    int64_t count1[B1] = {0};
+    for (int64_t q = 0; q < count_all; q++) {
+        const uint32_t key = weight_bits(all[q].w) >> 20;
+        mass1[key] += all[q].w;
+        count1[key]++;
+    }
+    const double want = top_p * total;
+    double above = 0.0;
+    int64_t b1 = B1 - 1;
+    while (b1 > 0 && above + mass1[b1] < want) above += mass1[b1--];
+    const int use2 = count1[b1] > SORT_CANDIDATES;  /* within bucket b1: a second level where it is crowded */
+    int64_t b2 = B2 - 1;
+    if (use2) {
+        double *mass2 = calloc(B2, sizeof(double));
+        if (mass2 == NULL) {
+            free(all);
+            return -1;
+        }
+        for (int64_t q = 0; q < count_all; q++) {
+            const uint32_t bits = weight_bits(all[q].w);
+            if ((int64_t)(bits >> 20) == b1) mass2[(bits >> 8) & (B2 - 1)] += all[q].w;
+        }
+        while (b2 > 0 && above + mass2[b2] < want) above += mass2[b2--];
+        free(mass2);
+    }
+    /* the tokens of the crossing bucket, sorted, taken until the mass is reached */
+    ip_weighted *cand = malloc((size_t)(count1[b1] > 0 ? count1[b1] : 1) * sizeof *cand);
+    if (cand == NULL) {
+        free(all);
+        return -1;
+    }
+    int64_t count = 0;
+    for (int64_t q = 0; q < count_all; q++) {
+        const uint32_t bits = weight_bits(all[q].w);
+        if ((int64_t)(bits >> 20) == b1 && (!use2 || (int64_t)((bits >> 8) & (B2 - 1)) == b2)) cand[count++] = all[q];
+    }
+    qsort(cand, (size_t)count, sizeof *cand, by_weight_descending);
+    double mass = above;
+    int64_t in = 0;
+    while (in < count && mass < want) mass += cand[in++].w;
+    if (in == 0) in = count > 0 ? 1 : 0;  /* rounding: at least the crossing bucket's heaviest */
+    /* 5. the draw over the nucleus in vocabulary order: the tokens above the crossing bucket, and
+     * those of it at or above the last one taken (of the ties at that weight, as many as were taken,
+     * first in vocabulary order) */
+    const float last = in > 0 ? cand[in - 1].w : INFINITY;
+    int64_t ties = 0;
+    for (int64_t q = 0; q < in; q++) ties += cand[q].w == last;
+    const double target = u * mass;
+    double sum = 0.0;
+    int64_t pick = in > 0 ? cand[in - 1].id : (count_all > 0 ? all[0].id : 0);
+    for (int64_t q = 0; q < count_all; q++) {
+        const float wq = all[q].w;
+        const uint32_t bits = weight_bits(wq);
+        const int64_t k1 = bits >> 20, k2 = (bits >> 8) & (B2 - 1);
+        const int above_it = k1 > b1 || (use2 && k1 == b1 && k2 > b2);
+        const int in_it = k1 == b1 && (!use2 || k2 == b2);
+        if (!(above_it || (in_it && (wq > last || (wq == last && ties-- > 0))))) continue;
+        sum += wq;
+        pick = all[q].id;
+        if (sum >= target) break;
+    }
+    free(cand);
+    free(all);
+    return pick;
+}
+
 /* Row i: see the file's comment. out[i] is -1 where memory for the nucleus ran out. */
 static void sample_row(const float *logits, int64_t n, int64_t ld, const float *temperature, const int64_t *top_k,
-                      const float *top_p, const float *min_p, const double *uniform, float *weights, int64_t *out,
-                      int64_t i) {
+                       const float *top_p, const float *min_p, const double *uniform, float *weights, int64_t *out,
+                       int64_t i) {
     const float *row = logits + i * ld;
     float *w = weights + i * n;
-    /* 1. the maximum (a NaN row has no distribution: its first NaN, as argmax answers) */
+    /* 1. the maximum; a NaN row has no distribution: its first NaN, as argmax answers */
     float top = -INFINITY;
+    int nan = 0;
     int64_t j = 0;
 #if IP_VECTOR
     vf acc = vf_set1(-INFINITY);
-    for (; j + VF_WIDTH <= n; j += VF_WIDTH) acc = vf_max(acc, vf_load(row + j));
+    const vf lowest = vf_set1(-INFINITY);
+    for (; j + VF_WIDTH <= n; j += VF_WIDTH) {
+        const vf v = vf_load(row + j);
+        acc = vf_max(acc, v);
+        nan |= lanes_at_least(v, lowest) != (1u << VF_WIDTH) - 1;  /* a NaN fails every comparison */
+    }
     top = vf_reduce_max(acc);
 #endif
-    for (; j < n; j++) top = row[j] > top ? row[j] : top;
-    for (j = 0; j < n; j++) {
-        if (row[j] != row[j]) {
-            out[i] = j;
-            return;
-        }
+    for (; j < n; j++) {
+        if (row[j] != row[j]) nan = 1;
+        else if (row[j] > top) top = row[j];
+    }
+    if (nan) {
+        j = 0;
+        while (row[j] == row[j]) j++;
+        out[i] = j;
+        return;
     }
     if (top == -INFINITY) {  /* every token masked: nothing to draw from */
         out[i] = 0;
@@ -123,23 +252,22 @@ static void sample_row(const float *logits, int64_t n, int64_t ld, const float *
         const float cut = top + t * logf(min_p[i]);
         floor = cut > floor ? cut : floor;
     }
-    /* 3. the weights of what is kept, and their sum */
     if (floor < -FLT_MAX) floor = -FLT_MAX;  /* a masked (-inf) logit is always out: weight exactly 0 */
+    /* 3. the weights of what is kept, and their sum: block by block (a vector's lanes summed in float,
+     * the blocks in double), the order the draw below adds them in */
     const float inv_t = 1.0f / t;
     double total = 0.0;
     int64_t kept = 0;
     j = 0;
 #if IP_VECTOR
-    const vf vtop = vf_set1(top), vinv = vf_set1(inv_t);
+    const vf vtop = vf_set1(top), vinv = vf_set1(inv_t), vfloor = vf_set1(floor);
     for (; j + VF_WIDTH <= n; j += VF_WIDTH) {
-        vf_store(w + j, vf_exp(vf_mul(vf_sub(vf_load(row + j), vtop), vinv)));
-        float part = 0.0f;
-        for (int q = 0; q < VF_WIDTH; q++) {  /* vf_exp clamps its input: below the floor is set to 0 here */
-            if (row[j + q] < floor) w[j + q] = 0.0f;
-            else kept++;
-            part += w[j + q];
-        }
-        total += part;
+        const vf l = vf_load(row + j);
+        const uint32_t keep = lanes_at_least(l, vfloor);  /* vf_exp clamps its input: the rest set to 0 */
+        const vf e = keep_lanes(vf_exp(vf_mul(vf_sub(l, vtop), vinv)), keep);
+        vf_store(w + j, e);
+        total += vf_reduce_add(e);
+        kept += __builtin_popcount(keep);
     }
 #endif
     for (; j < n; j++) {
@@ -154,64 +282,30 @@ static void sample_row(const float *logits, int64_t n, int64_t ld, const float *
     const double u = uniform[i];
     /* 4. the nucleus */
     if (top_p[i] < 1.0f && kept > 1) {
-        const float bound = (float)((1.0 - top_p[i]) * total / (double)kept);
-        int64_t count = 0;
-        for (j = 0; j < n; j++) count += w[j] > 0.0f && w[j] >= bound;
-        ip_weighted *cand = malloc((size_t)count * sizeof *cand);
-        if (cand == NULL) {
-            out[i] = -1;
-            return;
-        }
-        int64_t c = 0;
-        for (j = 0; j < n; j++)
-            if (w[j] > 0.0f && w[j] >= bound) cand[c++] = (ip_weighted){w[j], (int32_t)j};
-        const double want = top_p[i] * total;
-        double mass = 0.0;
-        int64_t in = 0;
-        if (count <= SORT_CANDIDATES) {  /* few (a peaked distribution): sorted, the exact smallest set */
-            qsort(cand, (size_t)count, sizeof *cand, by_weight_descending);
-            while (in < count && mass < want) mass += cand[in++].w;
-        } else {  /* many (a flat one): the weight threshold whose tokens first reach the mass, by bisection */
-            float lo = bound, hi = 1.0f;  /* the top token's weight is 1: at least one token is kept */
-            for (int step = 0; step < 32 && lo < hi; step++) {
-                const float mid = lo + (hi - lo) * 0.5f;
-                if (mid <= lo || mid >= hi) break;
-                double above = 0.0;
-                for (int64_t q = 0; q < count; q++) above += cand[q].w >= mid ? cand[q].w : 0.0f;
-                if (above >= want) lo = mid;
-                else hi = mid;
-            }
-            for (int64_t q = 0; q < count; q++)  /* keep those at or above lo, in vocabulary order */
-                if (cand[q].w >= lo) {
-                    cand[in++] = cand[q];
-                    mass += cand[q].w;
-                }
-        }
-        /* 5. the draw, over the nucleus */
-        const double target = u * mass;
-        double sum = 0.0;
-        int64_t pick = cand[in - 1].id;
-        for (int64_t q = 0; q < in; q++) {
-            sum += cand[q].w;
-            if (sum >= target) {
-                pick = cand[q].id;
-                break;
-            }
-        }
-        free(cand);
-        out[i] = pick;
+        out[i] = nucleus_draw(w, n, total, kept, top_p[i], u);
         return;
     }
-    /* 5. the draw, over every kept token */
+    /* 5. the draw over every kept token: whole blocks while the target lies beyond them, then one
+     * token at a time */
     const double target = u * total;
     double sum = 0.0;
     int64_t last = -1;
-    for (j = 0; j < n; j++) {
+    j = 0;
+#if IP_VECTOR
+    for (; j + VF_WIDTH <= n; j += VF_WIDTH) {
+        const float block = vf_reduce_add(vf_load(w + j));
+        if (sum + block >= target) break;
+        sum += block;
+        if (block > 0.0f) last = j + VF_WIDTH - 1;
+    }
+#endif
+    for (; j < n; j++) {
         if (w[j] <= 0.0f) continue;
         last = j;
         sum += w[j];
         if (sum >= target) break;
     }
+    while (last >= 0 && w[last] <= 0.0f) last--;  /* a whole block passed: its last positive token */
     out[i] = last >= 0 ? last : 0;
 }
 
