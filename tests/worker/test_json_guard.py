@@ -358,3 +358,22 @@ def json_prefix(text: str):
         except ValueError:
             continue
     return None
+
+
+def test_a_token_holding_a_whole_key_is_blocked_where_the_key_is_used() -> None:
+    """A token such as `""` or `,"id"` opens and closes a key in one piece: where its object already
+    holds that key, it is blocked as a closing quote would be (SmolLM2 at temperature 1 wrote
+    `{"":1,"":1,...}` through such tokens)."""
+    from inferplane.worker.structured.json_guard import JsonTracker, TokenIndex
+
+    tokens = [b'""', b',"id"', b'"', b'id', b'1', b'{', b':', b',', b'"a"']
+    index = TokenIndex(tokens)
+    tracker = JsonTracker()
+    tracker.feed(b'{"":1,"id":2')
+    blocked = set(tracker.blocked(index))
+    assert 1 in blocked and 8 not in blocked  # `,"id"` repeats a key (after a value: `""` is no JSON here)
+    tracker.feed(b',')
+    assert 0 in set(tracker.blocked(index)) and 8 not in set(tracker.blocked(index))
+    nested = JsonTracker()
+    nested.feed(b'{"":{')  # a new object: its keys are its own
+    assert 0 not in set(nested.blocked(index))

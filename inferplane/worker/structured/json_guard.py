@@ -31,6 +31,7 @@ JSON and are not tracked.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 
 MAX_NUMBER_CHARS = 32
@@ -96,6 +97,8 @@ class TokenIndex:
         self.token_bytes = token_bytes
         self.closing: dict[bytes, list[int]] = {}
         self.quoted: list[int] = []
+        # tokens with two quotes or more: one may open and close a whole key (`""`, `,"id"`)
+        self.whole = [t for t, data in enumerate(token_bytes) if data.count(b'"') >= 2]
         self.number = [t for t, data in enumerate(token_bytes) if data and data[0] in _NUMBER]
         for token, data in enumerate(token_bytes):
             if b'"' not in data:
@@ -185,20 +188,33 @@ class JsonTracker:
         return self._number >= MAX_NUMBER_CHARS and self._number_ends_in_digit
 
     def blocked(self, index: TokenIndex) -> Iterable[int]:
-        """The tokens that would now close the open key as one its object already holds, or write
-        more of a number that is full."""
+        """The tokens that would now close the open key as one its object already holds, write a
+        whole key its object holds (a token with an opening and a closing quote, such as `""`), or
+        write more of a number that is full."""
         if self.number_full():
             return index.number
-        if not (self._in_string and self._is_key):
+        if not any(self._stack):  # no object holds a key yet: nothing can repeat
             return ()
+        whole = [t for t in index.whole if self._would_repeat(index.token_bytes[t])]
+        if not (self._in_string and self._is_key):
+            return whole
         keys = self._stack[-1]
         if not keys:
-            return ()
+            return whole
         if self._pending:  # an escape is open: read each quote-bearing token from here (rare)
             return [t for t in index.quoted if self._closes_as_used(index.token_bytes[t], keys)]
         key = bytes(self._key)
         size = len(key)
-        return [t for used in keys if used.startswith(key) for t in index.closing.get(used[size:], ())]
+        return whole + [t for used in keys if used.startswith(key) for t in index.closing.get(used[size:], ())]
+
+    def _would_repeat(self, data: bytes) -> bool:
+        """Whether writing `data` next would repeat a key (read on a copy of this state)."""
+        probe = copy.copy(self)
+        probe._stack = [None if keys is None else set(keys) for keys in self._stack]
+        probe._key = bytearray(self._key)
+        probe.repeated = None
+        probe.feed(data)
+        return probe.repeated is not None
 
     def _closes_as_used(self, data: bytes, keys: set[bytes]) -> bool:
         try:

@@ -176,7 +176,7 @@ static int decode_layer(float *x, int64_t b, int64_t hidden, const ip_layer_weig
  * and, where argmax is set, each row's argmax of them (ip_argmax_rows: what greedy sampling takes,
  * read while the logits are still in cache; Gemma 3's are 1 MB a row). Where temperature is set too,
  * a row whose temperature is above 0 gets instead the token drawn at its uniform (sample.c's
- * sample_row, with its top_k, top_p and min_p; weights: [b, head.n] scratch), so a burst of steps
+ * ip_sample_row, with its top_k, top_p and min_p; weights: [b, head.n] scratch), so a burst of steps
  * (ip_decode_steps) runs sampled rows as it runs greedy ones; uniform holds a draw per step and row
  * [steps, b], the step's row read by ip_decode_steps. */
 typedef struct {
@@ -192,14 +192,15 @@ typedef struct {
     float *weights;
 } ip_decode_tail;
 
-/* The tail's choice for each row: its argmax, or where its temperature is above 0, its draw at
- * `uniform` [b] (this step's row of the tail's). */
+/* Row i's draw where its temperature is above 0 (its argmax stays otherwise), at `uniform` [b]:
+ * this step's row of the tail's. */
 static void choose_row(const ip_decode_tail *tail, const double *uniform, int64_t i) {
     if (tail->temperature[i] > 0.0f)
-        sample_row(tail->logits, tail->head.n, tail->head.n, tail->temperature, tail->top_k, tail->top_p,
-                   tail->min_p, uniform, tail->weights, tail->argmax, i);
+        ip_sample_row(tail->logits, tail->head.n, tail->head.n, tail->temperature, tail->top_k, tail->top_p,
+                      tail->min_p, uniform, tail->weights, tail->argmax, i);
 }
 
+/* Each row's next token from the tail's logits: every row's argmax, then the sampled rows' draws. */
 static void choose_tokens(const ip_decode_tail *tail, int64_t b, const double *uniform) {
     const int64_t n = tail->head.n;
     ip_argmax_rows(tail->logits, b, n, n, tail->argmax);

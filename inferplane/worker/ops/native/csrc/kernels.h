@@ -48,6 +48,10 @@ int ip_moe_route(const float *logits, int64_t m, int64_t e, int64_t k, int norma
 
 /* argmax.c */
 void ip_argmax_rows(const float *x, int64_t m, int64_t n, int64_t ldx, int64_t *out);
+/* Row i of ip_sample_rows (what a decode burst's tail draws its sampled rows with). */
+void ip_sample_row(const float *logits, int64_t n, int64_t ld, const float *temperature, const int64_t *top_k,
+                   const float *top_p, const float *min_p, const double *uniform, float *weights, int64_t *out,
+                   int64_t i);
 void ip_sample_rows(const float *logits, int64_t m, int64_t n, int64_t ld, const float *temperature,
                     const int64_t *top_k, const float *top_p, const float *min_p, const double *uniform,
                     float *weights, int64_t *out);

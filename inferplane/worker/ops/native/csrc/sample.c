@@ -211,9 +211,9 @@ static int64_t nucleus_draw(const float *w, int64_t n, double total, int64_t kep
 }
 
 /* Row i: see the file's comment. out[i] is -1 where memory for the nucleus ran out. */
-static void sample_row(const float *logits, int64_t n, int64_t ld, const float *temperature, const int64_t *top_k,
-                       const float *top_p, const float *min_p, const double *uniform, float *weights, int64_t *out,
-                       int64_t i) {
+void ip_sample_row(const float *logits, int64_t n, int64_t ld, const float *temperature, const int64_t *top_k,
+                   const float *top_p, const float *min_p, const double *uniform, float *weights, int64_t *out,
+                   int64_t i) {
     const float *row = logits + i * ld;
     float *w = weights + i * n;
     /* 1. the maximum; a NaN row has no distribution: its first NaN, as argmax answers */
@@ -315,5 +315,5 @@ static void sample_row(const float *logits, int64_t n, int64_t ld, const float *
 void ip_sample_rows(const float *logits, int64_t m, int64_t n, int64_t ld, const float *temperature,
                     const int64_t *top_k, const float *top_p, const float *min_p, const double *uniform,
                     float *weights, int64_t *out) {
-    FOR_ROWS(m, 4, sample_row(logits, n, ld, temperature, top_k, top_p, min_p, uniform, weights, out, i));
+    FOR_ROWS(m, 4, ip_sample_row(logits, n, ld, temperature, top_k, top_p, min_p, uniform, weights, out, i));
 }
