@@ -143,6 +143,22 @@ class Resources(Section):
     memory: number_as_text(Field(pattern=MEMORY_PATTERN), _INT_OR_STRING) = "8Gi"
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix")
+
+
+class Speculative(Section):
+    """Speculative decoding: tokens proposed from text the request (or its tenant) already wrote,
+    verified several at a time in one forward; the output is the same tokens as without it."""
+
+    method: Literal[SPECULATIVE_METHODS] = Field(description=(
+        "ngram: proposals from the request's own prompt and output (prompt lookup). suffix: from those "
+        "and the same tenant's recent requests to this deployment under the same adapter (never another "
+        "tenant's)."))
+    num_tokens: int = Field(5, ge=1, le=16, description=(
+        "Tokens proposed at most per step; each request proposes fewer (or, for a while, none) as its "
+        "proposals miss."))
+
+
 class EngineConfig(Section):
     """Engine knobs; None means "the runtime preset decides" (see inferplane.api.resolve)."""
 
@@ -188,6 +204,9 @@ class EngineConfig(Section):
         "BlockStored, BlockRemoved, AllBlocksCleared), over a gRPC stream the gateway reads for "
         "kv-aware routing. Unset: on with the radix KV manager (runtime radix or cpu-int8); true "
         "needs it."))
+    speculative: Speculative | None = Field(None, description=(
+        "Speculative decoding (unset: off): for text that repeats what the context holds (code edits, "
+        "answers quoting their sources, agents echoing tool output), several tokens per forward."))
     enforce_eager: bool = Field(False, description=(
         "GPU only. Run decode steps kernel by kernel instead of replaying CUDA graphs (one captured "
         "per batch-size bucket up to maxNumSeqs); the graphs' memory is counted before the KV pool "
@@ -504,6 +523,9 @@ RULES: tuple[Rule, ...] = (
     Rule("", "engine.requantizeQ4", "engine.requantizeQ4 is a generation setting (cpu-int8's GGUF weights)",
          lambda s: not (_is_embedding(s) and s.engine.requantize_q4),
          cel="self.kind != 'embedding' || !self.engine.requantizeQ4"),
+    Rule("", "engine.speculative", "engine.speculative is a generation setting; an embedding model does not decode",
+         lambda s: not (_is_embedding(s) and s.engine.speculative is not None),
+         cel="self.kind != 'embedding' || !has(self.engine.speculative)"),
     Rule("", "engine.maxLoras", "engine.maxLoras is a generation setting; an embedding model serves no LoRA adapters",
          lambda s: not (_is_embedding(s) and s.engine.max_loras > 0),
          cel="self.kind != 'embedding' || self.engine.maxLoras == 0"),

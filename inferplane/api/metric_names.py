@@ -56,6 +56,12 @@ WORKER_KV_TRANSFER_BLOCKS = "inferplane_worker_kv_transfer_blocks"
 WORKER_KV_TRANSFER_BYTES = "inferplane_worker_kv_transfer_bytes"
 WORKER_KV_TRANSFER_SECONDS = "inferplane_worker_kv_transfer_seconds"
 WORKER_KV_TRANSFER_FAILURES = "inferplane_worker_kv_transfer_failures"  # pulls that failed: computed instead
+# Speculative decoding, by method: draft tokens verified, kept, and rows that carried a draft (the
+# acceptance length is 1 + accepted / verifications: tokens a verifying row emits).
+WORKER_SPEC_PROPOSED = "inferplane_worker_spec_proposed_tokens"
+WORKER_SPEC_ACCEPTED = "inferplane_worker_spec_accepted_tokens"
+WORKER_SPEC_VERIFICATIONS = "inferplane_worker_spec_verifications"
+WORKER_SPEC_NO_ROOM = "inferplane_worker_spec_drafts_without_room"  # dropped: the KV pool had no block
 WORKER_KV_TIER_REJECTED = "inferplane_worker_kv_tier_rejected"
 WORKER_KV_TIER_PREFETCHED = "inferplane_worker_kv_tier_prefetched_blocks"
 WORKER_KV_TIER_SAVED = "inferplane_worker_kv_tier_saved_blocks"

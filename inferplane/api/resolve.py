@@ -169,6 +169,8 @@ def resolve(spec: InferenceDeploymentSpec) -> ResolvedDeployment:
     preset = PRESETS[runtime]
     device: Literal["cpu", "cuda"] = "cuda" if spec.uses_gpu and not preset.cpu_only else "cpu"
     engine: dict[str, str | int | bool | None] = engine_settings(runtime, device, spec.engine.model_dump())
+    speculative = spec.engine.speculative  # a section: the worker's flag takes it as JSON, as vLLM's
+    engine["speculative"] = speculative.model_dump_json(by_alias=True) if speculative is not None else None
     engine["kv_offload_memory"] = kv_offload_memory(spec)
     # An int8 option; `auto` may have picked a GPU runtime, which has no int8 head.
     engine["quantize_head"] = spec.engine.quantize_head if preset.weights == "int8" else None

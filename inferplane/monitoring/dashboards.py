@@ -340,6 +340,22 @@ def deployment_dashboard() -> dashboard_builder.Dashboard:
               description="Mean time a decode worker took per block pulled (the request waits for it), and "
                           "pulls that failed (their prompts computed on the decode worker)"),
     ))
+    per_method = ("method",)
+    speculative = Row("Speculative decoding", (
+        graph("Draft tokens proposed and accepted/s", [
+            Query(counter_rate(m.WORKER_SPEC_PROPOSED, workers, per_method), "{{method}} proposed"),
+            Query(counter_rate(m.WORKER_SPEC_ACCEPTED, workers, per_method), "{{method}} accepted")], width=8,
+              description="Tokens proposed from text already written (engine.speculative) and verified; the "
+                          "accepted ones cost no step of their own"),
+        graph("Acceptance rate", [
+            Query(ratio(counter_rate(m.WORKER_SPEC_ACCEPTED, workers, per_method),
+                        counter_rate(m.WORKER_SPEC_PROPOSED, workers, per_method)), "{{method}}")],
+              "percentunit", width=8, description="Accepted / proposed draft tokens, by method"),
+        graph("Acceptance length", [
+            Query(f"1 + {ratio(counter_rate(m.WORKER_SPEC_ACCEPTED, workers, per_method), counter_rate(m.WORKER_SPEC_VERIFICATIONS, workers, per_method))}",
+                  "{{method}}")], width=8,
+              description="Tokens a decode row emits per verifying step (1: no draft token kept)"),
+    ))
     flow_control = Row("Flow control", (
         graph("Waiting sequences by tenant and band", [
             Query(gauge_value(m.WORKER_TENANT_SEQUENCES, selector(namespace="$namespace", service="$deployment",
@@ -376,7 +392,7 @@ def deployment_dashboard() -> dashboard_builder.Dashboard:
     ]
     return dashboard("inferplane-deployment", "Inferplane / Deployment",
                      "One deployment: its workers' latency, throughput and engine, and its autoscaler.", variables,
-                     [latency, throughput, engine, kv_tiers, disaggregation, flow_control, scaling])
+                     [latency, throughput, engine, kv_tiers, disaggregation, speculative, flow_control, scaling])
 
 
 def tenant_dashboard() -> dashboard_builder.Dashboard:

@@ -40,7 +40,8 @@ class DecodeBursts:
     def steps_for(self, batch: list[ScheduledSequence], someone_waiting: bool) -> int:
         """How many greedy decode steps this batch may run in one call, 1 for one step. A burst runs
         only where its tokens are what single steps would give and nothing waits on it:
-        - every row a decode past its first output token (that one goes out at once) whose next
+        - every row a decode past its first output token (that one goes out at once), with no
+          speculative draft to verify this step (speculation/speculator.py), whose next
           token is chosen from the logits alone: their argmax, or a draw by temperature, top-k and
           top-p (the C call samples as sampling.sample does, at the same positions' draws); no
           penalties, bias, grammar or logprobs, and no adapter;
@@ -65,7 +66,7 @@ class DecodeBursts:
             most = min(most, int(self.options.step_target_ms / 1000 / self.decode_step_s))
         for item in batch:
             seq, params = item.seq, item.seq.params
-            if (item.num_new_tokens != 1 or seq.num_computed_tokens + 1 != seq.num_tokens
+            if (item.num_new_tokens != 1 or item.draft or seq.num_computed_tokens + 1 != seq.num_tokens
                     or seq.num_computed_tokens < seq.num_prompt_tokens  # its first token: not held back
                     or params.logprobs or params.adjusts_logits or seq.grammar is not None
                     or seq.adapter is not None or seq.forks or (params.stop and len(batch) > 1)):

@@ -29,6 +29,7 @@ from inferplane.worker.engine.pool_sizing import size_pools
 from inferplane.worker.engine.runtimes import build_kv_manager, build_scheduler, kernel_isas
 from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.engine.sequence import Sequence
+from inferplane.worker.engine.speculation.speculator import Speculator, accepted_length
 from inferplane.worker.engine.stats import EngineCounters, engine_stats
 from inferplane.worker.model.loader import LoadedModel
 from inferplane.worker.ops.kv_cache import PagedKVCache
@@ -75,6 +76,9 @@ class Engine:
         self._ids = itertools.count()
         self.counters = EngineCounters()
         self.outputs = TokenAppender(self.eos_ids, self.max_model_len, self.counters, self._finish)
+        speculative = options.speculation()
+        self.speculator = (Speculator(speculative.method, speculative.num_tokens, self.kv, self.max_model_len)
+                           if speculative is not None else None)
 
     def _adapter_slots(self):
         """The LoRA adapter slots (options.max_loras of them) with every served projection wrapped,
@@ -180,9 +184,11 @@ class Engine:
         if plan.is_empty:
             return []
         started = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.attach(plan.scheduled)
         bursts = self.bursts.steps_for(plan.scheduled, someone_waiting=bool(self.scheduler.waiting))
         result = self.runner.execute(plan.scheduled, bursts)
-        total = sum(item.num_new_tokens for item in plan.scheduled)
+        total = sum(item.rows for item in plan.scheduled)
         prefill = sum(item.num_new_tokens for item in plan.scheduled if item.num_new_tokens > 1)
         seconds = time.perf_counter() - started
         self.scheduler.step_budget.observe(prefill, total, seconds)
@@ -203,6 +209,10 @@ class Engine:
                 outputs.append(self._append_burst(seq, result.bursts[sampled]))
                 sampled += 1
                 continue
+            if item.draft:
+                outputs.append(self._append_verified(item, result, sampled))
+                sampled += item.rows
+                continue
             token = tokens[sampled]
             logprob = logprobs[sampled] if logprobs is not None else None
             alternatives = top[sampled] if top is not None else None
@@ -218,17 +228,33 @@ class Engine:
         seq.num_computed_tokens += num_tokens
         self.kv.on_computed(seq)
 
-    def _append_burst(self, seq: Sequence, tokens: list[int]) -> StepOutput:
-        """A burst's tokens appended one by one as single steps would append them (each computed
-        position counted first), as one output; the tokens after one that ends the sequence are
-        dropped (their KV lies past its end, in its own last block)."""
-        out = self.outputs.append(seq, tokens[0], None)
-        for token in tokens[1:]:
-            if seq.is_finished:
-                break
-            self._computed(seq, 1)
-            out = joined(out, self.outputs.append(seq, token, None))
+    def _append_burst(self, seq: Sequence, tokens: list[int], logprobs: list[float] | None = None,
+                      top: list | None = None) -> StepOutput:
+        """A burst's (or a verified draft's) tokens appended one by one as single steps would append
+        them (each computed position counted first), as one output; the tokens after one that ends
+        the sequence are dropped (their KV lies past its end, in its own blocks)."""
+        out = None
+        for i, token in enumerate(tokens):
+            if i:
+                if seq.is_finished:
+                    break
+                self._computed(seq, 1)
+            step = self.outputs.append(seq, token, logprobs[i] if logprobs is not None else None,
+                                       top[i] if top is not None else None)
+            out = step if out is None else joined(out, step)
         return out
+
+    def _append_verified(self, item, result, first: int) -> StepOutput:
+        """A draft's verified rows (from row `first` of the step's sampled rows): the tokens up to and
+        including the first that differs from the draft, appended as single steps would append them."""
+        rows = slice(first, first + item.rows)
+        tokens = result.tokens[rows]
+        accepted = accepted_length(item.draft, tokens)
+        self.speculator.verified(item, accepted)
+        kept = accepted + 1
+        logprobs = result.logprobs[rows][:kept] if result.logprobs is not None else None
+        top = result.top[rows][:kept] if result.top is not None else None
+        return self._append_burst(item.seq, tokens[:kept], logprobs, top)
 
     def _fork(self, leader: Sequence) -> None:
         """Gives the leader's other choices its prompt KV (n > 1): whole blocks shared, the partly
@@ -254,6 +280,8 @@ class Engine:
         leader.forks = []
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if self.speculator is not None:
+            self.speculator.finished(seq)
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq)

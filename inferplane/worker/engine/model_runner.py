@@ -20,6 +20,7 @@ from inferplane.worker.engine.sampling import (
     uniform_draw,
 )
 from inferplane.worker.engine.scheduler import ScheduledSequence
+from inferplane.worker.engine.sequence import Sequence
 from inferplane.worker.model.llama import LlamaForCausalLM
 from inferplane.worker.ops.attention import AttentionBatch, PrefillSegment
 from inferplane.worker.ops.fused_decode import BurstDraws
@@ -73,6 +74,11 @@ class ModelRunner:
             if n == 1:  # a decode (the common row): no slices or ranges to build
                 input_ids.append(seq.token_at(start))
                 positions.append(start)
+                if item.draft:  # its proposed tokens follow, each a row: every one of them samples
+                    input_ids.extend(item.draft)
+                    positions.extend(range(start + 1, start + 1 + len(item.draft)))
+                    sample_rows.extend(range(len(input_ids) - item.rows, len(input_ids)))
+                    continue
             else:
                 input_ids.extend(seq.token_slice(start, start + n))
                 positions.extend(range(start, start + n))
@@ -107,16 +113,18 @@ class ModelRunner:
             start = seq.num_computed_tokens
             table = table_of(seq)
             first = first_kept_block(start, window, bs) if window is not None else 0
-            if n == 1:
-                slots.append(table[start // bs] * bs + start % bs)
-                decode_tables.append(table[first:] if first else table)  # read below, not kept
-                decode_lens.append(start + 1 - first * bs)
+            if n == 1:  # with a draft, a decode row per proposed token: one more position of context each
+                kept = table[first:] if first else table  # read below, not kept
+                for pos in range(start, start + item.rows):
+                    slots.append(table[pos // bs] * bs + pos % bs)
+                    decode_tables.append(kept)
+                    decode_lens.append(pos + 1 - first * bs)
             else:
                 slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, start + n))
                 ctx = start + n
                 segment = PrefillSegment(start=row, length=n, context_len=ctx, key_offset=first * bs, block_table=None)
                 prefills.append((segment, None if ctx == n else pack.add(table[first:])))
-            row += n
+            row += item.rows
         slots_at = pack.add(slots)
         width = max((len(t) for t in decode_tables), default=0)
         padded: list[int] = []
@@ -160,7 +168,7 @@ class ModelRunner:
                     raise AssertionError(f"{seq.request_id}: prompt positions {first}..{start} were never scored")
                 if end > first:
                     wanted.append((item, row + first - start, end - first))
-            row += item.num_new_tokens
+            row += item.rows
         return wanted
 
     def _score_prompts(self, batch: list[ScheduledSequence], hidden: torch.Tensor) -> None:
@@ -177,7 +185,7 @@ class ModelRunner:
         argmax where the model's fused decode computed them (else None, None); the argmax is
         [steps run, rows] where a burst ran (forward_and_logits)."""
         if self.adapters is not None:
-            self.adapters.begin([item.seq.adapter_slot for item in batch for _ in range(item.num_new_tokens)])
+            self.adapters.begin([item.seq.adapter_slot for item in batch for _ in range(item.rows)])
         try:
             if steps == 1:
                 return self.model.forward_and_logits(input_ids, positions, self.cache, attn)
@@ -190,7 +198,8 @@ class ModelRunner:
                 self.adapters.end()
 
     def execute(self, batch: list[ScheduledSequence], steps: int = 1) -> Sampled:
-        """The sampled token (and logprobs) for each sequence that completed its tokens, in batch order.
+        """The sampled token (and logprobs) for each sequence that completed its tokens, in batch order;
+        a row with a draft gives one token per verified row (its `rows`), in order.
         `steps` > 1: the engine found every row a greedy decode with room for that many tokens in its
         last block (decode_bursts.py); where the fused decode runs them in one call, `bursts`
         holds each row's tokens of the steps run (fewer after a step in which a row's token is a
@@ -218,16 +227,27 @@ class ModelRunner:
             return Sampled([])
         if logits is None:
             logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])
-        elif len(sample_rows) < len(batch):  # a one-token prefill chunk that is not its prompt's last
+        elif len(sample_rows) < logits.shape[0]:  # a one-token prefill chunk that is not its prompt's last
             logits, argmax = logits[self._to_device(sample_rows)], None
-        sampling = [i.seq for i in batch if i.seq.num_computed_tokens + i.num_new_tokens == i.seq.num_tokens]
-        want_logprobs = any(s.params.logprobs for s in sampling)
+        # Each sampled row with the output it follows: a draft's row i follows its first i tokens, and
+        # is chosen as a plain step at that position would choose (speculation/speculator.py).
+        rows: list[tuple[Sequence, list[int]]] = []
+        for item in batch:
+            seq = item.seq
+            if item.draft:
+                rows.extend((seq, item.draft[:i]) for i in range(item.rows))
+            elif seq.num_computed_tokens + item.num_new_tokens == seq.num_tokens:
+                rows.append((seq, []))
+        params = [seq.params for seq, _ in rows]
+        want_logprobs = any(p.logprobs for p in params)
         histories = None
-        if any(s.params.adjusts_logits for s in sampling):
-            histories = [History(s.prompt_token_ids, s.output_token_ids, self._stop_ids(s.params)) for s in sampling]
-        grammars = [s.grammar for s in sampling] if any(s.grammar is not None for s in sampling) else None
-        uniforms = [0.0 if s.params.greedy else uniform_draw(s.rng_key, len(s.output_token_ids)) for s in sampling]
-        return sample(logits, [s.params for s in sampling], uniforms, want_logprobs, histories, grammars, argmax)
+        if any(p.adjusts_logits for p in params):
+            histories = [History(seq.prompt_token_ids, seq.output_token_ids + ahead if ahead else seq.output_token_ids,
+                                 self._stop_ids(seq.params)) for seq, ahead in rows]
+        grammars = [seq.grammar for seq, _ in rows] if any(seq.grammar is not None for seq, _ in rows) else None
+        uniforms = [0.0 if seq.params.greedy else uniform_draw(seq.rng_key, len(seq.output_token_ids) + len(ahead))
+                    for seq, ahead in rows]
+        return sample(logits, params, uniforms, want_logprobs, histories, grammars, argmax)
 
 
 def burst_draws(batch: list[ScheduledSequence], steps: int) -> BurstDraws | None:

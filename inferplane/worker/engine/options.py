@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from inferplane.api.deployment import COMPUTE_DTYPES, EngineConfig
+import pydantic
+
+from inferplane.api.deployment import COMPUTE_DTYPES, SPECULATIVE_METHODS, EngineConfig, Speculative
 from inferplane.api.quantities import kv_cache_fraction, parse_bytes
 from inferplane.api.resolve import PRESETS, default_dtype, engine_settings
 
@@ -116,6 +118,10 @@ class EngineOptions:
     decode_steps: int | None = option(spec_default("decode_steps"), "cpu-int8: greedy decode steps per call while "
                                       "every running request decodes greedily and none waits (1: one step "
                                       "per round); default: the runtime's preset (8 on cpu-int8)")
+    speculative: Speculative | dict | str | None = option(
+        None, "speculative decoding, as the spec's engine.speculative (JSON for the flag): "
+              "'{\"method\": \"ngram\", \"numTokens\": 5}'; ngram proposes from the request's own text, suffix "
+              f"from it and the same tenant's recent requests (methods: {', '.join(SPECULATIVE_METHODS)}); unset: off")
     enforce_eager: bool = option(spec_default("enforce_eager"), "CUDA: run decode steps kernel by kernel instead of "
                                                                 "replaying CUDA graphs")
     # Test hook: scales multiplied by this make a deliberately wrong quantization the gate must catch.
@@ -178,7 +184,23 @@ class EngineOptions:
             raise ValueError("max_lora_rank: must be positive")
         if self.decode_steps is not None and not 1 <= self.decode_steps <= 64:
             raise ValueError("decode_steps: must be between 1 and 64")
+        self.speculation()
         self.offload_sizes()
+
+    def speculation(self) -> Speculative | None:
+        """The speculative section (from a Speculative, a dict in the spec's or Python's field names,
+        or its JSON text); a ValueError naming the field where it is not one."""
+        value = self.speculative
+        if value is None or isinstance(value, Speculative):
+            return value
+        try:
+            if isinstance(value, str):
+                return Speculative.model_validate_json(value)
+            return Speculative.model_validate(value)
+        except pydantic.ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise ValueError(f"speculative{'.' + where if where else ''}: {first['msg']}") from None
 
     def offload_sizes(self) -> tuple[int, int]:
         """(memory, disk) bytes of the KV tiers, 0 where a tier is off; ValueError naming the option."""

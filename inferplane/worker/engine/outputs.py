@@ -164,7 +164,10 @@ def step_output(seq: Sequence, tokens: list[int], logprobs: list[float], delta: 
 
 
 def joined(first: StepOutput, then: StepOutput) -> StepOutput:
-    """Two outputs of one sequence as one (a burst's steps): the later one's state, both's tokens."""
+    """Two outputs of one sequence as one (a burst's steps, a verified draft's tokens): the later
+    one's state, both's tokens and their logprobs."""
     return replace(then, new_token_ids=first.new_token_ids + then.new_token_ids,
                    text_delta=first.text_delta + then.text_delta,
+                   new_logprobs=first.new_logprobs + then.new_logprobs,
+                   new_top_logprobs=first.new_top_logprobs + then.new_top_logprobs,
                    prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from inferplane.worker.engine.fair_share import FairShare
 from inferplane.worker.engine.kv.manager import KVManager
@@ -32,6 +32,14 @@ RECENT_TENANT_S = 300.0  # how long a tenant's queue figures stay reported (as 0
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
+    # Speculative decoding (speculation/speculator.py): tokens proposed after this decode row's
+    # token, verified in the same forward as rows of their own; empty: none.
+    draft: list[int] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        """The forward's rows for this entry: its new tokens and its draft."""
+        return self.num_new_tokens + len(self.draft)
 
 
 @dataclass

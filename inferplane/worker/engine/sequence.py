@@ -63,6 +63,8 @@ class Sequence:
     # admitted, the adapter slot it pins (lora.AdapterSlots; -1: none).
     adapter: Any = None
     adapter_slot: int = -1
+    # Speculative decoding's per-request state (speculation/speculator.SpeculationState), or None.
+    speculation: Any = None
 
     @property
     def adapter_key(self) -> str:

@@ -53,6 +53,8 @@ def engine_stats(engine: Engine) -> dict[str, float]:
     # Per tenant and band: what flow control is doing (worker/serve/metrics.py labels these).
     for (state, tenant, band), count in scheduler.tenant_queues().items():
         stats[f"{QUEUE_STAT_PREFIX}{state}:{BANDS[band]}:{tenant}"] = float(count)
+    if engine.speculator is not None:
+        stats.update(engine.speculator.stats())
     adapters = engine.adapters
     if adapters is not None:
         stats.update(adapters.stats())

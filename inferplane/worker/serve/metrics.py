@@ -39,6 +39,7 @@ _COUNTER_STATS = {
     "kv_tier_loaded_blocks_total": m.WORKER_KV_TIER_LOADED,
     "kv_events_published_total": m.WORKER_KV_EVENTS,
     "kv_transfer_failures_total": m.WORKER_KV_TRANSFER_FAILURES,
+    "spec_skipped_no_room_total": m.WORKER_SPEC_NO_ROOM,
 }
 _GAUGE_STATS = {
     "num_running": m.WORKER_RUNNING,
@@ -63,6 +64,12 @@ _LABELLED_STATS = {
                                  True, "direction"),
     "kv_transfer_seconds_total:": (m.WORKER_KV_TRANSFER_SECONDS, "time spent pulling KV from, or serving it to, "
                                    "another worker, by direction", True, "direction"),
+    "spec_proposed_tokens_total:": (m.WORKER_SPEC_PROPOSED, "speculative decoding: draft tokens verified, by "
+                                    "method", True, "method"),
+    "spec_accepted_tokens_total:": (m.WORKER_SPEC_ACCEPTED, "speculative decoding: draft tokens kept, by method",
+                                    True, "method"),
+    "spec_verifications_total:": (m.WORKER_SPEC_VERIFICATIONS, "speculative decoding: decode rows that verified "
+                                  "a draft, by method", True, "method"),
     "kv_tier_blocks:": (m.WORKER_KV_TIER_BLOCKS, "KV blocks each tier holds", False, "tier"),
     "kv_tier_bytes:": (m.WORKER_KV_TIER_BYTES, "bytes each KV tier holds", False, "tier"),
     "kv_tier_hits_total:": (m.WORKER_KV_TIER_HITS, "KV blocks read from each tier", True, "tier"),

@@ -202,18 +202,28 @@ static void merge_parts(const float *po, const float *stats, int64_t parts, int6
 /* A context shorter than this per part is not split across threads (merging costs more than it saves). */
 #define PART_MIN_TOKENS 64
 
+/* How many parts a query's context is split into: a function of its own length (and the thread
+ * count) alone, never of the batch, so that a row's result is the same bits whatever else the step
+ * runs (a seeded request's draws, and a speculative draft's verification rows, depend on it). */
+static int64_t parts_for(int64_t len, int64_t threads) {
+    int64_t parts = len / PART_MIN_TOKENS;
+    if (parts > 2 * threads) parts = 2 * threads;
+    return parts < 2 ? 1 : parts;
+}
+
 /* q [b, heads, d] (rows q_stride apart) attends to its sequence's first context_lens[i] tokens in
  * k_cache / v_cache [blocks, block_size, kv_heads, d], found through block_tables [b, max_blocks].
  * out [b, heads, d] (rows out_stride apart). A task is one sequence and all its heads, so each
  * token's keys (and values) are read as one contiguous row of kv_heads * d floats (split by KV head,
- * threads each read a part of every row and the KV reads ran at half the memory bandwidth). With
- * fewer sequences than two per thread, a task is a part of one sequence's tokens (every head), and
- * the parts are merged after (merge_parts): each thread reads its own rows once, where a task per
- * query head made threads read the rows their heads share (all of them for Gemma 3's one KV head).
- * Contexts too short to split (PART_MIN_TOKENS) keep a task per query head, so that a batch of one
- * still keeps both threads busy (by KV head, three tasks on two threads left one idle a third of
- * the time). `window` > 0 (a sliding layer): each query reads only its context's last `window`
- * tokens. `softcap` > 0 (Gemma 2): scores become softcap * tanh(score / softcap) before the softmax. */
+ * threads each read a part of every row and the KV reads ran at half the memory bandwidth). A
+ * context long enough (parts_for) is split into parts of its tokens (every head), merged after
+ * (merge_parts): each thread reads its own rows once, where a task per query head made threads read
+ * the rows their heads share (all of them for Gemma 3's one KV head). With fewer sequences than two
+ * per thread, an unsplit context is a task per query head, so that a batch of one still keeps both
+ * threads busy (by KV head, three tasks on two threads left one idle a third of the time); heads
+ * are independent sums, so that choice changes no bits. `window` > 0 (a sliding layer): each query
+ * reads only its context's last `window` tokens. `softcap` > 0 (Gemma 2): scores become
+ * softcap * tanh(score / softcap) before the softmax. */
 int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64_t heads, int64_t kv_heads,
                               int64_t d, const void *k_cache, const void *v_cache, int64_t block_size,
                               const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
@@ -222,27 +232,28 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
     if (half && !IP_HALF_KV) return -1;
     const int64_t group = heads / kv_heads;
     const int64_t row = kv_heads * d;  /* floats per token in the cache */
-    int64_t longest = 0;
+    const int64_t threads = omp_get_max_threads();
+    const int64_t splits = b < 2 * threads ? heads : 1; /* tasks of an unsplit context */
+    /* per sequence: its parts, its first task and (split ones) its first part in po */
+    int64_t *plan = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * b + 1));
+    if (!plan) return -2;
+    int64_t longest = 0, tasks = 0, split_parts = 0;
     for (int64_t i = 0; i < b; i++) {
         const int64_t len = window > 0 && context_lens[i] > window ? window : context_lens[i];
         longest = len > longest ? len : longest;
-    }
-    const int64_t threads = omp_get_max_threads();
-    int64_t splits = 1, parts = 1;
-    if (b < 2 * threads) {
-        parts = (2 * threads + b - 1) / b;
-        if (parts > longest / PART_MIN_TOKENS) parts = longest / PART_MIN_TOKENS;
-        if (parts < 2) {
-            parts = 1;
-            splits = heads;
-        }
+        const int64_t parts = parts_for(len, threads);
+        plan[3 * i] = parts;
+        plan[3 * i + 1] = tasks;
+        plan[3 * i + 2] = split_parts;
+        tasks += parts > 1 ? parts : splits;
+        if (parts > 1) split_parts += parts;
     }
     float *po = NULL, *pstats = NULL;
-    if (parts > 1) {
-        po = (float *)malloc(sizeof(float) * (size_t)(b * parts * heads * d));
-        pstats = (float *)malloc(sizeof(float) * (size_t)(b * parts * heads * 2));
+    if (split_parts) {
+        po = (float *)malloc(sizeof(float) * (size_t)(split_parts * heads * d));
+        pstats = (float *)malloc(sizeof(float) * (size_t)(split_parts * heads * 2));
         if (!po || !pstats) {
-            free(po); free(pstats);
+            free(po); free(pstats); free(plan);
             return -2;
         }
     }
@@ -257,11 +268,16 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
             failed = 1;
         }
         int64_t offs_of = -1; /* the sequence whose token offsets offs holds */
+        int64_t seq = 0;      /* the sequence of the task, found by walking forward (tasks come in order) */
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < b * splits * parts; task++) {
+        for (int64_t task = 0; task < tasks; task++) {
             if (!scores || !offs || !sums) continue;
-            const int64_t seq = task / (splits * parts), split = task / parts % splits, part = task % parts;
-            const int64_t qa = split * heads / splits, qb = (split + 1) * heads / splits;
+            if (task < plan[3 * seq + 1]) seq = 0;
+            while (seq + 1 < b && plan[3 * (seq + 1) + 1] <= task) seq++;
+            const int64_t parts = plan[3 * seq], local = task - plan[3 * seq + 1];
+            const int64_t split = parts > 1 ? 0 : local, part = parts > 1 ? local : 0;
+            const int64_t own_splits = parts > 1 ? 1 : splits;
+            const int64_t qa = split * heads / own_splits, qb = (split + 1) * heads / own_splits;
             /* a sliding layer's query (the last position) sees the last `window` positions only */
             const int64_t first = window > 0 && context_lens[seq] > window ? context_lens[seq] - window : 0;
             const int64_t len = context_lens[seq] - first;
@@ -277,8 +293,8 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
                 offs_of = seq;
             }
             const int64_t ta = part * len / parts, tb = (part + 1) * len / parts;
-            float *o = parts > 1 ? po + (seq * parts + part) * heads * d : out + seq * out_stride;
-            float *st = parts > 1 ? pstats + (seq * parts + part) * heads * 2 : sums;
+            float *o = parts > 1 ? po + (plan[3 * seq + 2] + part) * heads * d : out + seq * out_stride;
+            float *st = parts > 1 ? pstats + (plan[3 * seq + 2] + part) * heads * 2 : sums;
             if (half)
                 attend(q + seq * q_stride, qa, qb, group, d, k_cache, v_cache, offs + ta, tb - ta, scale, softcap,
                        scores, o, st, 1);
@@ -287,18 +303,19 @@ int ip_paged_decode_attention(const float *q, int64_t q_stride, int64_t b, int64
                        scores, o, st, 0);
             if (parts == 1) scale_by_sums(o, st, qa, qb, d);
         }
-        if (parts > 1 && !failed) {
+        if (split_parts && !failed) {
 #pragma omp for schedule(static)
             for (int64_t task = 0; task < b * heads; task++) {
-                const int64_t seq = task / heads, h = task % heads;
-                merge_parts(po + seq * parts * heads * d, pstats + seq * parts * heads * 2, parts, heads, d, h,
-                            out + seq * out_stride + h * d);
+                const int64_t i = task / heads, h = task % heads;
+                if (plan[3 * i] > 1)
+                    merge_parts(po + plan[3 * i + 2] * heads * d, pstats + plan[3 * i + 2] * heads * 2, plan[3 * i],
+                                heads, d, h, out + i * out_stride + h * d);
             }
         }
         free(scores);
         free(offs);
         free(sums);
     }
-    free(po); free(pstats);
+    free(po); free(pstats); free(plan);
     return failed ? -2 : 0;
 }

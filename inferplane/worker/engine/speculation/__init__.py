@@ -1,0 +1,1 @@
+"""Speculative decoding: proposals from text already written, verified in the decode forward."""
