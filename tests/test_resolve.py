@@ -21,6 +21,7 @@ SPECS = [
                                       "kvCacheDtype": "float16"}},
     {"runtime": "auto", "engine": {"quantizeHead": True, "requantizeQ4": True}},
     {"resources": {"gpus": 1}, "engine": {"quantizeHead": False, "maxNumBatchedTokens": 100, "maxNumSeqs": 50}},
+    {"engine": {"speculative": {"method": "suffix", "numTokens": 7}}},
     {"kind": "embedding"},
     {"kind": "embedding", "runtime": "embedding", "resources": {"gpus": 1}, "engine": {"maxNumSeqs": 32}},
 ]
@@ -99,3 +100,19 @@ def test_a_worker_needs_more_memory_than_its_runtime_takes(memory: str, ok: bool
     with pytest.raises(SpecError) as refused:
         InferenceDeploymentSpec.from_dict(spec)
     assert refused.value.field == "resources.memory" and "at least 1536Mi" in str(refused.value)
+
+
+def test_speculative_decoding_reaches_the_worker_as_the_spec_says() -> None:
+    resolved = resolve(InferenceDeploymentSpec.from_dict({"model": {"name": "m"},
+                                                           "engine": {"speculative": {"method": "ngram"}}}))
+    section = worker_options(resolved.engine_args()).speculation()
+    assert (section.method, section.num_tokens) == ("ngram", 5)
+    assert worker_options([]).speculation() is None
+
+
+@pytest.mark.parametrize(("value", "field"), [({"method": "draft"}, "speculative.method"),
+                                               ('{"method": "ngram", "numTokens": 0}', "speculative.numTokens"),
+                                               ("ngram", "speculative")])
+def test_a_bad_speculative_option_names_its_field(value, field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        EngineOptions(speculative=value).validate()

@@ -22,6 +22,8 @@ BENCHMARKS = {
                                           "duplicated, latency a migration adds"),
     "disagg": ("inferplane.bench.disagg", "decode streams' inter-token latency while long prompts arrive: two "
                                           "shared replicas vs a prefill replica and a decode replica"),
+    "spec": ("inferplane.bench.spec", "speculative decoding (ngram, suffix) vs none: code editing, RAG, agent, "
+                                      "chat; batch 1 and 8, greedy and sampled"),
     "footprint": ("inferplane.bench.footprint", "a CPU worker's measured peak and served memory vs its estimate"),
 }
 

@@ -76,6 +76,9 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"kind": "embedding", "engine": {"requantizeQ4": True}}),
     "workload hints choose among generative runtimes; an embedding deployment takes none": (
         {"kind": "embedding", "workload": {"agent": False}}, {"kind": "embedding", "workload": {"agent": True}}),
+    "engine.speculative is a generation setting; an embedding model does not decode": (
+        {"engine": {"speculative": {"method": "suffix"}}},
+        {"kind": "embedding", "engine": {"speculative": {"method": "ngram"}}}),
     "engine.maxLoras is a generation setting; an embedding model serves no LoRA adapters": (
         {"kind": "embedding", "engine": {"maxLoras": 0}}, {"kind": "embedding", "engine": {"maxLoras": 2}}),
     "adapters: preloading them needs engine.maxLoras at least the number listed": (

@@ -91,6 +91,8 @@ BROKEN = [
     ({"unknownField": 1}, "unknownField"),
     ({"autoscaling": {"panicWindowSeconds": 60, "stableWindowSeconds": 30}}, "panicWindowSeconds must be shorter"),
     ({"autoscaling": {"idleSeconds": -1}}, "spec.autoscaling.idleSeconds"),
+    ({"engine": {"speculative": {"method": "draft"}}}, "spec.engine.speculative.method"),
+    ({"engine": {"speculative": {"method": "ngram", "numTokens": 17}}}, "spec.engine.speculative.numTokens"),
 ]
 
 

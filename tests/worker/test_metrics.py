@@ -51,3 +51,25 @@ def test_a_workers_kv_tiers_are_exported_per_tier(tiny_llama, tmp_path):
     assert f'inferplane_worker_kv_tier_blocks{{{labels},tier="disk"}} 10.0' in text  # written through
     assert f'inferplane_worker_kv_tier_saved_blocks_total{{{labels}}} 10.0' in text
     assert f'inferplane_worker_kv_tier_misses_total{{{labels}}} 0.0' in text
+
+
+def test_speculative_decoding_is_exported_by_method(tiny_llama):
+    """A real engine that verified drafts: proposed, accepted and verifying rows by method, their
+    counts as the engine kept them."""
+    from inferplane.worker.engine.sampling import SamplingParams
+    from inferplane.worker.llm import LLM
+
+    llm = LLM(tiny_llama, runtime="paged", speculative={"method": "ngram", "num_tokens": 4})
+    # the bias keeps the random model's tokens among the prompt's, whose runs then propose drafts
+    llm.generate([5, 6, 7, 8] * 10, SamplingParams(max_tokens=24, temperature=0.0,
+                                                   logit_bias={t: 100.0 for t in (5, 6, 7, 8)}))
+    stats = llm.stats()
+    proposed = stats["spec_proposed_tokens_total:ngram"]
+    assert proposed > 0  # the prompt repeats itself: drafts were proposed
+    text = generate_latest(WorkerMetrics("m", "paged", llm.stats).registry).decode()
+    labels = 'method="ngram",model="m",runtime="paged"'
+    assert f"inferplane_worker_spec_proposed_tokens_total{{{labels}}} {float(proposed)}" in text
+    accepted = stats["spec_accepted_tokens_total:ngram"]
+    assert f"inferplane_worker_spec_accepted_tokens_total{{{labels}}} {float(accepted)}" in text
+    verified = stats["spec_verifications_total:ngram"]
+    assert f"inferplane_worker_spec_verifications_total{{{labels}}} {float(verified)}" in text

@@ -9,10 +9,13 @@ single steps would have.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from inferplane.worker.engine.options import EngineOptions
 from inferplane.worker.engine.scheduler import ScheduledSequence
+from inferplane.worker.engine.sequence import Sequence
 
 _DECODE_SMOOTHING = 0.3  # weight of the newest decode step time in DecodeBursts.decode_step_s
 
@@ -37,7 +40,8 @@ class DecodeBursts:
         self.decode_step_s = per_step if self.decode_step_s is None else (
             _DECODE_SMOOTHING * per_step + (1 - _DECODE_SMOOTHING) * self.decode_step_s)
 
-    def steps_for(self, batch: list[ScheduledSequence], someone_waiting: bool) -> int:
+    def steps_for(self, batch: list[ScheduledSequence], someone_waiting: bool,
+                  row_room: Callable[[Sequence], int] | None = None) -> int:
         """How many greedy decode steps this batch may run in one call, 1 for one step. A burst runs
         only where its tokens are what single steps would give and nothing waits on it:
         - every row a decode past its first output token (that one goes out at once), with no
@@ -53,6 +57,8 @@ class DecodeBursts:
           most decode_steps steps);
         - each row's burst inside the block its next token goes to (no block is allocated or freed
           in the call), within its max_tokens and the model's length;
+        - with speculative decoding (`row_room`), no row bursts past the token at which it
+          proposes a draft again (Speculator.burst_room);
         - with step_target_ms, a burst takes no longer than a step is meant to (by the measured
           decode step time; none before the first is measured), so a bigger model bursts less.
         Tokens after one that ends a request (a stop string at batch 1) are dropped by the engine,
@@ -74,4 +80,6 @@ class DecodeBursts:
             position = seq.num_computed_tokens
             most = min(most, self.block_size - position % self.block_size, seq.max_tokens - len(seq.output_token_ids),
                        self.max_model_len - seq.num_tokens)
+            if row_room is not None:
+                most = min(most, row_room(seq))
         return max(1, most)

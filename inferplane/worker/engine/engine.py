@@ -186,7 +186,8 @@ class Engine:
         started = time.perf_counter()
         if self.speculator is not None:
             self.speculator.attach(plan.scheduled)
-        bursts = self.bursts.steps_for(plan.scheduled, someone_waiting=bool(self.scheduler.waiting))
+        bursts = self.bursts.steps_for(plan.scheduled, someone_waiting=bool(self.scheduler.waiting),
+                                       row_room=self.speculator.burst_room if self.speculator is not None else None)
         result = self.runner.execute(plan.scheduled, bursts)
         total = sum(item.rows for item in plan.scheduled)
         prefill = sum(item.num_new_tokens for item in plan.scheduled if item.num_new_tokens > 1)

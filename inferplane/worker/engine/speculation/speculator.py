@@ -32,17 +32,25 @@ from inferplane.worker.engine.sequence import Sequence
 from inferplane.worker.engine.speculation.proposers import Proposal, RequestText, TenantHistory, history_key
 
 MAX_COOLDOWN = 64  # output tokens a request waits, at most, before proposing again after misses
+MAX_IDLE = 8  # output tokens a request waits, at most, before looking again after finding nothing
 
 
 @dataclass
 class DraftLength:
-    """One request's proposal budget: at most `limit` tokens, none before output length `resume_at`."""
+    """One request's proposal budget: at most `limit` tokens, none before output length `resume_at`.
+
+    A miss (nothing kept) halves the limit and waits 2, 4, 8... tokens before proposing again; a
+    step that found nothing to propose waits 1, 2, 4... (at most MAX_IDLE) before looking again.
+    Meanwhile the row decodes in bursts (decode_bursts.py) up to `resume_at`, as without
+    speculation, so text that does not repeat costs what it cost before."""
 
     limit: int
     resume_at: int = 0
     misses: int = 0
+    idle: int = 0  # consecutive looks that found no proposal
 
     def update(self, proposed: int, accepted: int, most: int, output_len: int) -> None:
+        self.idle = 0
         if accepted == proposed:
             self.limit, self.misses = most, 0
         elif accepted:
@@ -51,6 +59,10 @@ class DraftLength:
             self.misses += 1
             self.limit = max(1, self.limit // 2)
             self.resume_at = output_len + min(MAX_COOLDOWN, 2 ** self.misses)
+
+    def nothing_found(self, output_len: int) -> None:
+        self.resume_at = output_len + min(MAX_IDLE, 2 ** self.idle)
+        self.idle += 1
 
 
 @dataclass
@@ -114,10 +126,9 @@ class Speculator:
             if room <= 0 or produced < state.length.resume_at:
                 continue
             proposal = self._propose(seq, state, room)
-            if proposal is None:
-                continue
-            draft = proposal.tokens[:min(room, proposal.match)]
+            draft = proposal.tokens[:min(room, proposal.match)] if proposal is not None else []
             if not draft:
+                state.length.nothing_found(produced)
                 continue
             if not self.kv.allocate(seq, 1 + len(draft)):
                 self.counters.skipped_no_room += 1
@@ -136,6 +147,15 @@ class Speculator:
                 if other is not None and other.tokens and (found is None or other.match > found.match):
                     found = other
         return found if found is not None and found.tokens else None
+
+    @staticmethod
+    def burst_room(seq: Sequence) -> int:
+        """Decode steps `seq` may run in one burst: up to where it proposes again (its first steps,
+        before it looked at all: none)."""
+        state = seq.speculation
+        if state is None:
+            return 1
+        return max(1, state.length.resume_at - len(seq.output_token_ids))
 
     def verified(self, item: ScheduledSequence, accepted: int) -> None:
         seq, proposed = item.seq, len(item.draft)
