@@ -189,6 +189,29 @@ def test_paged_decode_attention_equals_gather_and_sdpa(isa_kernels, heads, kv_he
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 600])
+def test_decode_attention_of_a_row_is_the_same_bits_whatever_its_batch(isa_kernels, kv_dtype, window, monkeypatch):
+    """Contexts long enough to be split in parts (and merged) give each row the same bits alone as
+    in any batch: a seeded request's draws, and speculative verification rows, depend on it. The
+    batch's result is still the gather and SDPA's."""
+    lengths = [1, 300, 700, 2100, 40, 1024]
+    q, k_cache, v_cache, batch = _decode_case(lengths, 9, 3, dim=64, kv_dtype=kv_dtype)
+    tables, lens = batch.decode_block_tables, batch.decode_context_lens
+    together = isa_kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, tables, lens, 0.125, window)
+    for i in range(len(lengths)):
+        for rows in ([i], [i, 0], [3, i], list(range(i + 1))):
+            alone = isa_kernels.paged_decode_attention(q[rows].contiguous(), k_cache, v_cache,
+                                                       tables[rows].contiguous(), lens[rows].contiguous(), 0.125,
+                                                       window)
+            assert torch.equal(alone[rows.index(i)], together[i]), (i, rows)
+    kv = q[:, :3]
+    got = paged_attention(q, kv, kv, k_cache, v_cache, batch, 0.125, window=window)
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    expected = paged_attention(q, kv, kv, k_cache, v_cache, batch, 0.125, window=window)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("window", [1, 5, 16])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_windowed_decode_attention_equals_the_masked_gather(isa_kernels, window, kv_dtype, monkeypatch):

@@ -199,8 +199,10 @@ static void merge_parts(const float *po, const float *stats, int64_t parts, int6
     for (int64_t j = 0; j < d; j++) oh[j] *= inv;
 }
 
-/* A context shorter than this per part is not split across threads (merging costs more than it saves). */
-#define PART_MIN_TOKENS 64
+/* Tokens per part at least: a context is split only where each part reads this many (a batch's
+ * rows already fill the threads; splitting a 600-token context four ways cost a batch of 16 a
+ * fifth more, in merges and tasks). */
+#define PART_MIN_TOKENS 256
 
 /* How many parts a query's context is split into: a function of its own length (and the thread
  * count) alone, never of the batch, so that a row's result is the same bits whatever else the step
