@@ -24,6 +24,9 @@ import os
 import time
 from pathlib import Path
 
+from inferplane.bench.sampling_cases import GREEDY
+from inferplane.bench.sampling_cases import SAMPLED as SAMPLED_SETTINGS
+
 TARGET_VS_HF = 3.0
 TARGET_VS_OURS_AT_16 = 2.0
 TARGET_PPL_RISE_PCT = 2.0
@@ -82,7 +85,7 @@ SAMPLED_TARGET = 0.9  # sampled / greedy tokens/s at each batch size (issue 57)
 def _ours(llm, prompts, sampled: bool = False):
     from inferplane.worker.engine.sampling import SamplingParams
 
-    settings = {"temperature": 0.8, "top_p": 0.95, "seed": 0} if sampled else {"temperature": 0.0}  # a chat client's
+    settings = {**SAMPLED_SETTINGS, "seed": 0} if sampled else GREEDY
 
     def generate(n: int) -> None:
         llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, **settings))

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 import httpx
 
 from inferplane.bench.gateway_harness import SERVED_MODEL, free_port, start_gateway, start_worker, wait_serving
+from inferplane.bench.sampling_cases import SAMPLED
 
 WORDS = ("river stone cloud garden lantern harbor meadow violin copper orchard signal thunder marble "
          "compass feather canyon velvet ember glacier summit hollow willow prism beacon").split()
-SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from inferplane.bench.sampling_cases import CASES
+
 
 def _prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
@@ -61,11 +63,12 @@ def run_ours(model: str, prompts, new_tokens: int, device: str, dtype: str, **op
     return measure_ours(llm, prompts, new_tokens)
 
 
-def measure_ours(llm, prompts, new_tokens: int) -> dict:
-    """One timed generate of `prompts` on an engine already warmed up."""
+def measure_ours(llm, prompts, new_tokens: int, case: str = "greedy") -> dict:
+    """One timed generate of `prompts` on an engine already warmed up; `case`: greedy or sampled
+    (bench/sampling_cases.py, seeded)."""
     from inferplane import SamplingParams
 
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, seed=0, **CASES[case])
     steps = 0
     original_step = llm.engine.step
 
@@ -205,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{label:<24}{ours['generated'] / ours['elapsed']:10.1f} tokens/s "
           f"({ours['elapsed']:.1f} s, {ours['steps']} steps, preemptions={stats['preemptions']}"
           + (f", graphs' pool {stats['cuda_graph_reserve_bytes'] / 2**20:.0f} MiB" if cuda else "") + ")", flush=True)
+    sampled = measure_ours(ours["llm"], prompts, new, "sampled")
+    sampled_rate = sampled["generated"] / sampled["elapsed"]
+    print(f"{label + ' sampled':<24}{sampled_rate:10.1f} tokens/s ({sampled['elapsed']:.1f} s; temperature 0.8, "
+          f"top_p 0.95): {sampled_rate / (ours['generated'] / ours['elapsed']):.2f}x greedy", flush=True)
+    del sampled
     bandwidth = measured_bandwidth(device)
     fraction = bandwidth_fraction(ours, args.prompt, new, bandwidth)
     fractions = {requests: fraction}

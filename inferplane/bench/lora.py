@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from inferplane.bench.sampling_cases import SAMPLED
 from inferplane.worker.lora.adapter import ATTENTION_MODULES, CONFIG_FILE, SERVED_MODULES, WEIGHTS_FILE, module_shape
 
 
@@ -107,6 +108,7 @@ def main(argv: list[str]) -> int:
     prompts = [torch.randint(0, config.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
                for _ in range(args.requests)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, seed=0, **SAMPLED)
     tokens = args.requests * args.new_tokens
     rows = [requests[i % args.adapters] for i in range(args.requests)]
     mixed_llm.generate(prompts[:2], params, lora_request=rows[:2])  # warm-up: slots loaded, kernels measured
@@ -116,6 +118,9 @@ def main(argv: list[str]) -> int:
 
     def mixed() -> None:
         mixed_llm.generate(prompts, params, lora_request=rows)
+
+    def mixed_sampled() -> None:
+        mixed_llm.generate(prompts, sampled, lora_request=rows)
 
     def merged() -> None:
         model = merged_llm.engine.loaded.model
@@ -129,7 +134,7 @@ def main(argv: list[str]) -> int:
             finally:
                 _swap_weights(model, adapter, -1.0)
 
-    contenders = {"base": base, "mixed": mixed, "merged": merged}
+    contenders = {"base": base, "mixed": mixed, "mixed sampled": mixed_sampled, "merged": merged}
     best: dict[str, float] = {}
     for _ in range(args.rounds):
         for name, run in contenders.items():
@@ -152,9 +157,10 @@ def main(argv: list[str]) -> int:
           f"{','.join(targets)}; {args.requests} requests x ({args.prompt_tokens} prompt + {args.new_tokens} new), "
           f"best of {args.rounds}; torch threads {torch.get_num_threads()}")
     for name in contenders:
-        print(f"  {name:7s} {rates[name]:8.1f} tokens/s  ({best[name]:.2f} s)")
+        print(f"  {name:13s} {rates[name]:8.1f} tokens/s  ({best[name]:.2f} s)")
     print(f"  mixed / base   = {rates['mixed'] / rates['base']:.2f}x  (goal >= 0.75)")
     print(f"  mixed / merged = {rates['mixed'] / rates['merged']:.2f}x  (goal >= 4)")
+    print(f"  mixed sampled (temperature 0.8, top_p 0.95) / mixed = {rates['mixed sampled'] / rates['mixed']:.2f}x")
     print(f"  first request to an unloaded adapter: +{added * 1000:.0f} ms over the base's "
           f"{base_ttft * 1000:.0f} ms TTFT (goal <= 1000 ms)")
     stats = mixed_llm.stats()

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from inferplane.bench.sampling_cases import CASES
 from inferplane.worker.engine.engine import Engine
 from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.llm import LLM, RequestOutput
@@ -98,20 +99,23 @@ class Workload:
                            "<|im_start|>assistant\n")
 
 
-def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[RequestOutput], float]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int,
+              case: str = "greedy") -> tuple[list[RequestOutput], float]:
+    """`case`: greedy, or sampled as a chat client samples (bench/sampling_cases.py, seeded per prompt)."""
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i, **CASES[case])
+              for i in range(len(prompts))]
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     return outs, time.perf_counter() - start
 
 
-def run_multi_turn(llm: LLM, sizes: Sizes) -> RunResult:
+def run_multi_turn(llm: LLM, sizes: Sizes, case: str = "greedy") -> RunResult:
     work = Workload(llm, seed=1)
     system = work.system_prompt(sizes.chat_system_tokens, tools=False)
     histories = [system + work.user_turn(first=True) for _ in range(sizes.conversations)]
     result = RunResult([], 0, 0.0, {}, [])
     for turn in range(sizes.turns):
-        outs, elapsed = _generate(llm, histories, sizes.chat_answer_tokens)
+        outs, elapsed = _generate(llm, histories, sizes.chat_answer_tokens, case)
         _collect(result, histories, outs, elapsed)
         if turn + 1 < sizes.turns:
             histories = [h + o.token_ids + work.user_turn(first=False)
@@ -120,22 +124,22 @@ def run_multi_turn(llm: LLM, sizes: Sizes) -> RunResult:
     return result
 
 
-def run_agent(llm: LLM, sizes: Sizes) -> RunResult:
+def run_agent(llm: LLM, sizes: Sizes, case: str = "greedy") -> RunResult:
     work = Workload(llm, seed=2)
     system = work.system_prompt(sizes.agent_system_tokens, tools=True)
     prompts = [system + work.user_turn(first=True) for _ in range(sizes.agent_requests)]
     result = RunResult([], 0, 0.0, {}, [])
-    _collect(result, prompts, *_generate(llm, prompts, sizes.agent_answer_tokens))
+    _collect(result, prompts, *_generate(llm, prompts, sizes.agent_answer_tokens, case))
     result.stats = llm.stats()
     return result
 
 
-def run_no_reuse(llm: LLM, sizes: Sizes) -> RunResult:
+def run_no_reuse(llm: LLM, sizes: Sizes, case: str = "greedy") -> RunResult:
     work = Workload(llm, seed=3)
     prompts = [work.encode(f"Request {i}. {work.words(work.rng.randint(10, 30))}.")
                for i in range(sizes.unrelated_prompts)]
     result = RunResult([], 0, 0.0, {}, [])
-    _collect(result, prompts, *_generate(llm, prompts, sizes.unrelated_answer_tokens))
+    _collect(result, prompts, *_generate(llm, prompts, sizes.unrelated_answer_tokens, case))
     result.stats = llm.stats()
     return result
 
@@ -169,7 +173,7 @@ def optimum(requests: list[tuple[list[int], list[int]]], block_size: int) -> flo
     return hits / queried if queried else 0.0
 
 
-SCENARIOS: dict[str, Callable[[LLM, Sizes], RunResult]] = {
+SCENARIOS: dict[str, Callable[[LLM, Sizes, str], RunResult]] = {
     "multi-turn": run_multi_turn,
     "agent": run_agent,
     "no-reuse": run_no_reuse,
@@ -238,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--chat-system-tokens", type=int, help="multi-turn: shared system prompt length")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--cases", default="greedy,sampled",
+                        help="greedy, sampled (temperature 0.8, top_p 0.95, seeded) or both: each scenario runs each")
     args = parser.parse_args(argv)
     sizes = copy.copy(QUICK if args.quick else Sizes())
     if args.chat_system_tokens is not None:
@@ -250,19 +256,20 @@ def main(argv: list[str] | None = None) -> int:
           f"max_num_batched_tokens {args.max_num_batched_tokens}; sizes: {dataclasses.asdict(sizes)}")
     rows: list[dict[str, str]] = []
     measured: dict[str, dict[str, float]] = {}
-    for name in args.scenario or list(SCENARIOS):
+    for name, case in ((n, c) for n in args.scenario or list(SCENARIOS) for c in args.cases.split(",")):
         results = {}
         for runtime in ("paged", "radix"):
             llm = _engine_llm(base, runtime)
-            results[runtime] = SCENARIOS[name](llm, sizes)
+            results[runtime] = SCENARIOS[name](llm, sizes, case)
             del llm
         paged, radix = results["paged"], results["radix"]
-        best = f"{optimum(radix.requests, base.engine.block_size):.1%}" if name != "no-reuse" else ""
+        name = name if case == "greedy" else f"{name} {case}"  # the targets below read the greedy rows
+        best = f"{optimum(radix.requests, base.engine.block_size):.1%}" if not name.startswith("no-reuse") else ""
         same = [o for _, o in paged.requests] == [o for _, o in radix.requests]
         rows += [_row(name, "paged", paged, ""), _row(name, "radix", radix, best)]
         ratio_row, measured[name] = _ratio(name, paged, radix)
         rows.append(ratio_row)
-        print(f"{name}: {len(radix.requests)} requests, greedy outputs identical across runtimes: {same}",
+        print(f"{name}: {len(radix.requests)} requests, outputs identical across runtimes: {same}",
               flush=True)
     print()
     _print_table(rows)

@@ -20,6 +20,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from inferplane.bench.sampling_cases import CASES
 from inferplane.bench.spec_workloads import WORKLOADS, requests
 
 METHODS = ("none", "ngram", "suffix")
@@ -64,7 +65,7 @@ def _spec_totals(llm) -> tuple[float, float]:
 def _params(mode: str, count: int, new_tokens: int, offset: int):
     from inferplane.worker.engine.sampling import SamplingParams
 
-    settings = {"temperature": 0.0} if mode == "greedy" else {"temperature": 0.8, "top_p": 0.95}
+    settings = CASES[mode]
     return [SamplingParams(max_tokens=new_tokens, seed=offset + i, **settings) for i in range(count)]
 
 
@@ -142,7 +143,8 @@ def main(argv: list[str]) -> int:
     for workload in args.workloads.split(","):
         for mode in args.modes.split(","):
             for batch in (int(b) for b in args.batch_sizes.split(",")):
-                timed = {method: run_method(llm, method, workload, mode, batch, args) for method, llm in engines.items()}
+                timed = {method: run_method(llm, method, workload, mode, batch, args)
+                         for method, llm in engines.items()}
                 base = timed["none"]
                 line = f"{workload:<7} {mode:<8} {batch:>5} " + " ".join(
                     f"{timed[m].tokens_per_s:>12.1f}" for m in METHODS)

@@ -104,7 +104,8 @@ WORKLOADS = ("code", "rag", "agent", "chat")
 def _code(i: int) -> list[dict]:
     old, new = RENAMES[i % len(RENAMES)]
     return [{"role": "user", "content": f"Here is a Python module:\n\n```python\n{MODULE}```\n\nRename `{old}` to "
-                                        f"`{new}` everywhere. Reply with the complete updated module in one code block."}]
+                                        f"`{new}` everywhere. Reply with the complete updated module in one code "
+                                        "block."}]
 
 
 def _rag(i: int) -> list[dict]:

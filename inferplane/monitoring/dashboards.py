@@ -352,8 +352,9 @@ def deployment_dashboard() -> dashboard_builder.Dashboard:
                         counter_rate(m.WORKER_SPEC_PROPOSED, workers, per_method)), "{{method}}")],
               "percentunit", width=8, description="Accepted / proposed draft tokens, by method"),
         graph("Acceptance length", [
-            Query(f"1 + {ratio(counter_rate(m.WORKER_SPEC_ACCEPTED, workers, per_method), counter_rate(m.WORKER_SPEC_VERIFICATIONS, workers, per_method))}",
-                  "{{method}}")], width=8,
+            Query("1 + " + ratio(counter_rate(m.WORKER_SPEC_ACCEPTED, workers, per_method),
+                                 counter_rate(m.WORKER_SPEC_VERIFICATIONS, workers, per_method)), "{{method}}")],
+              width=8,
               description="Tokens a decode row emits per verifying step (1: no draft token kept)"),
     ))
     flow_control = Row("Flow control", (

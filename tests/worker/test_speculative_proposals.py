@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from inferplane.worker.engine.speculation.proposers import HISTORY_TOKENS, NamespaceHistory, TenantHistory
-from inferplane.worker.engine.speculation.speculator import DraftLength, accepted_length
+from inferplane.worker.engine.speculation.speculator import (
+    Acceptance,
+    Cooldown,
+    StepCost,
+    accepted_length,
+    worth_proposing,
+)
 from inferplane.worker.engine.speculation.suffix_automaton import SuffixAutomaton, Walker
 
 
@@ -76,17 +84,37 @@ def test_history_is_kept_per_tenant_and_namespace_and_bounded() -> None:
     assert space.documents[-1] == [39] * 4000  # the newest kept, the oldest dropped
 
 
-def test_acceptance_and_draft_length() -> None:
+def test_acceptance_cooldown_and_what_a_draft_may_cost() -> None:
     assert accepted_length([5, 6, 7], [5, 6, 9, 1]) == 2
     assert accepted_length([5, 6], [5, 6, 8]) == 2
     assert accepted_length([5], [4, 5]) == 0
-    length = DraftLength(8)
-    length.update(8, 3, 8, output_len=10)
-    assert length.limit == 4
-    length.update(4, 0, 8, output_len=14)
-    assert length.limit == 2 and length.resume_at == 16  # a miss: two tokens before the next look
-    length.update(2, 2, 8, output_len=20)
-    assert length.limit == 8 and length.misses == 0
-    length.nothing_found(30)
-    length.nothing_found(31)
-    assert length.resume_at == 33
+    cooldown = Cooldown()
+    cooldown.verified(0, output_len=14)
+    assert cooldown.resume_at == 16  # a miss: two tokens before the next look
+    cooldown.verified(0, output_len=16)
+    assert cooldown.resume_at == 20
+    cooldown.verified(2, output_len=20)
+    assert cooldown.misses == 0
+    cooldown.nothing_found(30)
+    cooldown.nothing_found(31)
+    assert cooldown.resume_at == 33
+    acceptance = Acceptance()
+    for _ in range(20):
+        acceptance.update(4, 4)  # everything kept: the rate tends to 4/4
+    assert acceptance.rate > 0.95
+    for _ in range(20):
+        acceptance.update(4, 0)
+    assert acceptance.rate < 0.05
+    # a draft token pays where it is kept more often than a row costs
+    assert worth_proposing(0.9, 0.2) == 15  # 0.9 ** 15 = 0.206 > 0.2 > 0.9 ** 16
+    assert worth_proposing(0.9, 0.65) == 4
+    assert worth_proposing(0.1, 0.5) == 0  # not even one token pays: only a probe now and then
+
+
+def test_step_cost_is_fitted_from_decode_steps() -> None:
+    cost = StepCost()
+    assert cost.row_share(1) == pytest.approx(0.2)  # the prior, before two row counts were seen
+    for rows in (1, 4, 9, 2, 8, 1, 16):
+        cost.observe(rows, 0.004 + 0.001 * rows)  # 4 ms a step and 1 ms a row
+    assert cost.row_share(1) == pytest.approx(0.001 / 0.005)
+    assert cost.row_share(8) == pytest.approx(0.008 / 0.012)

@@ -196,6 +196,8 @@ class Engine:
         steps = len(result.bursts[0]) if result.bursts else 1
         self.counters.burst_steps += steps - 1
         self.bursts.observe(prefill, seconds, steps)
+        if self.speculator is not None and not prefill:
+            self.speculator.observe_step(total, seconds / steps)
         tokens, logprobs, top = result.tokens, result.logprobs, result.top
         outputs = []
         sampled = 0

@@ -17,13 +17,16 @@ KV of rejected positions was written into the sequence's own blocks past its com
 next step writes over it, and nothing reads or publishes a position before it is computed (the
 radix tree takes full computed blocks only).
 
-How many tokens a row proposes adapts to what it accepts (`DraftLength`): a miss halves the
-attempts (a request proposes nothing for a while after misses, so plain chat keeps its decode
-bursts), a full acceptance restores the configured number.
+How many tokens a row proposes is what pays (`worth_proposing`): the i-th draft token is kept with
+probability a ** i (a: the request's measured acceptance, `Acceptance`) and costs a row, whose share
+of the step is measured (`StepCost`: on a 2-core CPU a row is a fifth of a batch-1 step, so a batch
+of 8 affords short drafts only). A miss makes the request wait before proposing again (`Cooldown`),
+and meanwhile it decodes in bursts as without speculation.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from inferplane.worker.engine.kv.manager import KVManager
@@ -33,36 +36,99 @@ from inferplane.worker.engine.speculation.proposers import Proposal, RequestText
 
 MAX_COOLDOWN = 64  # output tokens a request waits, at most, before proposing again after misses
 MAX_IDLE = 8  # output tokens a request waits, at most, before looking again after finding nothing
+PROBE_EVERY = 16  # output tokens between proposals of a request whose acceptance does not pay for a row
+ACCEPTANCE_DECAY = 0.8  # weight of a request's earlier verifications against its newest
+STEP_COST_DECAY = 0.98  # weight of earlier steps in the step-cost fit
+PRIOR_ROW_SHARE = 0.2  # a row's share of a batch-1 step before any is measured (SmolLM2 on 2 CPU cores)
 
 
 @dataclass
-class DraftLength:
-    """One request's proposal budget: at most `limit` tokens, none before output length `resume_at`.
+class Cooldown:
+    """When a request looks for a proposal again (output length `resume_at`).
 
-    A miss (nothing kept) halves the limit and waits 2, 4, 8... tokens before proposing again; a
-    step that found nothing to propose waits 1, 2, 4... (at most MAX_IDLE) before looking again.
-    Meanwhile the row decodes in bursts (decode_bursts.py) up to `resume_at`, as without
-    speculation, so text that does not repeat costs what it cost before."""
+    A miss (nothing kept) waits 2, 4, 8... tokens (at most MAX_COOLDOWN); a look that found nothing
+    to propose waits 1, 2, 4... (at most MAX_IDLE). Meanwhile the row decodes in bursts
+    (decode_bursts.py) up to `resume_at`, as without speculation, so text that does not repeat
+    costs what it cost before."""
 
-    limit: int
     resume_at: int = 0
     misses: int = 0
     idle: int = 0  # consecutive looks that found no proposal
 
-    def update(self, proposed: int, accepted: int, most: int, output_len: int) -> None:
+    def verified(self, accepted: int, output_len: int) -> None:
         self.idle = 0
-        if accepted == proposed:
-            self.limit, self.misses = most, 0
-        elif accepted:
-            self.limit, self.misses = max(1, accepted + 1), 0
+        if accepted:
+            self.misses = 0
         else:
             self.misses += 1
-            self.limit = max(1, self.limit // 2)
             self.resume_at = output_len + min(MAX_COOLDOWN, 2 ** self.misses)
 
     def nothing_found(self, output_len: int) -> None:
         self.resume_at = output_len + min(MAX_IDLE, 2 ** self.idle)
         self.idle += 1
+
+    def probe(self, output_len: int) -> None:
+        """A proposal that is not expected to pay is made only every PROBE_EVERY tokens."""
+        self.resume_at = max(self.resume_at, output_len + PROBE_EVERY)
+
+
+@dataclass
+class Acceptance:
+    """A request's chance that a draft token is kept once those before it were: kept over tried
+    (a verification of k tokens keeping a tried min(a + 1, k) and kept a), recent ones weighing
+    most; the prior is 1 of 2 (a new request proposes two tokens at batch 1 on a 2-core CPU, and
+    where a row costs more than half a token, only probes until its own figures say more)."""
+
+    kept: float = 1.0
+    tried: float = 2.0
+
+    def update(self, proposed: int, accepted: int) -> None:
+        self.kept = ACCEPTANCE_DECAY * self.kept + accepted
+        self.tried = ACCEPTANCE_DECAY * self.tried + min(accepted + 1, proposed)
+
+    @property
+    def rate(self) -> float:
+        return self.kept / self.tried
+
+
+class StepCost:
+    """A decode step's seconds as `fixed + per_row * rows`, fitted online over decode-only steps
+    (weighted least squares, recent steps weighing most), for the share of a step one more row
+    costs. Why measured: a row's cost is compute (its attention over the context, its share of
+    every linear), which on a 2-core CPU is a fifth of a batch-1 SmolLM2 step and on a GPU next to
+    nothing; how much a draft may cost depends on both."""
+
+    def __init__(self) -> None:
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = STEP_COST_DECAY
+        self._w = d * self._w + 1
+        self._x = d * self._x + rows
+        self._y = d * self._y + seconds
+        self._xx = d * self._xx + rows * rows
+        self._xy = d * self._xy + rows * seconds
+
+    def row_share(self, rows: int) -> float:
+        """What one more row costs, in rows' worth of the step's tokens: per_row * rows / step time
+        (a draft token pays where it is kept with at least this probability). Before two row
+        counts were seen, PRIOR_ROW_SHARE of a row's step."""
+        spread = self._w * self._xx - self._x * self._x
+        if self._w < 2 or spread <= 1e-9 * max(1.0, self._w * self._xx):
+            return PRIOR_ROW_SHARE * rows / (1 + PRIOR_ROW_SHARE * (rows - 1))
+        per_row = max(0.0, (self._w * self._xy - self._x * self._y) / spread)
+        fixed = max(1e-6, (self._y - per_row * self._x) / self._w)
+        return min(1.0, per_row * rows / (fixed + per_row * rows))
+
+
+def worth_proposing(acceptance: float, row_share: float) -> int:
+    """Draft tokens worth verifying: the i-th is kept with probability acceptance ** i and costs
+    row_share, so the longest run where acceptance ** i > row_share; 0 where not even one pays."""
+    if acceptance >= 1.0 or row_share <= 0.0:
+        return 16
+    if acceptance <= 0.0 or row_share >= 1.0:
+        return 0
+    return max(0, math.ceil(math.log(row_share) / math.log(acceptance)) - 1)
 
 
 @dataclass
@@ -70,7 +136,8 @@ class SpeculationState:
     """What a running sequence keeps for speculation (Sequence.speculation)."""
 
     text: RequestText = field(default_factory=RequestText)
-    length: DraftLength = field(default_factory=lambda: DraftLength(0))
+    cooldown: Cooldown = field(default_factory=Cooldown)
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
 
 @dataclass
@@ -101,6 +168,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.history = TenantHistory() if method == "suffix" else None
         self.counters = SpeculationCounters()
+        self.cost = StepCost()
 
     @staticmethod
     def eligible(item: ScheduledSequence) -> bool:
@@ -114,21 +182,28 @@ class Speculator:
         """Sets `draft` on the rows that propose this step (their KV made room for); returns how
         many rows carry one."""
         rows = 0
+        share = self.cost.row_share(len(batch))
         for item in batch:
             if not self.eligible(item):
                 continue
             seq = item.seq
             state = seq.speculation
             if state is None:
-                state = seq.speculation = SpeculationState(length=DraftLength(self.num_tokens))
+                state = seq.speculation = SpeculationState()
             produced = len(seq.output_token_ids)
-            room = min(state.length.limit, seq.max_tokens - produced - 1, self.max_model_len - seq.num_tokens)
-            if room <= 0 or produced < state.length.resume_at:
+            if produced < state.cooldown.resume_at:
+                continue
+            worth = worth_proposing(state.acceptance.rate, share)
+            if not worth:  # a probe of one token, after a wait: the acceptance may have changed
+                worth = 1
+                state.cooldown.probe(produced)
+            room = min(self.num_tokens, worth, seq.max_tokens - produced - 1, self.max_model_len - seq.num_tokens)
+            if room <= 0:
                 continue
             proposal = self._propose(seq, state, room)
             draft = proposal.tokens[:min(room, proposal.match)] if proposal is not None else []
             if not draft:
-                state.length.nothing_found(produced)
+                state.cooldown.nothing_found(produced)
                 continue
             if not self.kv.allocate(seq, 1 + len(draft)):
                 self.counters.skipped_no_room += 1
@@ -142,9 +217,11 @@ class Speculator:
         found = state.text.propose_own(count)
         if self.history is not None:
             space = self.history.get(history_key(seq))
-            if space is not None:
+            if space is not None:  # walked every step, so that its match is current when it is needed
                 other = state.text.propose_history(seq, space, count)
-                if other is not None and other.tokens and (found is None or other.match > found.match):
+                # the request's own text first: another request's longer match diverges where the
+                # two requests differ (another rename, another question), its own where it is copying
+                if (found is None or not found.tokens) and other is not None:
                     found = other
         return found if found is not None and found.tokens else None
 
@@ -155,14 +232,20 @@ class Speculator:
         state = seq.speculation
         if state is None:
             return 1
-        return max(1, state.length.resume_at - len(seq.output_token_ids))
+        return max(1, state.cooldown.resume_at - len(seq.output_token_ids))
 
     def verified(self, item: ScheduledSequence, accepted: int) -> None:
         seq, proposed = item.seq, len(item.draft)
         self.counters.proposed += proposed
         self.counters.accepted += accepted
         self.counters.verifications += 1
-        seq.speculation.length.update(proposed, accepted, self.num_tokens, len(seq.output_token_ids))
+        state = seq.speculation
+        state.acceptance.update(proposed, accepted)
+        state.cooldown.verified(accepted, len(seq.output_token_ids))
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode-only step of `rows` rows (drafts included) took `seconds`."""
+        self.cost.observe(rows, seconds)
 
     def finished(self, seq: Sequence) -> None:
         """A sequence ended: its text joins its namespace's history (`suffix`)."""
