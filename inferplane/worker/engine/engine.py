@@ -27,7 +27,8 @@ from inferplane.worker.engine.options import EngineOptions
 from inferplane.worker.engine.outputs import StepOutput, TokenAppender, joined, step_output
 from inferplane.worker.engine.pool_sizing import size_pools
 from inferplane.worker.engine.runtimes import build_kv_manager, build_scheduler, kernel_isas
-from inferplane.worker.engine.sampling import SamplingParams
+from inferplane.worker.engine.sampling import Sampled, SamplingParams
+from inferplane.worker.engine.scheduler import ScheduledSequence
 from inferplane.worker.engine.sequence import Sequence
 from inferplane.worker.engine.speculation.speculator import Speculator, accepted_length
 from inferplane.worker.engine.stats import EngineCounters, engine_stats
@@ -77,7 +78,8 @@ class Engine:
         self.counters = EngineCounters()
         self.outputs = TokenAppender(self.eos_ids, self.max_model_len, self.counters, self._finish)
         speculative = options.speculation()
-        self.speculator = (Speculator(speculative.method, speculative.num_tokens, self.kv, self.max_model_len)
+        self.speculator = (Speculator(speculative.method, speculative.num_tokens, self.kv, self.max_model_len,
+                                      device_bursts=device.type == "cpu" and (options.decode_steps or 1) > 1)
                            if speculative is not None else None)
 
     def _adapter_slots(self):
@@ -247,7 +249,7 @@ class Engine:
             out = step if out is None else joined(out, step)
         return out
 
-    def _append_verified(self, item, result, first: int) -> StepOutput:
+    def _append_verified(self, item: ScheduledSequence, result: Sampled, first: int) -> StepOutput:
         """A draft's verified rows (from row `first` of the step's sampled rows): the tokens up to and
         including the first that differs from the draft, appended as single steps would append them."""
         rows = slice(first, first + item.rows)

@@ -39,6 +39,7 @@ MAX_IDLE = 8  # output tokens a request waits, at most, before looking again aft
 PROBE_EVERY = 16  # output tokens between proposals of a request whose acceptance does not pay for a row
 ACCEPTANCE_DECAY = 0.8  # weight of a request's earlier verifications against its newest
 STEP_COST_DECAY = 0.98  # weight of earlier steps in the step-cost fit
+BURST_GAIN = 0.15  # tokens per row a burst's step saves on the CPU (Python and calls paid once for several steps)
 PRIOR_ROW_SHARE = 0.2  # a row's share of a batch-1 step before any is measured (SmolLM2 on 2 CPU cores)
 
 
@@ -146,6 +147,7 @@ class SpeculationCounters:
     accepted: int = 0  # of those, kept
     verifications: int = 0  # rows that carried a draft
     skipped_no_room: int = 0  # drafts dropped because the KV pool had no block for them
+    dropped_for_bursts: int = 0  # drafts not verified: together they were not worth a step's burst
 
 
 def accepted_length(draft: list[int], tokens: list[int]) -> int:
@@ -160,8 +162,9 @@ def accepted_length(draft: list[int], tokens: list[int]) -> int:
 class Speculator:
     """Proposes drafts for a step's decode rows (`attach`) and learns from their verification."""
 
-    def __init__(self, method: str, num_tokens: int, kv: KVManager, max_model_len: int):
-        """`method` and `num_tokens` as api.deployment.Speculative checked them."""
+    def __init__(self, method: str, num_tokens: int, kv: KVManager, max_model_len: int, device_bursts: bool = True):
+        """`method` and `num_tokens` as api.deployment.Speculative checked them; `device_bursts`:
+        whether plain decode steps may run in bursts here (the CPU), which a step with drafts forgoes."""
         self.method = method
         self.num_tokens = num_tokens
         self.kv = kv
@@ -169,6 +172,7 @@ class Speculator:
         self.history = TenantHistory() if method == "suffix" else None
         self.counters = SpeculationCounters()
         self.cost = StepCost()
+        self.device_bursts = device_bursts
 
     @staticmethod
     def eligible(item: ScheduledSequence) -> bool:
@@ -180,9 +184,12 @@ class Speculator:
 
     def attach(self, batch: list[ScheduledSequence]) -> int:
         """Sets `draft` on the rows that propose this step (their KV made room for); returns how
-        many rows carry one."""
-        rows = 0
+        many rows carry one. A step with drafts runs alone, never in a burst of several steps, so
+        its drafts together must be expected to add at least BURST_GAIN tokens per row of the
+        batch (what a burst saves a step on the CPU); else none is verified this step."""
         share = self.cost.row_share(len(batch))
+        found: list[tuple[ScheduledSequence, list[int]]] = []
+        expected = 0.0  # draft tokens the step is expected to keep
         for item in batch:
             if not self.eligible(item):
                 continue
@@ -193,7 +200,8 @@ class Speculator:
             produced = len(seq.output_token_ids)
             if produced < state.cooldown.resume_at:
                 continue
-            worth = worth_proposing(state.acceptance.rate, share)
+            rate = state.acceptance.rate
+            worth = worth_proposing(rate, share)
             if not worth:  # a probe of one token, after a wait: the acceptance may have changed
                 worth = 1
                 state.cooldown.probe(produced)
@@ -205,7 +213,14 @@ class Speculator:
             if not draft:
                 state.cooldown.nothing_found(produced)
                 continue
-            if not self.kv.allocate(seq, 1 + len(draft)):
+            found.append((item, draft))
+            expected += sum(rate ** i for i in range(1, len(draft) + 1))
+        if self.device_bursts and expected < BURST_GAIN * len(batch):
+            self.counters.dropped_for_bursts += len(found)
+            return 0
+        rows = 0
+        for item, draft in found:
+            if not self.kv.allocate(item.seq, 1 + len(draft)):
                 self.counters.skipped_no_room += 1
                 continue
             item.draft = draft
@@ -260,4 +275,5 @@ class Speculator:
             f"spec_accepted_tokens_total:{self.method}": c.accepted,
             f"spec_verifications_total:{self.method}": c.verifications,
             "spec_skipped_no_room_total": c.skipped_no_room,
+            "spec_dropped_for_bursts_total": c.dropped_for_bursts,
         }
