@@ -82,6 +82,11 @@ def test_history_is_kept_per_tenant_and_namespace_and_bounded() -> None:
         space.add([i] * 4000)
     assert len(space.automaton) <= HISTORY_TOKENS
     assert space.documents[-1] == [39] * 4000  # the newest kept, the oldest dropped
+    bounded = TenantHistory(total_tokens=10_000)
+    for tenant in "abcd":
+        bounded.add((tenant, ""), [1] * 4000)
+    assert bounded.tokens() <= 10_000
+    assert bounded.get(("a", "")) is None and bounded.get(("d", "")) is not None  # least recently used out
 
 
 def test_acceptance_cooldown_and_what_a_draft_may_cost() -> None:

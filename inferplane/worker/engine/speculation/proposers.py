@@ -21,8 +21,10 @@ from inferplane.worker.engine.sequence import Sequence
 from inferplane.worker.engine.speculation.suffix_automaton import SuffixAutomaton, Walker
 
 MIN_MATCH = 3  # shorter matches propose mostly noise (two-token phrases recur everywhere)
-HISTORY_TOKENS = 65_536  # per namespace: recent requests' tokens kept (the older half dropped beyond)
-HISTORY_NAMESPACES = 64  # namespaces kept, least recently used out
+HISTORY_TOKENS = 32_768  # per namespace: recent requests' tokens kept (the older half dropped beyond)
+# All namespaces together, least recently used out: an automaton holds about two states a token, each
+# a small dict, some 500 bytes a token in all: this bounds the worker's history near 64 MiB.
+HISTORY_TOTAL_TOKENS = 131_072
 
 
 @dataclass
@@ -66,10 +68,12 @@ class NamespaceHistory:
 
 
 class TenantHistory:
-    """The `suffix` method's memory: recent requests per namespace, bounded in tokens and namespaces."""
+    """The `suffix` method's memory: recent requests per namespace, bounded in tokens per namespace
+    and in all (the least recently used namespaces go first)."""
 
-    def __init__(self) -> None:
+    def __init__(self, total_tokens: int = HISTORY_TOTAL_TOKENS) -> None:
         self._spaces: OrderedDict[tuple[str, str], NamespaceHistory] = OrderedDict()
+        self.total_tokens = total_tokens
 
     def get(self, key: tuple[str, str]) -> NamespaceHistory | None:
         found = self._spaces.get(key)
@@ -81,10 +85,13 @@ class TenantHistory:
         space = self._spaces.get(key)
         if space is None:
             space = self._spaces[key] = NamespaceHistory()
-            while len(self._spaces) > HISTORY_NAMESPACES:
-                self._spaces.popitem(last=False)
         self._spaces.move_to_end(key)
         space.add(tokens)
+        while len(self._spaces) > 1 and self.tokens() > self.total_tokens:
+            self._spaces.popitem(last=False)
+
+    def tokens(self) -> int:
+        return sum(len(space.automaton) for space in self._spaces.values())
 
     def __len__(self) -> int:
         return len(self._spaces)
