@@ -116,10 +116,14 @@ def test_acceptance_cooldown_and_what_a_draft_may_cost() -> None:
     assert worth_proposing(0.1, 0.5) == 0  # not even one token pays: only a probe now and then
 
 
-def test_step_cost_is_fitted_from_decode_steps() -> None:
+def test_step_cost_is_measured_per_batch_size() -> None:
     cost = StepCost()
-    assert cost.row_share(1) == pytest.approx(0.2)  # the prior, before two row counts were seen
-    for rows in (1, 4, 9, 2, 8, 1, 16):
-        cost.observe(rows, 0.004 + 0.001 * rows)  # 4 ms a step and 1 ms a row
+    assert cost.row_share(1) == pytest.approx(0.2)  # the prior, before anything was measured
+    for _ in range(30):
+        cost.observe(1, 0, 0.005)  # a batch of one: 5 ms a step
+        cost.observe(1, 4, 0.009)  # and 1 ms for each of four draft rows
+        cost.observe(8, 0, 0.016)  # a batch of eight: 16 ms
+        cost.observe(8, 2, 0.020)  # 2 ms a draft row
     assert cost.row_share(1) == pytest.approx(0.001 / 0.005)
-    assert cost.row_share(8) == pytest.approx(0.008 / 0.012)
+    assert cost.row_share(8) == pytest.approx(0.002 * 8 / 0.016)
+    assert cost.row_share(4) == pytest.approx(0.2 * 4 / 1.6)  # not measured: the prior

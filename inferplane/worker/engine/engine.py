@@ -199,7 +199,7 @@ class Engine:
         self.counters.burst_steps += steps - 1
         self.bursts.observe(prefill, seconds, steps)
         if self.speculator is not None and not prefill:
-            self.speculator.observe_step(total, seconds / steps)
+            self.speculator.observe_step(len(plan.scheduled), total - len(plan.scheduled), seconds / steps)
         tokens, logprobs, top = result.tokens, result.logprobs, result.top
         outputs = []
         sampled = 0

@@ -38,7 +38,7 @@ MAX_COOLDOWN = 64  # output tokens a request waits, at most, before proposing ag
 MAX_IDLE = 8  # output tokens a request waits, at most, before looking again after finding nothing
 PROBE_EVERY = 16  # output tokens between proposals of a request whose acceptance does not pay for a row
 ACCEPTANCE_DECAY = 0.8  # weight of a request's earlier verifications against its newest
-STEP_COST_DECAY = 0.98  # weight of earlier steps in the step-cost fit
+STEP_COST_DECAY = 0.9  # weight of the earlier steps in StepCost's averages
 BURST_GAIN = 0.15  # tokens per row a burst's step saves on the CPU (Python and calls paid once for several steps)
 PRIOR_ROW_SHARE = 0.2  # a row's share of a batch-1 step before any is measured (SmolLM2 on 2 CPU cores)
 
@@ -93,33 +93,39 @@ class Acceptance:
 
 
 class StepCost:
-    """A decode step's seconds as `fixed + per_row * rows`, fitted online over decode-only steps
-    (weighted least squares, recent steps weighing most), for the share of a step one more row
-    costs. Why measured: a row's cost is compute (its attention over the context, its share of
-    every linear), which on a 2-core CPU is a fifth of a batch-1 SmolLM2 step and on a GPU next to
-    nothing; how much a draft may cost depends on both."""
+    """What one more row costs a step, as a share of the step's tokens, per batch size: measured
+    as the time a step with draft rows took over a plain step of the same batch (an average of
+    each, recent steps weighing most). Why measured: a row's cost is compute (its attention over
+    the context, its share of every linear), which on a 2-core CPU is a fifth of a batch-1 SmolLM2
+    step and two thirds of a token at batch 8, and on a GPU next to nothing. Why per batch size:
+    one straight line through every step put a batch of 8's costs onto a batch of 1."""
 
     def __init__(self) -> None:
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.plain: dict[int, float] = {}  # batch size -> seconds of a decode step without drafts
+        self.per_row: dict[int, float] = {}  # batch size -> seconds one draft row added
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, batch: int, draft_rows: int, seconds: float) -> None:
         d = STEP_COST_DECAY
-        self._w = d * self._w + 1
-        self._x = d * self._x + rows
-        self._y = d * self._y + seconds
-        self._xx = d * self._xx + rows * rows
-        self._xy = d * self._xy + rows * seconds
+        if not draft_rows:
+            before = self.plain.get(batch)
+            self.plain[batch] = seconds if before is None else d * before + (1 - d) * seconds
+            return
+        plain = self.plain.get(batch)
+        if plain is None:
+            return
+        added = max(0.0, (seconds - plain) / draft_rows)
+        before = self.per_row.get(batch)
+        self.per_row[batch] = added if before is None else d * before + (1 - d) * added
 
-    def row_share(self, rows: int) -> float:
-        """What one more row costs, in rows' worth of the step's tokens: per_row * rows / step time
-        (a draft token pays where it is kept with at least this probability). Before two row
-        counts were seen, PRIOR_ROW_SHARE of a row's step."""
-        spread = self._w * self._xx - self._x * self._x
-        if self._w < 2 or spread <= 1e-9 * max(1.0, self._w * self._xx):
-            return PRIOR_ROW_SHARE * rows / (1 + PRIOR_ROW_SHARE * (rows - 1))
-        per_row = max(0.0, (self._w * self._xy - self._x * self._y) / spread)
-        fixed = max(1e-6, (self._y - per_row * self._x) / self._w)
-        return min(1.0, per_row * rows / (fixed + per_row * rows))
+    def row_share(self, batch: int) -> float:
+        """One more row's cost in the step's tokens: per_row * batch / plain step time (a draft
+        token pays where it is kept with at least this probability); before both were measured
+        at this batch size, PRIOR_ROW_SHARE of a batch-1 step, growing with the batch as if each
+        row cost that much."""
+        plain, per_row = self.plain.get(batch), self.per_row.get(batch)
+        if plain is None or per_row is None:
+            return PRIOR_ROW_SHARE * batch / (1 + PRIOR_ROW_SHARE * (batch - 1))
+        return min(1.0, per_row * batch / max(plain, 1e-9))
 
 
 def worth_proposing(acceptance: float, row_share: float) -> int:
@@ -258,9 +264,9 @@ class Speculator:
         state.acceptance.update(proposed, accepted)
         state.cooldown.verified(accepted, len(seq.output_token_ids))
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A decode-only step of `rows` rows (drafts included) took `seconds`."""
-        self.cost.observe(rows, seconds)
+    def observe_step(self, batch: int, draft_rows: int, seconds: float) -> None:
+        """A decode-only step of `batch` sequences and `draft_rows` draft rows took `seconds`."""
+        self.cost.observe(batch, draft_rows, seconds)
 
     def finished(self, seq: Sequence) -> None:
         """A sequence ended: its text joins its namespace's history (`suffix`)."""
