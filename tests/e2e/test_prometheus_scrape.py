@@ -51,7 +51,9 @@ def manifest(tmp_path: Path) -> Path:
                  "resources": {"cpu": "1", "memory": "2Gi"},
                  # KV tiers on, so that their series are scraped too (the deployment dashboard reads them)
                  "engine": {"kvCacheMemory": "64Mi", "maxModelLen": 256, "kvOffloadMemory": "16MiB",
-                            "kvOffloadDisk": "16MiB"}}}))
+                            "kvOffloadDisk": "16MiB",
+                            # speculation on, so that its series (the "Speculative decoding" row) are scraped
+                            "speculative": {"method": "ngram"}}}}))
     return path
 
 
