@@ -8,6 +8,7 @@
 #              the alert routing test starts its own on loopback
 #   the node's tools  runc, the CNI plugins, iptables, conntrack (the one-node cluster, tests/cluster),
 #              debootstrap and buildah (the offline image build, deploy/image): binaries only
+#   chromium   the browser the console tests drive headless (tests/console, through Playwright)
 # Nothing starts these for us on the project's machines. Safe to run again: what already runs is kept.
 # Needs root (apt-get, pg_ctlcluster); CI runs as root.
 set -euo pipefail
@@ -25,6 +26,7 @@ command -v iptables >/dev/null 2>&1 || packages+=(iptables)
 command -v conntrack >/dev/null 2>&1 || packages+=(conntrack)
 command -v debootstrap >/dev/null 2>&1 || packages+=(debootstrap)
 command -v buildah >/dev/null 2>&1 || packages+=(buildah)
+command -v chromium >/dev/null 2>&1 || packages+=(chromium)
 if [ ${#packages[@]} -gt 0 ]; then
   echo "test services: installing ${packages[*]}"
   apt-get update -q >/dev/null

@@ -474,9 +474,23 @@ class KeyCache:
         if scope is not None and scope not in cached.scopes:
             raise Forbidden(f"this API key lacks the {scope!r} scope")
         self._used[key_id] = now
+        return self._principal(cached)
+
+    def principal_of(self, key_id: str) -> Principal:
+        """Who holds key `key_id`, while it is live: what a console session signed in with that key
+        acts as (gateway/console/sessions.py), so revoking or expiring the key ends its sessions
+        within a refresh interval. `Unauthenticated` (401) once it is not."""
+        cached = self._keys.get(key_id)
+        if cached is None:
+            raise Unauthenticated("the API key this session signed in with is revoked or gone")
+        if cached.expires_at is not None and self._clock() >= cached.expires_at:
+            raise Unauthenticated("the API key this session signed in with has expired")
+        return self._principal(cached)
+
+    def _principal(self, cached: _CachedKey) -> Principal:
         tenant = self._tenants.get(cached.tenant_id) or _CachedTenant()
         return Principal(
-            subject=f"key:{key_id}",
+            subject=f"key:{cached.id}",
             tenant_id=cached.tenant_id,
             scopes=cached.scopes,
             via="key",

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from inferplane.control_plane.auth import KeyCache, Principal
-from inferplane.control_plane.errors import Unauthenticated
+from inferplane.control_plane.auth import SCOPE_ADMIN, KeyCache, Principal
+from inferplane.control_plane.errors import Forbidden, Unauthenticated
 from inferplane.control_plane.gateway.catalog import Catalog
 from inferplane.control_plane.gateway.inference import InferenceService
 from inferplane.control_plane.gateway.metrics import GatewayMetrics
@@ -18,6 +18,7 @@ from inferplane.control_plane.tokens import AdminTokenVerifier, authenticate_adm
 
 if TYPE_CHECKING:
     from inferplane.control_plane.alerts.forwarder import AlertForwarder
+    from inferplane.control_plane.gateway.console.sessions import ConsoleSessions
 
 
 @dataclass
@@ -42,6 +43,9 @@ class GatewayContext:
     # Called after an admin registers a LoRA adapter, so it is served without waiting for the next
     # refresh from the registry (None: the next refresh serves it).
     refresh_adapters: Callable[[], None] | None = None
+    # Console sign-ins (gateway/console/): a session cookie stands in for the credential it was
+    # exchanged for, with a CSRF header (None: no console, the cookie is ignored).
+    console: ConsoleSessions | None = None
 
     def tenant_principal(self, credential: str | None) -> Principal:
         if not credential:
@@ -53,6 +57,22 @@ class GatewayContext:
             raise Unauthenticated("missing admin credential")
         return authenticate_admin(credential, jwt_verifier=self.jwt_verifier, bootstrap_key=self.bootstrap_key,
                                   key_cache=self.keys)
+
+
+    def caller(self, authorization: str | None, session: str | None, csrf: str | None, *,
+               admin: bool) -> Principal:
+        """Who calls the tenant API (`admin` False) or the admin API: the bearer credential, or
+        without one, a console session cookie with its CSRF header (sessions.py says why both)."""
+        credential = bearer(authorization)
+        if credential or not session or self.console is None:
+            return self.admin_principal(credential) if admin else self.tenant_principal(credential)
+        principal, _ = self.console.principal(session, csrf or "")
+        if admin:
+            if principal.tenant_id is not None:
+                principal.require(SCOPE_ADMIN)
+        elif principal.tenant_id is None:
+            raise Forbidden("the tenant API acts for a tenant: sign in to the console with one of its keys")
+        return principal
 
 
 def bearer(header: str | None) -> str | None:

@@ -34,7 +34,8 @@ from starlette.responses import Response
 
 from inferplane.control_plane.auth import Principal
 from inferplane.control_plane.gateway.completions import Completions
-from inferplane.control_plane.gateway.context import GatewayContext, bearer
+from inferplane.control_plane.gateway.console.sessions import CSRF_HEADER, session_cookie
+from inferplane.control_plane.gateway.context import GatewayContext
 from inferplane.control_plane.gateway.embeddings import Embeddings
 from inferplane.control_plane.gateway.errors import (
     as_error,
@@ -89,7 +90,8 @@ class InferenceFastPath:
 
     async def _handle(self, endpoint: _Endpoint, scope: Scope, receive) -> Response:
         raw = await self._read_body(receive)
-        principal = self.ctx.tenant_principal(bearer(header(scope, b"authorization")))
+        principal = self.ctx.caller(header(scope, b"authorization"), session_cookie(header(scope, b"cookie")),
+                                    header(scope, CSRF_HEADER.encode()), admin=False)
         content_type = header(scope, b"content-type")
         if len(raw) > OFF_LOOP_BODY_BYTES:  # a big body's parse would hold the loop other tenants need
             parsed = await asyncio.to_thread(_parse, endpoint, raw, content_type)

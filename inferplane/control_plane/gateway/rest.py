@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
+from fastapi_offline import FastAPIOffline
 
+from inferplane.control_plane.gateway.console import routes as console
 from inferplane.control_plane.gateway.context import GatewayContext
 from inferplane.control_plane.gateway.errors import ERROR_RESPONSES, install_error_handlers
 from inferplane.control_plane.gateway.fast_path import InferenceFastPath
@@ -20,7 +22,7 @@ from inferplane.control_plane.gateway.routes import alerts, inference, keys, reg
 # one router shadows another's (`/v1/models/{model_id:path}` matches nothing outside /v1/models/,
 # and `registry` keeps `GET /admin/v1/models/resolve` apart from `DELETE /admin/v1/models/{ref}`).
 _ROUTERS = (alerts.router, service.router, inference.router, usage.router, tenants.router, keys.router,
-            registry.router)
+            registry.router, console.router)
 
 
 def create_asgi_app(ctx: GatewayContext):
@@ -35,7 +37,9 @@ def create_asgi_app(ctx: GatewayContext):
 def create_app(ctx: GatewayContext) -> FastAPI:
     """The FastAPI app serving `ctx`: its routes reach the context through `app.state.gateway`
     (routes/dependencies.py)."""
-    app = FastAPI(title="inferplane gateway", version="0.1.0", responses=ERROR_RESPONSES,
+    # FastAPIOffline: /docs and /redoc with their scripts served from the package (FastAPI's own
+    # pages load them from a CDN, and are blank offline).
+    app: FastAPI = FastAPIOffline(title="inferplane gateway", version="0.1.0", responses=ERROR_RESPONSES,
                   description="OpenAI-compatible inference API with tenants, keys, quotas and routing.")
     app.state.gateway = ctx
     install_error_handlers(app)

@@ -19,6 +19,7 @@ from inferplane.control_plane.concurrency import InProcessSequenceLimiter, Seque
 from inferplane.control_plane.db import init_db, session_factory
 from inferplane.control_plane.gateway.adapter_sync import AdapterSync
 from inferplane.control_plane.gateway.catalog import Catalog
+from inferplane.control_plane.gateway.console.sessions import ConsoleSessions
 from inferplane.control_plane.gateway.context import GatewayContext
 from inferplane.control_plane.gateway.grpc_api import InferenceServicer
 from inferplane.control_plane.gateway.http_protocol import (
@@ -101,6 +102,9 @@ class GatewaySettings:
     # ("10.20.0.0/16", "127.0.0.1") and host names ("hooks.corp.example", "*.corp.example"). Empty:
     # public addresses only (see control_plane.outbound).
     outbound_allow: tuple[str, ...] = ()
+    # The web console under /console (gateway/console/): its sessions are signed with a key derived
+    # from salt_secret, so every replica sharing that secret accepts them.
+    console: bool = True
 
 
 def _key_limiter(settings: GatewaySettings, metrics: GatewayMetrics) -> KeyLimiter:
@@ -139,6 +143,7 @@ class Gateway:
             jwt_verifier = AdminTokenVerifier(JWTSettings(algorithm=settings.jwt_algorithm, key=settings.jwt_key,
                                                           audience=settings.jwt_audience, issuer=settings.jwt_issuer))
         metrics = GatewayMetrics()
+        shared_secret = settings.salt_secret or secrets.token_bytes(32)
         metrics.registry.register(PlatformCollector(PlatformSources(
             database_up=lambda: self.keys.database_ok,
             usage_last_flush=lambda: self.usage.last_flush,
@@ -156,7 +161,7 @@ class Gateway:
         inference = InferenceService(self.catalog, self.router, self.channels, limiter=self.limiter,
                                      activator=self.activator, sequences=self.sequences,
                                      quota=self.quota, usage=self.usage, metrics=metrics,
-                                     salt_secret=settings.salt_secret or secrets.token_bytes(32),
+                                     salt_secret=shared_secret,
                                      max_migrations=settings.max_migrations)
         outbound = OutboundPolicy.parse(settings.outbound_allow)
         self.alert_forwarder = AlertForwarder(self.sessions, ForwarderSettings(
@@ -168,7 +173,10 @@ class Gateway:
                                       model_roots=tuple(settings.model_roots),
                                       alert_webhook_secret=settings.alert_webhook_secret,
                                       alert_forwarder=self.alert_forwarder, outbound=outbound,
-                                      refresh_adapters=self.adapters.refresh)
+                                      refresh_adapters=self.adapters.refresh,
+                                      console=ConsoleSessions(shared_secret, self.keys,
+                                                              bootstrap_key=settings.bootstrap_key,
+                                                              jwt_verifier=jwt_verifier) if settings.console else None)
         self.app = create_asgi_app(self.context)
         self._http: uvicorn.Server | None = None
         self._metrics: uvicorn.Server | None = None

@@ -56,7 +56,9 @@ def banner(platform, host: str, port: int, grpc_port: int | None) -> str:
                   f"-H \"Authorization: Bearer $(cat {platform.home / 'admin-key'})\" "
                   "-H 'Content-Type: application/json' -d '{\"tenant_id\": \"default\"}' | "
                   f"{_python()} -c 'import json, sys; print(json.load(sys.stdin)[\"key\"])')")
-    lines += [f"admin key: in {platform.home / 'admin-key'}", "", "try it:", f"  {export}",
+    lines += [f"admin key: in {platform.home / 'admin-key'}",
+              f"console: {base}/console/  (sign in with the tenant key, or the admin key for the operator pages)",
+              "", "try it:", f"  {export}",
               f"  curl -s {base}/v1/chat/completions -H \"Authorization: Bearer $INFERPLANE_API_KEY\" "
               "-H 'Content-Type: application/json' \\",
               f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "

@@ -21,7 +21,8 @@ from fastapi import Depends, Header, Request
 
 from inferplane.control_plane.auth import ALL_TENANTS, Principal, TenantScope
 from inferplane.control_plane.errors import Forbidden
-from inferplane.control_plane.gateway.context import GatewayContext, bearer
+from inferplane.control_plane.gateway.console.sessions import COOKIE_NAME, CSRF_HEADER
+from inferplane.control_plane.gateway.context import GatewayContext
 
 
 async def gateway_context(request: Request) -> GatewayContext:
@@ -32,14 +33,15 @@ async def gateway_context(request: Request) -> GatewayContext:
 Context = Annotated[GatewayContext, Depends(gateway_context)]
 
 
-async def tenant_caller(ctx: Context, authorization: str | None = Header(default=None)) -> Principal:
-    """The caller of the tenant API: an API key (401 without a valid one)."""
-    return ctx.tenant_principal(bearer(authorization))
+async def tenant_caller(request: Request, ctx: Context, authorization: str | None = Header(default=None)) -> Principal:
+    """The caller of the tenant API: an API key (401 without a valid one), or a tenant's console session."""
+    return ctx.caller(authorization, request.cookies.get(COOKIE_NAME), request.headers.get(CSRF_HEADER), admin=False)
 
 
-async def admin_caller(ctx: Context, authorization: str | None = Header(default=None)) -> Principal:
-    """The caller of the admin API: a platform admin (JWT or bootstrap key) or a tenant admin's key."""
-    return ctx.admin_principal(bearer(authorization))
+async def admin_caller(request: Request, ctx: Context, authorization: str | None = Header(default=None)) -> Principal:
+    """The caller of the admin API: a platform admin (JWT or bootstrap key) or a tenant admin's key,
+    or a console session signed in with one of those."""
+    return ctx.caller(authorization, request.cookies.get(COOKIE_NAME), request.headers.get(CSRF_HEADER), admin=True)
 
 
 TenantCaller = Annotated[Principal, Depends(tenant_caller)]

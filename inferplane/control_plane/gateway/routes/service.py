@@ -1,4 +1,4 @@
-"""Probes and the root banner: what load balancers and Kubernetes ask, none of it in the OpenAPI schema.
+"""Probes: what load balancers and Kubernetes ask, none of it in the OpenAPI schema.
 
 No /metrics here: its series name tenants, keys and private adapters, and every tenant reaches
 this port. The gateway serves them on its own metrics listener (metrics.metrics_asgi_app).
@@ -7,7 +7,7 @@ this port. The gateway serves them on its own metrics listener (metrics.metrics_
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse
 
 from inferplane.control_plane.gateway.routes.dependencies import Context
 
@@ -26,8 +26,3 @@ async def readyz(ctx: Context):
     if not healthy:
         return JSONResponse({"status": "waiting for a healthy worker"}, status_code=503)
     return {"status": "ready", "workers": len(healthy)}
-
-
-@router.get("/", include_in_schema=False)
-async def root():
-    return PlainTextResponse("inferplane gateway: OpenAI-compatible API under /v1\n")

@@ -1,4 +1,4 @@
-"""`GET /v1/usage`: a tenant's own token usage, per model and minute, with totals.
+"""`GET /v1/usage`: a tenant's own token usage, per model and minute, with totals and the limits that apply.
 
 The rows come from the database, so the route is a plain `def` (FastAPI's thread pool); the
 inference path never touches the database.
@@ -28,4 +28,18 @@ def get_usage(ctx: Context, principal: TenantCaller, days: int = 31):
              "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens} for r in rows]
     totals = {"requests": sum(r.requests for r in rows), "prompt_tokens": sum(r.prompt_tokens for r in rows),
               "completion_tokens": sum(r.completion_tokens for r in rows)}
-    return {"object": "list", "tenant": principal.tenant_id, "data": data, "totals": totals}
+    return {"object": "list", "tenant": principal.tenant_id, "data": data, "totals": totals,
+            "limits": _limits(ctx, principal)}
+
+
+def _limits(ctx, principal) -> dict:
+    """The limits that apply to the caller's requests, to read usage against (the console draws them
+    beside its charts): its key's rates and sequences in flight, the band, the tenant's monthly quota."""
+    quota = ctx.inference.quota
+    snapshot = quota.snapshot().get(principal.tenant_id) if quota is not None else None
+    return {"requests_per_minute": principal.requests_per_minute, "tokens_per_minute": principal.tokens_per_minute,
+            "max_concurrent_sequences": principal.max_concurrent_sequences,
+            "tenant_max_concurrent_sequences": principal.tenant_max_concurrent_sequences,
+            "priority": principal.priority or principal.tenant_priority,
+            "monthly_token_quota": snapshot[0] if snapshot else None,
+            "monthly_tokens_used": snapshot[1] if snapshot else None}
