@@ -33,7 +33,7 @@ COPY inferplane /tmp/inferplane-src/inferplane
 RUN /opt/inferplane/bin/python -m pip install 'numpy>=1.26' 'xxhash>=3.4' 'google-re2>=1.1' 'gguf>=0.17' \
       'safetensors>=0.4' 'tokenizers>=0.20' 'jinja2>=3.1' 'grpcio>=1.85.4' \
       'grpcio-health-checking>=1.85' 'grpcio-reflection>=1.85' 'protobuf>=7.35.1' \
-      'prometheus-client>=0.20' 'pyyaml>=6' 'pydantic>=2.7' 'fastapi>=0.115' \
+      'prometheus-client>=0.20' 'pyyaml>=6' 'pydantic>=2.7' 'fastapi>=0.115' 'fastapi-offline>=1.7' \
       'uvicorn[standard]>=0.30' "uvloop>=0.19; sys_platform != 'win32'" 'httpx>=0.27' \
       'sqlalchemy>=2.0' 'alembic>=1.13' 'psycopg[binary]>=3.2' 'pyjwt[crypto]>=2.9' \
       'grafana-foundation-sdk==1769699998!10.1.0' 'llguidance>=1.9.1' 'boto3>=1.34' 'redis>=5' \

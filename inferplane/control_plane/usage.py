@@ -169,6 +169,25 @@ class UsageRecorder:
             return len(batch)
 
 
+@dataclass(frozen=True)
+class TenantTotals:
+    tenant_id: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def totals_by_tenant(session: Session, *, start: datetime) -> list[TenantTotals]:
+    """Every tenant's usage summed since `start`, most tokens first: the platform admin's view
+    across tenants (`GET /admin/v1/usage`, the console's tenants page), never a tenant's."""
+    tokens = func.sum(Usage.prompt_tokens) + func.sum(Usage.completion_tokens)
+    query = (select(Usage.tenant_id, func.sum(Usage.requests), func.sum(Usage.prompt_tokens),
+                    func.sum(Usage.completion_tokens))
+             .where(Usage.minute >= start).group_by(Usage.tenant_id).order_by(tokens.desc(), Usage.tenant_id))
+    return [TenantTotals(tenant, int(requests or 0), int(prompt or 0), int(completion or 0))
+            for tenant, requests, prompt, completion in session.execute(query)]
+
+
 def query_usage(
     session: Session,
     tenant_id: str,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -36,6 +37,36 @@ def test_the_operator_and_the_gateway_run_from_the_image_as_the_chart_says(platf
                          "except OSError: w = 'read-only'\n"
                          "print(os.getuid(), os.getgid(), w)").stdout.split()
         assert who == ["10001", "10001", "read-only"], who
+    # The console comes with the gateway's image: its page and assets, and a session for the admin key
+    # whose cookie, with its CSRF header, reads the operators' deployments view.
+    with httpx.Client(base_url=platform.gateway_url, timeout=120) as browser:
+        page = browser.get("/console/")
+        assert page.status_code == 200 and "console.js" in page.text
+        assert browser.get("/console/static/vendor/uplot/uPlot.iife.min.js").status_code == 200
+        session = browser.post("/console/api/session", json={"key": platform.admin_key})
+        assert session.status_code == 200 and session.json()["role"] == "platform-admin", session.text
+        listed = browser.get("/console/api/deployments", headers={"X-CSRF-Token": session.json()["csrf"]})
+        assert listed.status_code == 200, listed.text
+        assert browser.get("/console/api/deployments").status_code == 403  # the cookie without its header
+
+
+def _console_shows(platform: Platform, deployment: str, runtime: str) -> None:
+    with httpx.Client(base_url=platform.gateway_url, timeout=120) as browser:
+        session = browser.post("/console/api/session", json={"key": platform.admin_key})
+        assert session.status_code == 200, session.text
+        deadline = time.monotonic() + 60  # the catalog sync lists the resources every few seconds
+        while True:
+            listed = browser.get("/console/api/deployments", headers={"X-CSRF-Token": session.json()["csrf"]})
+            assert listed.status_code == 200, listed.text
+            row = next((d for d in listed.json()["data"] if d["deployment"] == deployment), None)
+            if row is not None and row["conditions"] and row["runtime"]:
+                break
+            assert time.monotonic() < deadline, listed.text
+            time.sleep(2)
+        assert row["runtime"] == runtime and row["ready"] >= 1, row
+        assert {c["type"] for c in row["conditions"]} and all(c["status"] in ("True", "False", "Unknown")
+                                                              for c in row["conditions"]), row
+        assert row["replicas"][0]["kv_blocks_total"], row
 
 
 def _ask(client: openai.OpenAI, model: str) -> None:
@@ -98,6 +129,8 @@ def test_a_registry_model_is_fetched_and_answered_by_each_runtime(platform: Plat
         _check_memory_on_the_node(platform, kubectl, pod, runtime)
         wait_served(platform, key, name)
         _ask(openai.OpenAI(base_url=f"{platform.gateway_url}/v1", api_key=key, max_retries=0, timeout=300), name)
+        if runtime == "paged":  # the console's deployments view: the resource's conditions and its worker's report
+            _console_shows(platform, f"{WATCHED}/{name}", runtime)
     finally:
         undeploy(platform, name)
 

@@ -8,6 +8,8 @@ The browser-level checks (a real Chromium) are in tests/console/.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import httpx
 import pytest
 
@@ -15,6 +17,7 @@ from inferplane.control_plane import auth, tenants
 from inferplane.control_plane.gateway.console.sessions import COOKIE_NAME, ConsoleSessions
 from inferplane.control_plane.gateway.rest import create_asgi_app
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
+from inferplane.control_plane.orm import Usage
 from tests.control_plane.fake_worker import RecordingWorker, route_to, serve
 
 pytestmark = pytest.mark.usefixtures("no_proxy")
@@ -31,6 +34,9 @@ def gateway(tmp_path):
         gw.infer_key = auth.create_key(s, "acme", actor="t", scopes="infer models:read").secret
         gw.other_key = auth.create_key(s, "globex", actor="t", scopes="infer models:read admin").secret
     gw.keys.refresh()
+    with gw.sessions.begin() as s:  # usage the platform admin sums across tenants
+        s.add_all([Usage(tenant_id="acme", model="m", minute=datetime.now(UTC).replace(second=0, microsecond=0)
+                         - timedelta(minutes=i), requests=1, prompt_tokens=3, completion_tokens=4) for i in range(2)])
     yield gw
     gw.engine.dispose()
 
@@ -95,7 +101,7 @@ async def test_the_cookie_needs_its_csrf_header_everywhere(gateway, tokenizer) -
 async def test_rights_are_exactly_the_credentials(gateway) -> None:
     async with client(gateway) as http:  # a tenant admin: its own tenant only, no operator pages
         csrf = {"x-csrf-token": (await sign_in(http, gateway.admin_key))["csrf"]}
-        for path in ("/admin/v1/tenants", "/console/api/deployments", "/console/api/health",
+        for path in ("/admin/v1/tenants", "/admin/v1/usage", "/console/api/deployments", "/console/api/health",
                      "/admin/v1/keys?tenant_id=globex", "/admin/v1/tenants/globex/webhooks"):
             assert (await http.get(path, headers=csrf)).status_code == 403, path
         keys = (await http.get("/admin/v1/keys", headers=csrf)).json()["data"]
@@ -111,6 +117,8 @@ async def test_rights_are_exactly_the_credentials(gateway) -> None:
         listed = (await http.get("/admin/v1/tenants", headers=csrf)).json()["data"]
         assert {t["id"] for t in listed} >= {"acme", "globex"}
         assert (await http.get("/console/api/deployments", headers=csrf)).status_code == 200
+        across = (await http.get("/admin/v1/usage", headers=csrf)).json()["data"]
+        assert [t["tenant_id"] for t in across] == ["acme"] and across[0]["requests"] == 2
         health = (await http.get("/console/api/health", headers=csrf)).json()["components"]
         assert {c["component"] for c in health} >= {"gateway", "database", "workers"}
         refused = await http.post("/v1/completions", json={"model": "m", "prompt": "hi"}, headers=csrf)
@@ -175,7 +183,7 @@ async def test_pages_and_docs_are_served_from_the_package(gateway) -> None:
         assert page.status_code == 200 and "console.js" in page.text
         assert "default-src 'self'" in page.headers["content-security-policy"]
         assert page.headers["x-frame-options"] == "DENY"
-        for asset in ("console.js", "console.css", "vendor/uplot-1.6.32/uPlot.iife.min.js"):
+        for asset in ("console.js", "console.css", "vendor/uplot/uPlot.iife.min.js"):
             assert (await http.get(f"/console/static/{asset}")).status_code == 200, asset
         assert (await http.get("/console/static/../sessions.py")).status_code == 404
         docs = await http.get("/docs")

@@ -107,8 +107,11 @@ async def test_apply_sets_changes_and_removes_routes() -> None:
     sync = KubernetesCatalogSync(router, Catalog(), WorkerChannels(), lister=lambda: resources,
                                  source_factory=factory)
     StaticPollingSource.started = StaticPollingSource.cancelled = 0
+    resources[0]["status"] = {"conditions": [{"type": "Ready", "status": "False", "reason": "Rollout"}]}
     try:
-        sync.apply(resource_routes(resources))
+        await sync.sync_once()  # the listing's conditions are kept by deployment name (the console shows them)
+        assert sync.conditions["team-a/llama-a"] == [{"type": "Ready", "status": "False", "reason": "Rollout"}]
+        assert sync.conditions["team-a/qwen-a"] == []
         await asyncio.sleep(0)
         assert router.models() == ["llama", "qwen"] and StaticPollingSource.started == 3
         deps = router.deployments("llama")

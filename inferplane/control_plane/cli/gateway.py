@@ -75,7 +75,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      help="required 'iss' claim, e.g. your identity provider's URL (default: $INFERPLANE_JWT_ISSUER; "
                           "unset: not checked)")
     parser.add_argument("--salt-secret-file", default=env("INFERPLANE_SALT_SECRET_FILE"),
-                        help="secret keying tenants' prefix-cache salts; every gateway replica needs the same one "
+                        help="secret keying tenants' prefix-cache salts and signing console sessions; every gateway "
+                             "replica needs the same one "
                              "(hex, or any text) (default: $INFERPLANE_SALT_SECRET_FILE; $INFERPLANE_SALT_SECRET "
                              "gives it directly; unset: random per process)")
     parser.add_argument("--resync-interval", type=float, default=env("INFERPLANE_RESYNC_INTERVAL", "5"),
@@ -310,6 +311,7 @@ async def _serve(args: argparse.Namespace, plan: _Plan) -> int:
     sync = KubernetesCatalogSync.from_api_client(
         plan.api_client, gateway.router, gateway.catalog, gateway.channels, namespaces=plan.namespaces,
         resync_interval=args.resync_interval, endpoint_interval=args.endpoint_interval, autoscaler=autoscaler)
+    gateway.context.deployment_conditions = lambda: sync.conditions  # the console's deployments page
     try:
         await gateway.start()
         sync.start()
@@ -348,7 +350,7 @@ def run(args: argparse.Namespace) -> int:
     if not settings.salt_secret:
         logging.getLogger("inferplane.gateway").warning(
             "no salt secret (--salt-secret-file / $INFERPLANE_SALT_SECRET): prefix affinity will differ between "
-            "gateway replicas")
+            "gateway replicas, and a console session signed in on one replica is refused by the others")
     try:
         api_client = load_api_client(args.kubeconfig, args.context)
     except KubeConfigError as exc:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -46,6 +46,9 @@ class GatewayContext:
     # Console sign-ins (gateway/console/): a session cookie stands in for the credential it was
     # exchanged for, with a CSRF header (None: no console, the cookie is ignored).
     console: ConsoleSessions | None = None
+    # Deployment name -> its resource's status conditions (the cluster's catalog sync sets it; None:
+    # no resources behind the deployments, as under `inferplane up`).
+    deployment_conditions: Callable[[], Mapping[str, list[dict[str, Any]]]] | None = None
 
     def tenant_principal(self, credential: str | None) -> Principal:
         if not credential:

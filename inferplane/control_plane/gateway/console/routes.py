@@ -143,6 +143,7 @@ async def deployments(ctx: Context, principal: AdminCaller) -> dict:
         listed.append((model, name, ready, desired, deployment, addresses))
     everyone = sorted({a for *_, addresses in listed for a in addresses})
     reports = dict(zip(everyone, await asyncio.gather(*(_worker_stats(ctx, a) for a in everyone)), strict=True))
+    conditions = ctx.deployment_conditions() if ctx.deployment_conditions is not None else {}
     rows = []
     for model, name, ready, desired, deployment, addresses in listed:
         replicas = [{"address": a, "healthy": router_.health.is_healthy(a), "in_flight": router_.load.outstanding(a),
@@ -153,7 +154,9 @@ async def deployments(ctx: Context, principal: AdminCaller) -> dict:
                      "kind": card.kind if card else None, "max_model_len": card.max_model_len if card else None,
                      "owner_tenant": card.owner_tenant if card else None,
                      "routing_policy": deployment.routing_policy if deployment is not None else None,
-                     "autoscaler": _autoscaler_decision(ctx, name), "replicas": replicas})
+                     "autoscaler": _autoscaler_decision(ctx, name), "replicas": replicas,
+                     "conditions": [{k: c.get(k) for k in ("type", "status", "reason", "message")}
+                                    for c in conditions[name]] if name in conditions else None})
     return {"object": "list", "data": rows}
 
 

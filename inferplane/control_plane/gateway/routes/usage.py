@@ -12,7 +12,12 @@ from fastapi import APIRouter
 
 from inferplane.control_plane import usage
 from inferplane.control_plane.errors import Forbidden
-from inferplane.control_plane.gateway.routes.dependencies import Context, TenantCaller
+from inferplane.control_plane.gateway.routes.dependencies import (
+    AdminCaller,
+    Context,
+    TenantCaller,
+    require_platform_admin,
+)
 
 router = APIRouter()
 
@@ -30,6 +35,16 @@ def get_usage(ctx: Context, principal: TenantCaller, days: int = 31):
               "completion_tokens": sum(r.completion_tokens for r in rows)}
     return {"object": "list", "tenant": principal.tenant_id, "data": data, "totals": totals,
             "limits": _limits(ctx, principal)}
+
+
+@router.get("/admin/v1/usage")
+def admin_usage(ctx: Context, principal: AdminCaller, days: int = 31):
+    """Every tenant's totals over the last `days` (a platform admin's; a tenant reads its own at /v1/usage)."""
+    require_platform_admin(principal)
+    start = datetime.now(UTC) - timedelta(days=max(1, min(days, 366)))
+    with ctx.sessions.begin() as session:
+        totals = usage.totals_by_tenant(session, start=start)
+    return {"object": "list", "days": max(1, min(days, 366)), "data": [t.__dict__ for t in totals]}
 
 
 def _limits(ctx, principal) -> dict:

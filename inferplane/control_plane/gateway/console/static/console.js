@@ -364,13 +364,19 @@ async function alertsPage(main) {
     const message = el("p", {});
     sections.push(el("section", {}, el("h2", {}, "Webhook"),
       pagedTable([["url", (h) => h.url], ["created", (h) => when(h.created_at)]], hooks, "webhooks-table"),
-      el("form", { onsubmit: async (event) => {
+      el("form", { id: "webhook-form", onsubmit: async (event) => {
         event.preventDefault();
         try {
-          await api("PUT", `/admin/v1/tenants/${encodeURIComponent(session.tenant)}/webhooks`, { url: url.value });
+          const set = await api("PUT", `/admin/v1/tenants/${encodeURIComponent(session.tenant)}/webhooks`,
+                                { url: url.value });
           await alertsPage(main);
+          if (set && set.secret) {  // generated here: shown this once, as a new key is
+            document.getElementById("webhooks-table").after(el("p", {}, "Signing secret (shown once, copy it now):"),
+              el("div", { class: "secret", id: "webhook-secret" }, set.secret));
+          }
         } catch (error) { message.replaceChildren(errorBox(error)); }
-      } }, el("label", {}, "Webhook URL", url), el("button", { type: "submit" }, "Set webhook"), message)));
+      } }, el("label", {}, "Webhook URL", url), el("button", { type: "submit", id: "set-webhook" }, "Set webhook"),
+        message)));
   }
   main.replaceChildren(...sections);
 }
@@ -387,6 +393,8 @@ async function deploymentsPage(main) {
       ["autoscaler", (d) => d.autoscaler ? `wants ${d.autoscaler.desired} of max ${d.autoscaler.max}` +
         ` · load ${d.autoscaler.saturation === null ? "—" : d.autoscaler.saturation.toFixed(2)}` +
         (d.autoscaler.panic ? " · panic" : "") : "off"],
+      ["conditions", (d) => d.conditions === null ? "—" : d.conditions.map((c) => el("div", { title: fmt(c.message) },
+        el("span", { class: c.status === "True" ? "ok" : "bad" }, `${c.type}=${c.status}`), c.reason ? ` (${c.reason})` : ""))],
       ["routing", (d) => fmt(d.routing_policy)], ["context", (d) => fmt(d.max_model_len)],
       ["replicas", (d) => d.replicas.length ? d.replicas.map((r) => el("div", {},
         el("span", { class: r.healthy ? "ok" : "bad", title: r.healthy ? "healthy" : "unhealthy" }, r.healthy ? "●" : "○"),
@@ -413,8 +421,13 @@ async function modelsPage(main) {
 
 async function tenantsPage(main) {
   const tenants = (await api("GET", "/admin/v1/tenants")).data;
+  const used = Object.fromEntries((await api("GET", "/admin/v1/usage?days=31")).data.map((u) => [u.tenant_id, u]));
+  const usedBy = (t) => used[t.id] || { requests: 0, prompt_tokens: 0, completion_tokens: 0 };
   main.replaceChildren(el("section", {}, el("h1", {}, "Tenants"), pagedTable([
-    ["id", (t) => t.id], ["name", (t) => fmt(t.display_name)], ["monthly quota", (t) => fmt(t.monthly_token_quota)],
+    ["id", (t) => t.id], ["name", (t) => fmt(t.display_name)],
+    ["last 31 days", (t) => `${usedBy(t).requests} requests · ` +
+      `${usedBy(t).prompt_tokens + usedBy(t).completion_tokens} tokens`],
+    ["monthly quota", (t) => fmt(t.monthly_token_quota)],
     ["key ceilings", (t) => `${fmt(t.key_requests_per_minute_max)} req/min · ${fmt(t.key_tokens_per_minute_max)} tok/min`],
     ["band", (t) => fmt(t.priority)], ["sequences", (t) => fmt(t.max_concurrent_sequences)], ["created", (t) => when(t.created_at)],
   ], tenants, "tenants-table")));
