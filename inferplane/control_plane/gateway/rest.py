@@ -11,12 +11,20 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from fastapi_offline import FastAPIOffline
 
-from inferplane.control_plane.gateway.console import routes as console
 from inferplane.control_plane.gateway.context import GatewayContext
 from inferplane.control_plane.gateway.errors import ERROR_RESPONSES, install_error_handlers
 from inferplane.control_plane.gateway.fast_path import InferenceFastPath
 from inferplane.control_plane.gateway.middleware import LimitsAndMetrics
-from inferplane.control_plane.gateway.routes import alerts, inference, keys, registry, service, tenants, usage
+from inferplane.control_plane.gateway.routes import (
+    alerts,
+    console,
+    inference,
+    keys,
+    registry,
+    service,
+    tenants,
+    usage,
+)
 
 # In this order: it is the order of the paths in the OpenAPI schema, and of matching. No route of
 # one router shadows another's (`/v1/models/{model_id:path}` matches nothing outside /v1/models/,

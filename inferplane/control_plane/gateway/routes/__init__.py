@@ -7,6 +7,7 @@
   tenants     /admin/v1/tenants
   keys        /admin/v1/keys
   registry    /admin/v1/models and /admin/v1/adapters
+  console     the web console's page, sign-in and sign-out, and its operators' views (sessions: ../console/)
 
 `dependencies` is what they share: the gateway's context (on `app.state`), the authenticated
 caller, and what a caller may manage.

@@ -3,7 +3,7 @@ lack (deployments and component health for operators).
 
 Everything else the page shows comes from the APIs the CLI and clients already use (`/v1/models`,
 `/v1/chat/completions`, `/v1/usage`, `/v1/alerts`, `/admin/v1/...`), called with the session
-cookie and its CSRF header (sessions.py): one implementation of each rule, and the console can do
+cookie and its CSRF header (console/sessions.py): one implementation of each rule, and the console can do
 exactly what its credential can.
 """
 
