@@ -13,6 +13,7 @@ they are written to docs/console/ (the docs show them).
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import shutil
 import threading
@@ -171,6 +172,18 @@ def test_a_tenant_in_the_console(up, browser, shots) -> None:
     stats = page.text_content("#stats")
     assert "TTFT" in stats and "ms" in stats and "tokens/s" in stats
     shots.take(page, "playground")
+    # the JSON-schema box asks for structured output (the gateway takes it: the stream completes)
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    sent: list[dict] = []
+    page.route("**/v1/chat/completions", lambda route: (sent.append(route.request.post_data_json), route.continue_()))
+    page.fill("#schema", json.dumps(schema))
+    page.click("#send")
+    page.wait_for_selector("#stats[data-done]", timeout=WAIT_MS)
+    assert page.get_attribute("#stats", "data-done") == "true", page.text_content("#output")
+    assert sent[-1]["response_format"] == {"type": "json_schema", "json_schema": {"name": "console", "schema": schema}}
+    assert not page.query_selector("#output [role=alert]"), page.text_content("#output")
+    page.unroute("**/v1/chat/completions")
+    page.fill("#schema", "")
 
     # usage rises after requests
     before = usage_requests(page)

@@ -142,12 +142,14 @@ async function playgroundPage(main) {
     send.disabled = true;
     output.textContent = "";
     stats.textContent = "";
+    delete stats.dataset.done;
     try {
       await stream({ model: model.value, mode: mode.value, temperature: Number(temperature.value),
                      top_p: Number(topP.value), max_tokens: Number(maxTokens.value), schema: schema.value.trim(),
                      prompt: prompt.value }, output, stats);
     } catch (error) {
       output.append(errorBox(error));
+      stats.dataset.done = "error";
     } finally { send.disabled = false; }
   });
   main.replaceChildren(el("section", {}, el("h1", {}, "Playground"),
