@@ -3,6 +3,7 @@
   alerts      Alertmanager's webhook, a tenant's alerts, its webhook URLs
   service     /healthz, /readyz and the root banner (not in the OpenAPI schema)
   inference   the OpenAI-compatible tenant API: models, completions, chat, embeddings
+  messages    Anthropic's Messages API, served as chat completions
   usage       a tenant's token usage
   tenants     /admin/v1/tenants
   keys        /admin/v1/keys
