@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import importlib.util
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -27,6 +28,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "quant-check": ("inferplane.worker.quant.cli", "int8 quality gate: perplexity, agreement, KL"),
     "fetch-model": ("inferplane.storage.cli", "fetch and verify model weights into the node cache"),
 }
+
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's), or what a source tree without one says."""
+    try:
+        return importlib.metadata.version("inferplane")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _available() -> dict[str, tuple[str, str]]:
@@ -47,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     die_with_parent()  # a child of `inferplane up`'s supervisor ends with it
     parser = argparse.ArgumentParser(prog="inferplane", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"inferplane {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
     for name, (module_name, help_text) in _available().items():

@@ -143,3 +143,28 @@ def test_cli_modules_import_cheaply() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_tables_show_limits_and_bands(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 59: `tenants list` and `keys list` hid the limits and bands a key or tenant runs under."""
+    db = ("--db-url", db_url)
+    assert _run(capsys, "tenants", "create", "acme", "--key-rpm-max", "700", "--priority", "batch",
+                "--max-concurrent-sequences", "9", *db)[0] == 0
+    assert _run(capsys, "keys", "create", "--tenant", "acme", "--rpm", "600", "--tpm", "12345",
+                "--priority", "batch", "--max-concurrent-sequences", "3", *db)[0] == 0
+    header, row = _run(capsys, "tenants", "list", *db)[1].splitlines()
+    assert "KEY REQ/MIN" in header and "BAND" in header and "SEQS" in header
+    assert row.split()[:6] == ["acme", "unlimited", "700", "-", "9", "batch"]
+    header, row = _run(capsys, "keys", "list", *db)[1].splitlines()
+    assert "REQ/MIN" in header and "TOK/MIN" in header and "BAND" in header
+    assert row.split()[5:9] == ["600", "12345", "3", "batch"]  # after the two default scopes
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"inferplane {version('inferplane')}"
+

@@ -85,6 +85,10 @@ def _as_dict(info: Any) -> dict[str, Any]:
     return dataclasses.asdict(info)
 
 
+def _limit(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
 def _list(args: argparse.Namespace, sessions: Any) -> int:
     from inferplane.control_plane.auth import ALL_TENANTS, list_keys
 
@@ -93,13 +97,15 @@ def _list(args: argparse.Namespace, sessions: Any) -> int:
     if args.json:
         print_json(keys)
         return 0
-    print(f"{'KEY ID':<18} {'TENANT':<20} {'STATE':<8} {'SCOPES':<28} {'EXPIRES':<17} {'LAST USED':<17} NAME")
+    print(f"{'KEY ID':<18} {'TENANT':<20} {'STATE':<8} {'SCOPES':<28} {'REQ/MIN':>9} {'TOK/MIN':>10} {'SEQS':>6} "
+          f"{'BAND':<10} {'EXPIRES':<17} {'LAST USED':<17} NAME")
     for k in keys:
         state = "revoked" if k.revoked_at else ("active" if k.active else "expired")
         expires = f"{k.expires_at:%Y-%m-%d %H:%M}" if k.expires_at else "never"
         used = f"{k.last_used_at:%Y-%m-%d %H:%M}" if k.last_used_at else "never"
-        print(f"{k.id:<18} {k.tenant_id:<20} {state:<8} {' '.join(k.scopes):<28} {expires:<17} {used:<17} "
-              f"{k.name or ''}")  # fmt: skip
+        print(f"{k.id:<18} {k.tenant_id:<20} {state:<8} {' '.join(k.scopes):<28} {_limit(k.requests_per_minute):>9} "
+              f"{_limit(k.tokens_per_minute):>10} {_limit(k.max_concurrent_sequences):>6} {k.priority or '-':<10} "
+              f"{expires:<17} {used:<17} {k.name or ''}")  # fmt: skip
     return 0
 
 

@@ -119,10 +119,14 @@ def _list(args: argparse.Namespace, sessions: Any) -> int:
     if args.json:
         print_json(tenants)
         return 0
-    print(f"{'TENANT':<24} {'QUOTA/MONTH':>14}  {'CREATED':<20} NAME")
+    print(f"{'TENANT':<24} {'QUOTA/MONTH':>14} {'KEY REQ/MIN':>12} {'KEY TOK/MIN':>12} {'SEQS':>6} {'BAND':<10} "
+          f"{'CREATED':<20} NAME")
     for t in tenants:
         quota = "unlimited" if t.monthly_token_quota is None else str(t.monthly_token_quota)
-        print(f"{t.id:<24} {quota:>14}  {t.created_at:%Y-%m-%d %H:%M:%S}  {t.display_name or ''}")
+        ceilings = [("-" if v is None else str(v)) for v in (t.key_requests_per_minute_max,
+                                                               t.key_tokens_per_minute_max, t.max_concurrent_sequences)]
+        print(f"{t.id:<24} {quota:>14} {ceilings[0]:>12} {ceilings[1]:>12} {ceilings[2]:>6} {t.priority or '-':<10} "
+              f"{t.created_at:%Y-%m-%d %H:%M:%S}  {t.display_name or ''}")
     return 0
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import jwt
 
+from inferplane.api.priority import BANDS
 from inferplane.control_plane.auth import SCOPES, KeyCache, Principal, verify_bootstrap_key
 from inferplane.control_plane.errors import Forbidden, Unauthenticated
 from inferplane.control_plane.tokens import AdminTokenVerifier
@@ -51,6 +52,7 @@ class SessionInfo:
     scopes: tuple[str, ...]
     subject: str
     expires_at: int
+    bands: tuple[str, ...] = BANDS  # the priority bands a key may be given (the keys page offers them)
 
 
 def session_cookie(cookie_header: str | None) -> str | None:

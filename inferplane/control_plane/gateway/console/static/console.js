@@ -251,7 +251,7 @@ async function keysPage(main) {
     tokens_per_minute: el("input", { id: "key-tpm", type: "number", min: "1" }),
     max_concurrent_sequences: el("input", { id: "key-seqs", type: "number", min: "1" }),
   };
-  const band = el("select", { id: "key-band" }, ["", "critical", "standard", "sheddable"].map((b) =>
+  const band = el("select", { id: "key-band" }, ["", ...session.bands].map((b) =>
     el("option", { value: b }, b || "(tenant's)")));
   const scopes = ["infer", "models:read", "admin"].map((scope) =>
     el("input", { type: "checkbox", value: scope, checked: scope !== "admin", "data-scope": scope }));
