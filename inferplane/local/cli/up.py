@@ -36,12 +36,45 @@ def _inferplane() -> str:
     return f"{_python()} -m inferplane.cli"
 
 
+def _example_model(platform, deployments) -> tuple[str, bool]:
+    """The model the banner's examples call, and whether it has a chat template: the first generative
+    one (an embedding model answers neither call), asked as a chat where its tokenizer has a template,
+    else as a completion (a base model without one answers a chat call with a 400)."""
+    from inferplane.control_plane.errors import ModelNotFound
+
+    for deployment in deployments:
+        try:
+            served = platform.gateway.catalog.get(deployment.served_model_name, None)
+        except ModelNotFound:
+            continue
+        if served.kind == "generate":
+            return served.name, served.tokenizer.chat_template is not None
+    return deployments[0].served_model_name, True
+
+
+def _examples(base: str, model: str, chat: bool) -> list[str]:
+    """A curl and an `openai` client call of `model`, as a chat or as a completion."""
+    auth = "-H \"Authorization: Bearer $INFERPLANE_API_KEY\" -H 'Content-Type: application/json' \\"
+    client = (f"  {_python()} -c \"import os; from openai import OpenAI; c = OpenAI(base_url='{base}/v1', "
+              f"api_key=os.environ['INFERPLANE_API_KEY']); ")
+    if chat:
+        return [f"  curl -s {base}/v1/chat/completions {auth}",
+                f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+                f"\"max_tokens\": 32}}'",
+                client + f"print(c.chat.completions.create(model='{model}', "
+                f"messages=[{{'role': 'user', 'content': 'Hello!'}}], max_tokens=32).choices[0].message.content)\""]
+    return [f"  curl -s {base}/v1/completions {auth}",
+            f"    -d '{{\"model\": \"{model}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 32}}'",
+            client + f"print(c.completions.create(model='{model}', prompt='The capital of France is', "
+            f"max_tokens=32).choices[0].text)\""]
+
+
 def banner(platform, host: str, port: int, grpc_port: int | None) -> str:
     """What `inferplane up` prints once the workers serve. Every command in it works when pasted
     into a POSIX shell, in order: the first exports the tenant key the others use."""
     base = f"http://{host}:{port}"
     deployments = list(platform.supervisor.deployments.values())
-    model = deployments[0].served_model_name
+    model, chat = _example_model(platform, deployments)
     key = platform.tenant_key
     models = ", ".join(sorted(d.served_model_name for d in deployments))
     lines = ["", f"inferplane is up: {base}/v1  (models: {models})"]
@@ -58,15 +91,7 @@ def banner(platform, host: str, port: int, grpc_port: int | None) -> str:
                   f"{_python()} -c 'import json, sys; print(json.load(sys.stdin)[\"key\"])')")
     lines += [f"admin key: in {platform.home / 'admin-key'}",
               f"console: {base}/console/  (sign in with the tenant key, or the admin key for the operator pages)",
-              "", "try it:", f"  {export}",
-              f"  curl -s {base}/v1/chat/completions -H \"Authorization: Bearer $INFERPLANE_API_KEY\" "
-              "-H 'Content-Type: application/json' \\",
-              f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
-              f"\"max_tokens\": 32}}'",
-              f"  {_python()} -c \"import os; from openai import OpenAI; c = OpenAI(base_url='{base}/v1', "
-              f"api_key=os.environ['INFERPLANE_API_KEY']); print(c.chat.completions.create(model='{model}', "
-              f"messages=[{{'role': 'user', 'content': 'Hello!'}}], max_tokens=32).choices[0].message.content)\"",
-              ""]
+              "", "try it:", f"  {export}", *_examples(base, model, chat), ""]
     if grpc_port:
         lines += [f"gRPC tenant API (inferplane.v1.Inference) on {host}:{grpc_port}"]
     gateway_metrics = platform.gateway_metrics_url
