@@ -41,6 +41,7 @@ SCOPE_MODELS_READ = "models:read"
 SCOPE_ADMIN = "admin"
 SCOPES = frozenset({SCOPE_INFER, SCOPE_MODELS_READ, SCOPE_ADMIN})
 DEFAULT_SCOPES = (SCOPE_INFER, SCOPE_MODELS_READ)
+CATCH_UP_INTERVAL_S = 0.1  # KeyCache.catch_up: the most often a request with an unknown key refreshes the cache
 
 KEY_PREFIX = "ip_"
 _KEY_RE = re.compile(r"^ip_([0-9a-f]{16})_([A-Za-z0-9]{43})$")
@@ -383,6 +384,9 @@ class KeyCache:
         self._last_full = float("-inf")
         self._used: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._catching_up = None  # the refresh requests with unknown keys wait on (catch_up)
+        self._last_catch_up = float("-inf")
+        self.catch_ups = 0  # refreshes catch_up ran
         self._loop = PeriodicThread("inferplane-key-cache", lambda: self.refresh_interval, self.refresh,
                                     "API key cache refresh failed; serving the cached keys")
 
@@ -475,6 +479,38 @@ class KeyCache:
             raise Forbidden(f"this API key lacks the {scope!r} scope")
         self._used[key_id] = now
         return self._principal(cached)
+
+    def unknown(self, presented: str | None) -> bool:
+        """Whether `presented` is shaped like a key whose id this cache does not hold (yet): one
+        made elsewhere since the last refresh, or no key at all."""
+        try:
+            key_id, _ = parse_key(presented or "")
+        except Unauthenticated:
+            return False
+        return key_id not in self._keys
+
+    async def catch_up(self) -> None:
+        """One refresh now, off the event loop, for a request whose key this cache does not hold:
+        a key made a moment ago (`inferplane keys create` writes the database, not this gateway)
+        works at once instead of after the next refresh. Requests waiting at the same time share one
+        refresh, and refreshes for unknown keys start at most every CATCH_UP_INTERVAL_S, so a
+        flood of made-up keys costs the database a few small reads a second, never the loop."""
+        import asyncio
+
+        if self._catching_up is None or self._catching_up.done():
+            async def refresh() -> None:
+                wait = self._last_catch_up + CATCH_UP_INTERVAL_S - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                self._last_catch_up = time.monotonic()
+                self.catch_ups += 1
+                await asyncio.to_thread(self.refresh, full=False)
+
+            self._catching_up = asyncio.ensure_future(refresh())
+        try:
+            await asyncio.shield(self._catching_up)
+        except Exception:  # the database is away: the request is refused as it would have been
+            log.warning("refreshing the key cache for an unknown key failed", exc_info=True)
 
     def principal_of(self, key_id: str) -> Principal:
         """Who holds key `key_id`, while it is live: what a console session signed in with that key

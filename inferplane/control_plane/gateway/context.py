@@ -62,6 +62,19 @@ class GatewayContext:
                                   key_cache=self.keys)
 
 
+    async def authenticate(self, authorization: str | None, session: str | None, csrf: str | None, *,
+                           admin: bool) -> Principal:
+        """`caller`, and where a key is refused because this gateway's key cache does not hold it
+        yet, once more after the cache caught up (KeyCache.catch_up): a key made a moment ago
+        through the database works at once."""
+        try:
+            return self.caller(authorization, session, csrf, admin=admin)
+        except Unauthenticated:
+            if not self.keys.unknown(bearer(authorization)):
+                raise
+        await self.keys.catch_up()
+        return self.caller(authorization, session, csrf, admin=admin)
+
     def caller(self, authorization: str | None, session: str | None, csrf: str | None, *,
                admin: bool) -> Principal:
         """Who calls the tenant API (`admin` False) or the admin API: the bearer credential, or

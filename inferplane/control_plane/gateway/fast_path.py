@@ -90,8 +90,9 @@ class InferenceFastPath:
 
     async def _handle(self, endpoint: _Endpoint, scope: Scope, receive) -> Response:
         raw = await self._read_body(receive)
-        principal = self.ctx.caller(header(scope, b"authorization"), session_cookie(header(scope, b"cookie")),
-                                    header(scope, CSRF_HEADER.encode()), admin=False)
+        principal = await self.ctx.authenticate(header(scope, b"authorization"),
+                                                session_cookie(header(scope, b"cookie")),
+                                                header(scope, CSRF_HEADER.encode()), admin=False)
         content_type = header(scope, b"content-type")
         if len(raw) > OFF_LOOP_BODY_BYTES:  # a big body's parse would hold the loop other tenants need
             parsed = await asyncio.to_thread(_parse, endpoint, raw, content_type)

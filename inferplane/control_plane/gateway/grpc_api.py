@@ -18,7 +18,7 @@ import grpc
 from pydantic import ValidationError
 
 from inferplane.control_plane.errors import ControlPlaneError
-from inferplane.control_plane.gateway.context import GatewayContext, bearer
+from inferplane.control_plane.gateway.context import GatewayContext
 from inferplane.control_plane.gateway.embeddings import OFF_LOOP_FLOATS, Embeddings, floats
 from inferplane.control_plane.gateway.errors import as_error, validation_message
 from inferplane.control_plane.gateway.inference import ChatTools
@@ -106,14 +106,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.ctx = ctx
         self.embeddings = Embeddings(ctx)
 
-    def _principal(self, context):
+    async def _principal(self, context):
         metadata = dict(context.invocation_metadata() or ())
-        return self.ctx.tenant_principal(bearer(metadata.get("authorization")))
+        return await self.ctx.authenticate(metadata.get("authorization"), None, None, admin=False)
 
     async def _run(self, context, model: str, params: worker_pb2.SamplingParams, tools=(), tool_choice: str = "",
                    **prompt):
         try:
-            principal = self._principal(context)
+            principal = await self._principal(context)
             if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
                 raise ValueError(f"params.stop_token_ids: at most {MAX_STOP_TOKEN_IDS}")
             try:
@@ -170,7 +170,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def Embed(self, request, context):
         try:
-            principal = self._principal(context)
+            principal = await self._principal(context)
             if request.texts and request.token_ids:
                 raise ValueError("texts and token_ids: give one of them")
             inputs = list(request.texts) if request.texts else [list(t.ids) for t in request.token_ids]

@@ -83,8 +83,8 @@ def banner(platform, host: str, port: int, grpc_port: int | None) -> str:
         export = f"export INFERPLANE_API_KEY={key}"
     else:
         lines += ["the tenant key was shown on the first start; the first command below makes a new one"]
-        # Through the admin API: the gateway knows the key at once (a key written straight to the
-        # database becomes valid at its next key-cache refresh, a second later).
+        # Through the admin API, which needs no access to the database file (a key written straight
+        # to the database works at once too: the gateway's key cache catches up on an unknown key).
         export = (f"export INFERPLANE_API_KEY=$(curl -s -X POST {base}/admin/v1/keys "
                   f"-H \"Authorization: Bearer $(cat {platform.home / 'admin-key'})\" "
                   "-H 'Content-Type: application/json' -d '{\"tenant_id\": \"default\"}' | "

@@ -35,13 +35,15 @@ Context = Annotated[GatewayContext, Depends(gateway_context)]
 
 async def tenant_caller(request: Request, ctx: Context, authorization: str | None = Header(default=None)) -> Principal:
     """The caller of the tenant API: an API key (401 without a valid one), or a tenant's console session."""
-    return ctx.caller(authorization, request.cookies.get(COOKIE_NAME), request.headers.get(CSRF_HEADER), admin=False)
+    return await ctx.authenticate(authorization, request.cookies.get(COOKIE_NAME), request.headers.get(CSRF_HEADER),
+                                  admin=False)
 
 
 async def admin_caller(request: Request, ctx: Context, authorization: str | None = Header(default=None)) -> Principal:
     """The caller of the admin API: a platform admin (JWT or bootstrap key) or a tenant admin's key,
     or a console session signed in with one of those."""
-    return ctx.caller(authorization, request.cookies.get(COOKIE_NAME), request.headers.get(CSRF_HEADER), admin=True)
+    return await ctx.authenticate(authorization, request.cookies.get(COOKIE_NAME), request.headers.get(CSRF_HEADER),
+                                  admin=True)
 
 
 TenantCaller = Annotated[Principal, Depends(tenant_caller)]

@@ -39,8 +39,8 @@ async def create_message(request: Request, ctx: Context) -> Response:
         authorization = request.headers.get("authorization")
         if authorization is None and request.headers.get("x-api-key"):
             authorization = f"Bearer {request.headers['x-api-key']}"
-        principal = ctx.caller(authorization, request.cookies.get(COOKIE_NAME), request.headers.get(CSRF_HEADER),
-                               admin=False)
+        principal = await ctx.authenticate(authorization, request.cookies.get(COOKIE_NAME),
+                                           request.headers.get(CSRF_HEADER), admin=False)
         body = anthropic.parse_request(await request.body())
         chat = anthropic.to_chat(body)
         answer = await Completions(ctx).chat(chat, principal)
