@@ -87,6 +87,9 @@ class LocalPlatform:
         self.manifests = manifests
         self.host, self.port, self.grpc_port = host, port, grpc_port
         home.mkdir(parents=True, exist_ok=True)
+        # Where the admin API may register weights from (model_roots below): made here, so that a
+        # file copied in can be registered without first finding out that the folder must exist.
+        (home / "models").mkdir(exist_ok=True)
         admin_file = home / "admin-key"
         if not admin_file.exists():
             _secret_file(admin_file, "ipadmin_" + secrets.token_urlsafe(32))

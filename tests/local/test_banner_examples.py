@@ -45,6 +45,11 @@ def test_a_model_with_a_chat_template_is_asked_as_a_chat(tmp_path: Path) -> None
     assert "chat.completions.create(model='smol'" in script
 
 
+def test_the_banner_names_the_models_folder(tmp_path: Path) -> None:
+    text = banner(platform(tmp_path, model("smol", template="{{ messages }}")), "127.0.0.1", 8080, None)
+    assert f"copy weights into {tmp_path / 'models'}" in text
+
+
 def test_a_base_model_is_asked_for_a_completion_and_an_embedding_model_is_skipped(tmp_path: Path) -> None:
     served = platform(tmp_path, model("minilm", template=None, kind="embedding"), model("gemma-base", template=None))
     script = examples(banner(served, "127.0.0.1", 8080, None))
@@ -52,3 +57,14 @@ def test_a_base_model_is_asked_for_a_completion_and_an_embedding_model_is_skippe
     assert "/v1/completions" in script and "chat" not in script
     assert body == {"model": "gemma-base", "prompt": "The capital of France is", "max_tokens": 32}
     assert "completions.create(model='gemma-base', prompt=" in script
+
+
+def test_up_makes_the_models_folder(tmp_path: Path) -> None:
+    from inferplane.local.platform import LocalPlatform
+
+    running = LocalPlatform(tmp_path / "home", [], "127.0.0.1", 0, None)
+    try:
+        assert (tmp_path / "home" / "models").is_dir()
+        assert running.gateway.context.model_roots == (str(tmp_path / "home" / "models"),)
+    finally:
+        running.gateway.engine.dispose()

@@ -90,6 +90,7 @@ def banner(platform, host: str, port: int, grpc_port: int | None) -> str:
                   "-H 'Content-Type: application/json' -d '{\"tenant_id\": \"default\"}' | "
                   f"{_python()} -c 'import json, sys; print(json.load(sys.stdin)[\"key\"])')")
     lines += [f"admin key: in {platform.home / 'admin-key'}",
+              f"model files: copy weights into {platform.home / 'models'} to register them through the admin API",
               f"console: {base}/console/  (sign in with the tenant key, or the admin key for the operator pages)",
               "", "try it:", f"  {export}", *_examples(base, model, chat), ""]
     if grpc_port:
