@@ -70,7 +70,9 @@ def up(tmp_path_factory):
 def browser():
     executable = installed("chromium", package="chromium")
     with playwright.sync_playwright() as p:
-        launched = p.chromium.launch(executable_path=executable, args=["--no-sandbox", "--disable-gpu"])
+        # as root, in a container with whatever /dev/shm it has: no sandbox, shared memory in /tmp
+        launched = p.chromium.launch(executable_path=executable,
+                                     args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
         yield launched
         launched.close()
 
