@@ -77,12 +77,16 @@ async function route() {
     location.hash = `#/${available[0][0]}`;
     return;
   }
-  main.replaceChildren(el("p", {}, "Loading…"));
+  // Each visit renders into a view of its own: a page still loading when the user moves on fills a
+  // view no longer on the screen, never the next page's.
+  const view = el("div", { class: "view" }, el("p", {}, "Loading…"));
+  main.replaceChildren(view);
   try {
-    await page[2](main);
+    await page[2](view);
   } catch (error) {
+    if (!view.isConnected) return;
     if (error.status === 401) { session = null; route(); return; }
-    main.replaceChildren(errorBox(error));
+    view.replaceChildren(errorBox(error));
   }
 }
 
@@ -408,7 +412,10 @@ async function deploymentsPage(main) {
     main.replaceChildren(section);
   }
   await draw();
-  refreshTimer = setInterval(() => draw().catch((error) => main.replaceChildren(errorBox(error))), 2000);
+  const timer = refreshTimer = setInterval(() => {
+    if (!main.isConnected) { clearInterval(timer); return; }  // another page is shown now
+    draw().catch((error) => main.replaceChildren(errorBox(error)));
+  }, 2000);
 }
 
 async function modelsPage(main) {
