@@ -13,6 +13,7 @@ about two refresh intervals.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -332,6 +333,10 @@ class _CachedTenant:
     max_concurrent_sequences: int | None = None
 
 
+# Who holds the bootstrap admin key (and a console session signed in with it).
+BOOTSTRAP_PRINCIPAL = Principal(subject="bootstrap", tenant_id=None, scopes=SCOPES, via="bootstrap")
+
+
 def verify_bootstrap_key(presented: str, configured: str | None) -> Principal:
     """Checks the bootstrap admin key (from the gateway's config) in constant time.
 
@@ -344,7 +349,7 @@ def verify_bootstrap_key(presented: str, configured: str | None) -> Principal:
     b = hashlib.sha256(configured.encode()).digest()
     if not hmac.compare_digest(a, b):
         raise Unauthenticated("invalid admin credential")
-    return Principal(subject="bootstrap", tenant_id=None, scopes=SCOPES, via="bootstrap")
+    return BOOTSTRAP_PRINCIPAL
 
 
 class KeyCache:
@@ -495,8 +500,6 @@ class KeyCache:
         works at once instead of after the next refresh. Requests waiting at the same time share one
         refresh, and refreshes for unknown keys start at most every CATCH_UP_INTERVAL_S, so a
         flood of made-up keys costs the database a few small reads a second, never the loop."""
-        import asyncio
-
         if self._catching_up is None or self._catching_up.done():
             async def refresh() -> None:
                 wait = self._last_catch_up + CATCH_UP_INTERVAL_S - time.monotonic()

@@ -212,6 +212,10 @@ class QuotaTracker:
         stored = self._used.get(tenant_id, 0) if month == self._month else 0
         return stored + pending + self._reserved.get(tenant_id, 0)
 
+    def quota_of(self, tenant_id: str) -> int | None:
+        """The tenant's monthly token quota (None: none)."""
+        return self._quota.get(tenant_id)
+
     def snapshot(self) -> dict[str, tuple[int, int]]:
         """(quota, used) of every tenant that has a quota, for the gateway's metrics."""
         return {tenant: (quota, self.used(tenant)) for tenant, quota in list(self._quota.items()) if quota is not None}

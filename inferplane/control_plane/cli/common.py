@@ -62,6 +62,11 @@ def run_cli_command(command: Any, args: argparse.Namespace) -> int:
         sessions.kw["bind"].dispose()
 
 
+def limit_cell(value: int | None) -> str:
+    """A limit in a table: its value, or "-" where none is set."""
+    return "-" if value is None else str(value)
+
+
 def print_json(value: Any) -> None:
     """Prints dataclasses (and lists of them) as JSON, datetimes as ISO 8601."""
     import dataclasses

@@ -11,7 +11,13 @@ from datetime import timedelta
 from typing import Any
 
 from inferplane.api.priority import BANDS
-from inferplane.control_plane.cli.common import add_db_arguments, cli_actor, print_json, run_cli_command
+from inferplane.control_plane.cli.common import (
+    add_db_arguments,
+    cli_actor,
+    limit_cell,
+    print_json,
+    run_cli_command,
+)
 
 _DURATION_RE = re.compile(r"^(\d+)([smhdw]?)$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -85,10 +91,6 @@ def _as_dict(info: Any) -> dict[str, Any]:
     return dataclasses.asdict(info)
 
 
-def _limit(value: int | None) -> str:
-    return "-" if value is None else str(value)
-
-
 def _list(args: argparse.Namespace, sessions: Any) -> int:
     from inferplane.control_plane.auth import ALL_TENANTS, list_keys
 
@@ -103,8 +105,9 @@ def _list(args: argparse.Namespace, sessions: Any) -> int:
         state = "revoked" if k.revoked_at else ("active" if k.active else "expired")
         expires = f"{k.expires_at:%Y-%m-%d %H:%M}" if k.expires_at else "never"
         used = f"{k.last_used_at:%Y-%m-%d %H:%M}" if k.last_used_at else "never"
-        print(f"{k.id:<18} {k.tenant_id:<20} {state:<8} {' '.join(k.scopes):<28} {_limit(k.requests_per_minute):>9} "
-              f"{_limit(k.tokens_per_minute):>10} {_limit(k.max_concurrent_sequences):>6} {k.priority or '-':<10} "
+        print(f"{k.id:<18} {k.tenant_id:<20} {state:<8} {' '.join(k.scopes):<28} "
+              f"{limit_cell(k.requests_per_minute):>9} {limit_cell(k.tokens_per_minute):>10} "
+              f"{limit_cell(k.max_concurrent_sequences):>6} {k.priority or '-':<10} "
               f"{expires:<17} {used:<17} {k.name or ''}")  # fmt: skip
     return 0
 

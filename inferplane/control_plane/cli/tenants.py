@@ -9,7 +9,13 @@ import argparse
 from typing import Any
 
 from inferplane.api.priority import BANDS
-from inferplane.control_plane.cli.common import add_db_arguments, cli_actor, print_json, run_cli_command
+from inferplane.control_plane.cli.common import (
+    add_db_arguments,
+    cli_actor,
+    limit_cell,
+    print_json,
+    run_cli_command,
+)
 
 NONE = "none"  # what `update` takes to remove a band or a limit
 
@@ -123,10 +129,9 @@ def _list(args: argparse.Namespace, sessions: Any) -> int:
           f"{'CREATED':<20} NAME")
     for t in tenants:
         quota = "unlimited" if t.monthly_token_quota is None else str(t.monthly_token_quota)
-        ceilings = [("-" if v is None else str(v)) for v in (t.key_requests_per_minute_max,
-                                                               t.key_tokens_per_minute_max, t.max_concurrent_sequences)]
-        print(f"{t.id:<24} {quota:>14} {ceilings[0]:>12} {ceilings[1]:>12} {ceilings[2]:>6} {t.priority or '-':<10} "
-              f"{t.created_at:%Y-%m-%d %H:%M:%S}  {t.display_name or ''}")
+        print(f"{t.id:<24} {quota:>14} {limit_cell(t.key_requests_per_minute_max):>12} "
+              f"{limit_cell(t.key_tokens_per_minute_max):>12} {limit_cell(t.max_concurrent_sequences):>6} "
+              f"{t.priority or '-':<10} {t.created_at:%Y-%m-%d %H:%M:%S}  {t.display_name or ''}")
     return 0
 
 

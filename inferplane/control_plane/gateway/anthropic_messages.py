@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from inferplane.control_plane.gateway.errors import validation_message
 from inferplane.control_plane.gateway.openai_types import UINT32_MAX, ChatCompletionRequest
 
 # What the anthropic client raises by, per status (its errors' `type`).
@@ -39,6 +40,13 @@ class InvalidMessages(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")
         self.param = param
+
+    @classmethod
+    def of(cls, exc: ValidationError) -> InvalidMessages:
+        """pydantic's first error, named as the OpenAI routes name it (errors.validation_message)."""
+        message, param = validation_message(exc.errors())
+        param = param or "body"
+        return cls(param, message.removeprefix(f"{param}: "))
 
 
 class _Strict(BaseModel):
@@ -116,10 +124,7 @@ def parse_request(raw: bytes) -> MessagesRequest:
     try:
         return MessagesRequest.model_validate(data)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        param = ".".join(str(p) for p in error["loc"]) or "body"
-        message = "unknown field" if error["type"] == "extra_forbidden" else error["msg"]
-        raise InvalidMessages(param, message) from None
+        raise InvalidMessages.of(exc) from None
 
 
 def _text(blocks: str | list[dict[str, Any]], where: str) -> str:
@@ -197,8 +202,7 @@ def to_chat(request: MessagesRequest) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        raise InvalidMessages(".".join(str(p) for p in error["loc"]) or "body", error["msg"]) from None
+        raise InvalidMessages.of(exc) from None
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -207,6 +211,11 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 def message_id() -> str:
     return "msg_" + secrets.token_hex(12)
+
+
+def _tool_use_id() -> str:
+    """An id for a tool call that came without one (the chat path names each call it makes)."""
+    return "toolu_" + secrets.token_hex(8)
 
 
 def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -219,7 +228,7 @@ def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
             tool_input = json.loads(arguments)
         except ValueError:
             tool_input = {"_arguments": arguments}  # what the model wrote, kept
-        blocks.append({"type": "tool_use", "id": call.get("id") or "toolu_" + secrets.token_hex(8),
+        blocks.append({"type": "tool_use", "id": call.get("id") or _tool_use_id(),
                        "name": call["function"]["name"], "input": tool_input})
     return blocks
 
@@ -293,7 +302,7 @@ async def stream_events(chunks: AsyncIterator[str | bytes], model: str) -> Async
                             yield close()
                         index, open_kind, open_call = index + 1, "tool_use", call.get("index", 0)
                         yield _event("content_block_start", {"index": index, "content_block": {
-                            "type": "tool_use", "id": call.get("id") or "toolu_" + secrets.token_hex(8),
+                            "type": "tool_use", "id": call.get("id") or _tool_use_id(),
                             "name": function.get("name", ""), "input": {}}})
                     if function.get("arguments"):
                         yield _event("content_block_delta", {"index": index, "delta": {

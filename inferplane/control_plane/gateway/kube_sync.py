@@ -109,7 +109,7 @@ class KubernetesCatalogSync:
     _published: dict[str, _Published] = field(default_factory=dict, init=False)
     _held_models: set[str] = field(default_factory=set, init=False)
     _task: asyncio.Task[None] | None = field(default=None, init=False)
-    # Each listed resource's status conditions by its router deployment name (namespace/name), as of
+    # Each routed resource's status conditions by its router deployment name (namespace/name), as of
     # the last listing: what the console's deployments page shows beside the replicas.
     conditions: dict[str, list[dict[str, Any]]] = field(default_factory=dict, init=False)
 
@@ -145,9 +145,9 @@ class KubernetesCatalogSync:
         """List the resources, apply them, and publish what has replicas. Raises when listing fails
         (the loop logs it and keeps the last applied state: a flaky API server takes nothing down)."""
         objs = await asyncio.to_thread(self.lister)
-        self.conditions = {f"{o['metadata'].get('namespace', '')}/{o['metadata']['name']}":
-                           [dict(c) for c in (o.get("status") or {}).get("conditions") or []] for o in objs}
-        self.apply(resource_routes(objs))
+        routes = resource_routes(objs)
+        self.conditions = {r.deployment_name: list(r.conditions) for r in routes}
+        self.apply(routes)
         await self.publish()
 
     def apply(self, routes: Iterable[ResourceRoute]) -> None:

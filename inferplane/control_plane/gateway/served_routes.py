@@ -18,7 +18,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from inferplane.api.deployment import InferenceDeploymentSpec, SpecError, prefill_pool_name
@@ -57,6 +57,9 @@ class ResourceRoute:
     min_prefill_tokens: int = 512
     prefill_autoscaling: AutoscaleSettings | None = None  # the prefill pool's, on its own workers' signals
     prefill_replicas: int | None = None  # spec.disaggregation.prefill.replicas (as `replicas`: None locally)
+    # The resource's status conditions, shown (the console's deployments page), never routed by: a
+    # change of them alone is not a change of the route.
+    conditions: tuple[dict[str, Any], ...] = field(default=(), compare=False)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -116,10 +119,12 @@ def resource_route(obj: Mapping[str, Any]) -> ResourceRoute:
     if not name:
         raise SpecError("metadata.name", "required")
     raw_spec = obj.get("spec") or {}
-    model_status = ((obj.get("status") or {}).get("model") or {})
-    return ResourceRoute.of(name, InferenceDeploymentSpec.from_dict(raw_spec),
-                            namespace=meta.get("namespace") or "default", fingerprint=_fingerprint(raw_spec),
-                            model_sha256=model_status.get("sha256") or None)
+    status = obj.get("status") or {}
+    model_status = status.get("model") or {}
+    route = ResourceRoute.of(name, InferenceDeploymentSpec.from_dict(raw_spec),
+                             namespace=meta.get("namespace") or "default", fingerprint=_fingerprint(raw_spec),
+                             model_sha256=model_status.get("sha256") or None)
+    return dataclasses.replace(route, conditions=tuple(dict(c) for c in status.get("conditions") or ()))
 
 
 def resource_routes(objs: Iterable[Mapping[str, Any]]) -> list[ResourceRoute]:

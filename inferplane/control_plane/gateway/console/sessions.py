@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import jwt
 
 from inferplane.api.priority import BANDS
-from inferplane.control_plane.auth import SCOPES, KeyCache, Principal, verify_bootstrap_key
+from inferplane.control_plane.auth import BOOTSTRAP_PRINCIPAL, SCOPES, KeyCache, Principal, verify_bootstrap_key
 from inferplane.control_plane.errors import Forbidden, Unauthenticated
 from inferplane.control_plane.tokens import AdminTokenVerifier
 
@@ -153,7 +153,7 @@ class ConsoleSessions:
             current = _fingerprint(self.bootstrap_key) if self.bootstrap_key else ""
             if not current or not hmac.compare_digest(str(claims.get("fp", "")), current):
                 raise Unauthenticated("the admin key this session signed in with has changed; sign in again")
-            principal = Principal(subject="bootstrap", tenant_id=None, scopes=SCOPES, via="bootstrap")
+            principal = BOOTSTRAP_PRINCIPAL
         elif via == "jwt":
             principal = Principal(subject=claims["sub"], tenant_id=claims.get("tenant"),
                                   scopes=frozenset(str(claims.get("scope", "")).split()) & SCOPES, via="jwt")

@@ -33,17 +33,23 @@ async def gateway_context(request: Request) -> GatewayContext:
 Context = Annotated[GatewayContext, Depends(gateway_context)]
 
 
+async def request_caller(ctx: GatewayContext, request: Request, authorization: str | None, *,
+                         admin: bool) -> Principal:
+    """Who sends `request`: its bearer `authorization`, or without one its console session cookie
+    with the session's CSRF header (GatewayContext.authenticate)."""
+    return await ctx.authenticate(authorization, request.cookies.get(COOKIE_NAME), request.headers.get(CSRF_HEADER),
+                                  admin=admin)
+
+
 async def tenant_caller(request: Request, ctx: Context, authorization: str | None = Header(default=None)) -> Principal:
     """The caller of the tenant API: an API key (401 without a valid one), or a tenant's console session."""
-    return await ctx.authenticate(authorization, request.cookies.get(COOKIE_NAME), request.headers.get(CSRF_HEADER),
-                                  admin=False)
+    return await request_caller(ctx, request, authorization, admin=False)
 
 
 async def admin_caller(request: Request, ctx: Context, authorization: str | None = Header(default=None)) -> Principal:
     """The caller of the admin API: a platform admin (JWT or bootstrap key) or a tenant admin's key,
     or a console session signed in with one of those."""
-    return await ctx.authenticate(authorization, request.cookies.get(COOKIE_NAME), request.headers.get(CSRF_HEADER),
-                                  admin=True)
+    return await request_caller(ctx, request, authorization, admin=True)
 
 
 TenantCaller = Annotated[Principal, Depends(tenant_caller)]

@@ -3,7 +3,7 @@
 The `anthropic` client sends its key as `x-api-key` (`api_key=`) or as a bearer token
 (`auth_token=`): both are the tenant's API key here. Every error, the key's included, has
 Anthropic's shape, which is what that client reads. Not in the OpenAPI schema, whose error bodies
-are OpenAI's: docs/api.md describes it.
+are OpenAI's: docs/anthropic-messages.md describes it.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inferplane.control_plane.gateway import anthropic_messages as anthropic
 from inferplane.control_plane.gateway.completions import Completions
-from inferplane.control_plane.gateway.console.sessions import COOKIE_NAME, CSRF_HEADER
 from inferplane.control_plane.gateway.errors import as_error
-from inferplane.control_plane.gateway.routes.dependencies import Context
+from inferplane.control_plane.gateway.routes.dependencies import Context, request_caller
 
 router = APIRouter(include_in_schema=False)
 
@@ -39,8 +38,7 @@ async def create_message(request: Request, ctx: Context) -> Response:
         authorization = request.headers.get("authorization")
         if authorization is None and request.headers.get("x-api-key"):
             authorization = f"Bearer {request.headers['x-api-key']}"
-        principal = await ctx.authenticate(authorization, request.cookies.get(COOKIE_NAME),
-                                           request.headers.get(CSRF_HEADER), admin=False)
+        principal = await request_caller(ctx, request, authorization, admin=False)
         body = anthropic.parse_request(await request.body())
         chat = anthropic.to_chat(body)
         answer = await Completions(ctx).chat(chat, principal)

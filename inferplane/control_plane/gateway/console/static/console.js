@@ -24,19 +24,25 @@ class ApiError extends Error {
   constructor(status, message) { super(message); this.status = status; }
 }
 
-async function api(method, path, body) {
+// A request with the session's CSRF header; an ApiError carrying the server's message unless it succeeded.
+async function send(method, path, body) {
   const headers = { "X-CSRF-Token": session ? session.csrf : "" };
   if (body !== undefined) headers["Content-Type"] = "application/json";
   const response = await fetch(path, { method, headers, credentials: "same-origin",
                                        body: body === undefined ? undefined : JSON.stringify(body) });
-  const text = await response.text();
-  let data = null;
-  try { data = text ? JSON.parse(text) : null; } catch (e) { data = { raw: text }; }
   if (!response.ok) {
+    const text = await response.text();
+    let data = null;
+    try { data = JSON.parse(text); } catch (e) { /* the raw text */ }
     const detail = data && data.error ? data.error.message : (data && data.detail ? JSON.stringify(data.detail) : text);
     throw new ApiError(response.status, `${response.status}: ${detail}`);
   }
-  return data;
+  return response;
+}
+
+async function api(method, path, body) {
+  const text = await (await send(method, path, body)).text();
+  try { return text ? JSON.parse(text) : null; } catch (e) { return { raw: text }; }
 }
 
 const can = (scope) => session && session.scopes.includes(scope);
@@ -176,14 +182,7 @@ async function stream(settings, output, stats) {
   }
   const path = settings.mode === "chat" ? "/v1/chat/completions" : "/v1/completions";
   const started = performance.now();
-  const response = await fetch(path, { method: "POST", credentials: "same-origin", body: JSON.stringify(body),
-    headers: { "Content-Type": "application/json", "X-CSRF-Token": session.csrf } });
-  if (!response.ok) {
-    const text = await response.text();
-    let message = text;
-    try { message = JSON.parse(text).error.message; } catch (e) { /* the raw text */ }
-    throw new ApiError(response.status, `${response.status}: ${message}`);
-  }
+  const response = await send("POST", path, body);
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffered = "", first = null, pieces = 0, usage = null;
