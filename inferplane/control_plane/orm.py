@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     ForeignKey,
@@ -138,6 +139,9 @@ class Model(Base):
     base_model: Mapped[str | None] = mapped_column(String(193))
     base_sha256: Mapped[str | None] = mapped_column(String(64))
     lora_rank: Mapped[int | None] = mapped_column(Integer)
+    # Whether the weights' tokenizer has a chat template (a chat model, not a base one); NULL on
+    # rows from before revision 0008 and on pvc:// entries, which are not read at registration.
+    chat_template: Mapped[bool | None] = mapped_column(Boolean)
     status: Mapped[str] = mapped_column(String(16), nullable=False, default="registered")
     status_detail: Mapped[str | None] = mapped_column(Text)
     owner_tenant_id: Mapped[str | None] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
@@ -259,3 +263,24 @@ class AlertDelivery(Base):
     last_status_code: Mapped[int | None] = mapped_column(Integer)
     last_error: Mapped[str | None] = mapped_column(Text)
     delivered_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class StoredResponse(Base):
+    """A Responses API answer kept for `GET /v1/responses/{id}` and for `previous_response_id`
+    (stored_responses.py): the answer as it was returned, and the conversation it answered (the
+    input items of every earlier turn and this one), so a follow-up needs this one row. Rows expire
+    (`expires_at`, OpenAI's 30 days) and a conversation is bounded in size when it is stored.
+    ON DELETE CASCADE: a deleted tenant's responses go with it."""
+
+    __tablename__ = "responses"
+    __table_args__ = (
+        Index("ix_responses_tenant_id", "tenant_id"),
+        Index("ix_responses_expires_at", "expires_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False)
+    response: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
+    conversation: Mapped[list[Any]] = mapped_column(JSON, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)

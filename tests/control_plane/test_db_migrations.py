@@ -12,7 +12,8 @@ from alembic.runtime.migration import MigrationContext
 from inferplane.control_plane import db, db_url
 from inferplane.control_plane.orm import Base
 
-TABLES = {"tenants", "api_keys", "models", "usage", "audit_log", "alerts", "tenant_webhooks", "alert_deliveries"}
+TABLES = {"tenants", "api_keys", "models", "usage", "audit_log", "alerts", "tenant_webhooks", "alert_deliveries",
+          "responses"}
 
 
 def _tables(engine: sa.Engine) -> set[str]:

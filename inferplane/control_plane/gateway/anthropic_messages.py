@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from inferplane.control_plane.gateway.chat_stream import chat_stream_items
 from inferplane.control_plane.gateway.errors import validation_message
 from inferplane.control_plane.gateway.openai_types import UINT32_MAX, ChatCompletionRequest
 
@@ -260,55 +261,47 @@ async def stream_events(chunks: AsyncIterator[str | bytes], model: str) -> Async
     open_kind: str | None = None
     open_call: int | None = None  # the OpenAI tool call index the open tool_use block is
     reason, usage = "end_turn", {"input_tokens": 0, "output_tokens": 0}
-    buffered = ""
 
     def close() -> str:
         return _event("content_block_stop", {"index": index})
 
-    async for piece in chunks:
-        buffered += piece.decode() if isinstance(piece, bytes) else piece
-        while "\n\n" in buffered:
-            event, buffered = buffered.split("\n\n", 1)
-            if event.startswith(":"):
-                yield _event("ping", {})  # the chat stream's keep-alive while queued
-                continue
-            data = "".join(line[6:] for line in event.split("\n") if line.startswith("data: "))
-            if not data or data == "[DONE]":
-                continue
-            chunk = json.loads(data)
-            if "error" in chunk:
-                error = chunk["error"]
-                status = {"rate_limit_exceeded": 429, "upstream_timeout": 504}.get(error.get("code"), 500)
-                yield _event("error", {"error": error_body(status, error.get("message", "error"))["error"]})
-                return
-            if chunk.get("usage"):
-                usage = {"input_tokens": chunk["usage"].get("prompt_tokens", 0),
-                         "output_tokens": chunk["usage"].get("completion_tokens", 0)}
-            for choice in chunk.get("choices") or []:
-                delta = choice.get("delta") or {}
-                if delta.get("content"):
-                    if open_kind != "text":
-                        if open_kind is not None:
-                            yield close()
-                        index, open_kind, open_call = index + 1, "text", None
-                        yield _event("content_block_start", {"index": index,
-                                                             "content_block": {"type": "text", "text": ""}})
-                    yield _event("content_block_delta", {"index": index,
-                                                         "delta": {"type": "text_delta", "text": delta["content"]}})
-                for call in delta.get("tool_calls") or []:
-                    function = call.get("function") or {}
-                    if open_kind != "tool_use" or call.get("index", 0) != open_call:
-                        if open_kind is not None:
-                            yield close()
-                        index, open_kind, open_call = index + 1, "tool_use", call.get("index", 0)
-                        yield _event("content_block_start", {"index": index, "content_block": {
-                            "type": "tool_use", "id": call.get("id") or _tool_use_id(),
-                            "name": function.get("name", ""), "input": {}}})
-                    if function.get("arguments"):
-                        yield _event("content_block_delta", {"index": index, "delta": {
-                            "type": "input_json_delta", "partial_json": function["arguments"]}})
-                if choice.get("finish_reason"):
-                    reason = STOP_REASONS.get(choice["finish_reason"], "end_turn")
+    async for chunk in chat_stream_items(chunks):
+        if isinstance(chunk, str):
+            yield _event("ping", {})  # the chat stream's keep-alive while queued
+            continue
+        if "error" in chunk:
+            error = chunk["error"]
+            status = {"rate_limit_exceeded": 429, "upstream_timeout": 504}.get(error.get("code"), 500)
+            yield _event("error", {"error": error_body(status, error.get("message", "error"))["error"]})
+            return
+        if chunk.get("usage"):
+            usage = {"input_tokens": chunk["usage"].get("prompt_tokens", 0),
+                     "output_tokens": chunk["usage"].get("completion_tokens", 0)}
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                if open_kind != "text":
+                    if open_kind is not None:
+                        yield close()
+                    index, open_kind, open_call = index + 1, "text", None
+                    yield _event("content_block_start", {"index": index,
+                                                         "content_block": {"type": "text", "text": ""}})
+                yield _event("content_block_delta", {"index": index,
+                                                     "delta": {"type": "text_delta", "text": delta["content"]}})
+            for call in delta.get("tool_calls") or []:
+                function = call.get("function") or {}
+                if open_kind != "tool_use" or call.get("index", 0) != open_call:
+                    if open_kind is not None:
+                        yield close()
+                    index, open_kind, open_call = index + 1, "tool_use", call.get("index", 0)
+                    yield _event("content_block_start", {"index": index, "content_block": {
+                        "type": "tool_use", "id": call.get("id") or _tool_use_id(),
+                        "name": function.get("name", ""), "input": {}}})
+                if function.get("arguments"):
+                    yield _event("content_block_delta", {"index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": function["arguments"]}})
+            if choice.get("finish_reason"):
+                reason = STOP_REASONS.get(choice["finish_reason"], "end_turn")
     if open_kind is not None:
         yield close()
     yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": None}, "usage": usage})

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inferplane.control_plane.gateway import anthropic_messages as anthropic
+from inferplane.control_plane.gateway.chat_stream import response_body
 from inferplane.control_plane.gateway.completions import Completions
 from inferplane.control_plane.gateway.errors import as_error
 from inferplane.control_plane.gateway.routes.dependencies import Context, request_caller
@@ -23,13 +24,6 @@ router = APIRouter(include_in_schema=False)
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(anthropic.error_body(status, message), status_code=status)
-
-
-async def _body(response: Response) -> bytes:
-    pieces = getattr(response, "pieces", None)
-    if pieces is not None:  # PiecewiseJSONResponse
-        return b"".join(pieces)
-    return bytes(response.body)
 
 
 @router.post("/v1/messages")
@@ -50,7 +44,7 @@ async def create_message(request: Request, ctx: Context) -> Response:
         response.headers.update(headers or {})
         return response
     if answer.status_code != 200:  # refused in Completions (bad messages, no such model...): its message kept
-        detail = (await _body(answer)).decode()
+        detail = (response_body(answer)).decode()
         try:
             message = json.loads(detail)["error"]["message"]
         except (ValueError, KeyError, TypeError):
@@ -68,4 +62,4 @@ async def create_message(request: Request, ctx: Context) -> Response:
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return JSONResponse(anthropic.from_completion(json.loads(await _body(answer)), body.model))
+    return JSONResponse(anthropic.from_completion(json.loads(response_body(answer)), body.model))
