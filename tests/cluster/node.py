@@ -584,7 +584,7 @@ def main() -> None:
     if imported:
         print(f"cluster: imported {images['image']['ref']} in {time.monotonic() - start:.0f} s")
     print(f"cluster: node {NODE_NAME} is Ready; logs in {node.directory}/*.log, `make cluster-down` stops it.\n"
-          f"Point kubectl and helm at it, and name the image the chart should run (deploy/QUICKSTART.md):\n"
+          f"Point kubectl and helm at it, and name the image the chart should run (docs/getting-started/cluster.md):\n"
           f"export KUBECONFIG={node.kubeconfig}\n"
           f"export IMAGE={images['image']['ref']}")
 

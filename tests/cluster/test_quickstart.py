@@ -1,4 +1,4 @@
-"""deploy/QUICKSTART.md's one-node walk-through, run as written: its shell blocks, verbatim, by bash.
+"""docs/getting-started/cluster.md's one-node walk-through, run as written: its shell blocks, verbatim, by bash.
 
 The quickstart says every command in it is one the tests ran; this is that test. The first block
 (the two lines `make cluster` prints) is given as the environment; the second goes from `helm
@@ -17,7 +17,7 @@ from tests.cluster.conftest import ROOT
 from tests.cluster.node import NodeCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
-QUICKSTART = ROOT / "deploy" / "QUICKSTART.md"
+QUICKSTART = ROOT / "docs" / "getting-started" / "cluster.md"
 
 
 def walkthrough_blocks() -> list[str]:

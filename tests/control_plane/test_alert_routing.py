@@ -399,16 +399,16 @@ def test_the_gateway_reads_the_secret_from_a_file_or_the_environment(tmp_path, m
     assert (chosen.alert_max_attempts, chosen.alert_retry_base_delay) == (3, 0.5)
 
 
-def test_the_readme_snippet_verifies_what_the_forwarder_signs():
+def test_the_docs_snippet_verifies_what_the_forwarder_signs():
     import re
     from pathlib import Path
 
     from inferplane.control_plane.alerts.signing import signature
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    snippet = re.search(r"```python\n(import hashlib, hmac, time\n.*?)```", readme, re.S).group(1)
+    page = (Path(__file__).resolve().parents[2] / "docs" / "operations" / "alerts.md").read_text()
+    snippet = re.search(r"```python\n(import hashlib, hmac, time\n.*?)```", page, re.S).group(1)
     scope: dict = {}
-    exec(snippet, scope)  # noqa: S102 - our own README
+    exec(snippet, scope)  # noqa: S102 - our own docs
     body, ts = b'{"status":"firing"}', int(datetime.now(UTC).timestamp())
     headers = {"X-Inferplane-Timestamp": str(ts), "X-Inferplane-Signature": signature("s3cret", ts, body)}
     assert scope["verify"]("s3cret", headers, body) and not scope["verify"]("other", headers, body)

@@ -3,11 +3,18 @@
 The banner's commands are pasted into a shell as printed (first start: the key it shows; restart:
 a new key from the `keys create` it prints) and answer; `inferplane status` shows what runs; a
 hang-up (SIGHUP) and a SIGKILL of `inferplane up` leave no worker running.
+
+The guide's quickstarts are walked here too, on the same platform: the README's and
+docs/getting-started/local.md's blocks marked `<!-- walked -->` run as written, with only what a
+reader's machine has and this test's does not replaced (the key the banner printed, the port, the
+home folder, and the served model's name: the tiny model stands in for SmolLM2, which costs a
+cpu-int8 start); the page's banner example matches the real banner line by line.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +27,7 @@ import yaml
 
 from inferplane.bench.tiny_model import make_tiny_model
 from inferplane.local import runstate
+from tests.docs.walked import LOCAL_PAGE, README, as_shell_script, fenced_block_after, walked_blocks
 from tests.worker.test_worker_process import free_port
 
 pytestmark = pytest.mark.slow
@@ -27,9 +35,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Up:
-    def __init__(self, manifest: Path, home: Path):
+    def __init__(self, manifest: Path, home: Path, *, command: tuple[str, ...] = ()):
+        """`inferplane up MANIFEST`, or `command` (e.g. ("serve", MODEL)) with the same flags."""
         self.home, self.port = home, free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "inferplane.cli", "up", str(manifest), "--home", str(home),
+        argv = command or ("up", str(manifest))
+        self.proc = subprocess.Popen([sys.executable, "-m", "inferplane.cli", *argv, "--home", str(home),
                                       "--port", str(self.port), "--grpc-port", "0"], cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
@@ -97,12 +107,40 @@ def shell(script: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 
 
+def walk_the_guide(up: Up) -> None:
+    """The README's and the local getting-started page's walked blocks, run as written against `up`."""
+    script = as_shell_script(walked_blocks(README) + walked_blocks(LOCAL_PAGE), {
+        "ip_...": up.key, "127.0.0.1:8080": f"127.0.0.1:{up.port}", "~/.inferplane": str(up.home),
+        '"smollm2-135m"': '"tiny"'})
+    env = {k: v for k, v in os.environ.items() if k != "INFERPLANE_API_KEY"}
+    env.update(INFERPLANE_HOME=str(up.home), PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}")
+    walked = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert walked.returncode == 0, (script, walked.stdout, walked.stderr)
+    out = walked.stdout
+    assert out.count('"object":"chat.completion"') == 2, out  # the README's curl and the page's
+    assert '"id":"tiny"' in out, out  # GET /v1/models
+    assert "serving" in out and '"id":"default"' in out, out  # inferplane status; the admin API's tenants
+
+
+def banner_matches_the_page(up: Up) -> None:
+    """Each line of the page's banner example begins as a line of the real banner does, up to the
+    first thing that differs by machine (a path, a port, the key)."""
+    real = [line.rstrip("\n") for line in up.lines]
+    for line in fenced_block_after(LOCAL_PAGE, "## The banner").splitlines():
+        if line.startswith("gRPC tenant API"):
+            continue  # printed only with the gRPC API on, and Up runs with --grpc-port 0
+        prefix = re.split(r"[/0-9]|ip_", line, maxsplit=1)[0]
+        assert any(r.startswith(prefix) for r in real), f"the page's {line!r} is not in the banner:\n" + "\n".join(real)
+
+
 def test_the_banner_works_when_pasted_and_nothing_outlives_inferplane_up(manifest: Path, tmp_path: Path) -> None:
     home = tmp_path / "home"
     up = Up(manifest, home)
     try:
         pasted = shell(up.try_it())
         assert pasted.returncode == 0 and '"choices"' in pasted.stdout, (up.try_it(), pasted.stdout, pasted.stderr)
+        banner_matches_the_page(up)
+        walk_the_guide(up)
         status = subprocess.run([sys.executable, "-m", "inferplane.cli", "status", "--home", str(home)],
                                 capture_output=True, text=True, timeout=60)
         assert status.returncode == 0 and "serving" in status.stdout and "metrics" in status.stdout, status.stdout
