@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -27,6 +29,7 @@ from inferplane.control_plane.gateway.served_routes import ResourceRoute, catalo
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
 from inferplane.control_plane.outbound import ENV_OUTBOUND_ALLOW, split_entries
 from inferplane.local import runstate
+from inferplane.local.deployment_control import LocalDeploymentControl, kept_documents
 from inferplane.local.supervisor import LocalDeployment, Replica, Supervisor, SupervisorScaler
 from inferplane.storage.fetch import FetchResult, fetch_model
 from inferplane.v1 import worker_pb2
@@ -49,28 +52,68 @@ class Manifest:
     spec: InferenceDeploymentSpec
 
 
-def read_manifests(paths: list[str]) -> list[Manifest]:
-    """The same YAML `kubectl apply -f` takes (several documents per file allowed)."""
-    docs = []
-    for path in paths:
-        with open(path) as f:
-            docs.extend((path, d) for d in yaml.safe_load_all(f) if d)
-    if not docs:
-        docs = [("(built-in default)", DEFAULT_DEPLOYMENT)]
-    manifests = []
-    for path, doc in docs:
-        if doc.get("kind") != "InferenceDeployment":
-            raise SpecError("kind", f"{path}: expected kind InferenceDeployment, got {doc.get('kind')!r}")
-        name = (doc.get("metadata") or {}).get("name")
-        if not name:
-            raise SpecError("metadata.name", f"{path}: required")
-        manifests.append(Manifest(name, InferenceDeploymentSpec.from_dict(doc.get("spec"))))
+# A Kubernetes object name (RFC 1123 subdomain): also what names the processes' log files and folders.
+OBJECT_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+
+
+def resource_name(text: str) -> str:
+    """`text` (a file or folder name) as an InferenceDeployment name: lower case, runs of anything
+    but letters and digits as one "-", at most 63 characters (a DNS label, as a cluster needs)."""
+    name = "-".join(piece for piece in re.split(r"[^a-z0-9]+", text.lower()) if piece)[:63].strip("-")
+    if not name:
+        raise SpecError("metadata.name", f"cannot make a deployment name of {text!r}; pass --name")
+    return name
+
+
+def served_manifest(name: str, model: dict, *, runtime: str = "auto", kind: str = "generate",
+                    replicas: int = 1, served_name: str | None = None) -> Manifest:
+    """The deployment `inferplane serve` generates: the built-in default's resources and engine,
+    with this model, runtime, kind and replica count, checked as any manifest is. `served_name`:
+    the model id clients use, where it is not the registry name (serving.servedModelName)."""
+    spec = {**DEFAULT_DEPLOYMENT["spec"], "model": model, "runtime": runtime, "kind": kind, "replicas": replicas}
+    if served_name is not None:
+        spec["serving"] = {"servedModelName": served_name}
+    if kind == "embedding":
+        spec.pop("engine")  # the KV cache budget is a generative model's
+    return Manifest(name, InferenceDeploymentSpec.from_dict(spec))
+
+
+def manifest_of(doc: Any, where: str) -> Manifest:
+    """One InferenceDeployment document (a file's, or an admin API body) checked as the API server
+    would: SpecError naming the field."""
+    if not isinstance(doc, dict) or doc.get("kind") != "InferenceDeployment":
+        got = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
+        raise SpecError("kind", f"{where}: expected kind InferenceDeployment, got {got!r}")
+    name = (doc.get("metadata") or {}).get("name")
+    if not name:
+        raise SpecError("metadata.name", f"{where}: required")
+    if not isinstance(name, str) or not OBJECT_NAME.fullmatch(name):
+        raise SpecError("metadata.name", f"{where}: {name!r} is not a Kubernetes object name (lower case "
+                                         "letters, digits, '-' and '.', at most 253)")
+    return Manifest(name, InferenceDeploymentSpec.from_dict(doc.get("spec")))
+
+
+def check_prefill_pool_names(manifests: list[Manifest]) -> None:
+    """SpecError where a prefill pool's processes would take another deployment's name."""
     names = {m.name for m in manifests}
     for manifest in manifests:  # a prefill pool's processes are named after their deployment
         pool = prefill_pool_name(manifest.name)
         if manifest.spec.disaggregation.enabled and pool in names:
             raise SpecError("disaggregation.enabled", f"{manifest.name}'s prefill pool would be named {pool}, "
                                                       "which another InferenceDeployment is; rename one of them")
+
+
+def read_manifests(paths: list[str], *, default: bool = True) -> list[Manifest]:
+    """The same YAML `kubectl apply -f` takes (several documents per file allowed); none given: the
+    built-in default deployment, unless `default` is False."""
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            docs.extend((path, d) for d in yaml.safe_load_all(f) if d)
+    if not docs and default:
+        docs = [("(built-in default)", DEFAULT_DEPLOYMENT)]
+    manifests = [manifest_of(doc, path) for path, doc in docs]
+    check_prefill_pool_names(manifests)
     return manifests
 
 
@@ -84,7 +127,11 @@ class LocalPlatform:
                  autoscale_interval: float = 1.0, metrics_port: int | None = 0):
         """`metrics_port`: the gateway's metrics listener (0: a free port, as each worker's; None: none)."""
         self.home = home
-        self.manifests = manifests
+        # The files' deployments, then those applied through the admin API on an earlier run.
+        given = {m.name for m in manifests}
+        kept = [manifest_of(doc, path) for path, doc in kept_documents(home)]
+        self.manifests = [*manifests, *(m for m in kept if m.name not in given)]
+        check_prefill_pool_names(self.manifests)
         self.host, self.port, self.grpc_port = host, port, grpc_port
         home.mkdir(parents=True, exist_ok=True)
         # Where the admin API may register weights from (model_roots below): made here, so that a
@@ -123,7 +170,9 @@ class LocalPlatform:
         self.resolved_models: dict[str, ResolvedModel] = {}  # deployment name -> its registry model
         self.digests: dict[str, str | None] = {}  # deployment name -> its weights' digest (what adapters bind to)
         # served model name -> its deployments' routes: the mapping the cluster sync uses (served_routes)
-        self.routes = route_table(ResourceRoute.of(m.name, m.spec) for m in manifests)
+        self.routes = route_table(ResourceRoute.of(m.name, m.spec) for m in self.manifests)
+        # Deployments changed through the admin API while this runs (/admin/v1/deployments).
+        self.gateway.context.deployment_control = LocalDeploymentControl(self)
 
     def bootstrap(self) -> None:
         """First start only: the default tenant and its key (printed once, never stored)."""
@@ -215,20 +264,40 @@ class LocalPlatform:
                         ", ".join(map(str, stopped)))
         self.bootstrap()
         await self.gateway.start()
-        loop = asyncio.get_running_loop()
         for manifest in self.manifests:
-            path = await loop.run_in_executor(None, self._model_path, manifest)
-            adapters = await loop.run_in_executor(None, self._adapters, manifest)
-            self.supervisor.add(manifest.name, manifest.spec, path, adapters)
-        for served, members in self.routes.items():
+            await self.start_deployment(manifest)
+        self.sync_routes()
+        self._run_state = asyncio.get_running_loop().create_task(self._keep_run_state())
+
+    async def start_deployment(self, manifest: Manifest, *, succeeding: dict[str, LocalDeployment] | None = None):
+        """Resolves the manifest's model and adapters and starts its replicas (beside `succeeding`'s,
+        in a rollout: supervisor.add); ModelResolutionError or InvalidInput before anything starts."""
+        loop = asyncio.get_running_loop()
+        path = await loop.run_in_executor(None, self._model_path, manifest)
+        adapters = await loop.run_in_executor(None, self._adapters, manifest)
+        return self.supervisor.add(manifest.name, manifest.spec, path, adapters, succeeding=succeeding)
+
+    def sync_routes(self) -> None:
+        """The router, the catalog and the autoscaler made to match `self.manifests`: a served name no
+        manifest has any more leaves the routes and the catalog; each route's autoscaling is watched
+        (its requests held at zero replicas), and what no route has is unwatched."""
+        routes = route_table(ResourceRoute.of(m.name, m.spec) for m in self.manifests)
+        for served in self.routes.keys() - routes.keys():
+            self.gateway.router.remove_route(served)
+            self.gateway.catalog.remove(served)
+        watched = set()
+        for served, members in routes.items():
             self.gateway.router.set_route(served, [self._router_deployment(r) for r in members])
             for route in members:
-                if route.autoscaling is not None:  # watched; its requests held at zero replicas
-                    watch(self.autoscaler, route.name, served, route.name, route.autoscaling)
-                if route.prefill_autoscaling is not None:  # its prefill pool's processes, on their own signals
-                    watch(self.autoscaler, route.prefill_pool, served, route.prefill_pool, route.prefill_autoscaling)
-        self._run_state = asyncio.get_running_loop().create_task(self._keep_run_state())
-        if self.autoscaler.targets:
+                for name, settings in ((route.name, route.autoscaling),
+                                       (route.prefill_pool, route.prefill_autoscaling)):
+                    if settings is not None:
+                        watch(self.autoscaler, name, served, name, settings)
+                        watched.add(name)
+        for name in set(self.autoscaler.targets) - watched:
+            self.autoscaler.unwatch(name)
+        self.routes = routes
+        if self.autoscaler.targets and self._autoscaling is None:
             self._autoscaling = asyncio.get_running_loop().create_task(self.autoscaler.run())
 
     def _router_deployment(self, route: ResourceRoute):
@@ -242,9 +311,9 @@ class LocalPlatform:
             return  # a prefill pool's replica: the catalog entry comes from the deployment's own
         served = deployment.served_model_name
         if served not in {m.name for m in self.gateway.catalog.visible(None)}:
-            asyncio.get_running_loop().create_task(self._publish(deployment, replica))
+            asyncio.get_running_loop().create_task(self.publish(deployment, replica))
 
-    async def _publish(self, deployment: LocalDeployment, replica: Replica) -> None:
+    async def publish(self, deployment: LocalDeployment, replica: Replica) -> None:
         """Adds the served model to the catalog with the tokenizer and context length the worker reports."""
         info = await self.gateway.channels.stub(replica.address).Info(worker_pb2.InfoRequest(), timeout=30)
         served = deployment.served_model_name

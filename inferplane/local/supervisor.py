@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,18 +87,44 @@ class Supervisor:
         self._healthy_reset = healthy_reset  # serving this long forgives earlier crashes
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
+        self._retired: list[LocalDeployment] = []  # rolled over or deleted: draining, waited for by stop
 
     def add(self, name: str, spec: InferenceDeploymentSpec, model_arg: str,
-            adapters: tuple[ResolvedAdapter, ...] = ()) -> LocalDeployment:
-        deployment = LocalDeployment(name, spec, resolve(spec), model_arg, adapters)
-        self.deployments[name] = deployment
-        self.scale(name, spec.replicas)
+            adapters: tuple[ResolvedAdapter, ...] = (), *,
+            succeeding: Mapping[str, LocalDeployment] | None = None) -> LocalDeployment:
+        """Starts `name`'s replicas (and its prefill pool's). `succeeding`: the deployments (by name)
+        these replace in a rollout: the new replicas join their endpoint sources, so the router
+        sends to old and new alike until the old are retired, and take the next replica numbers."""
+        succeeding = succeeding or {}
+
+        def deployment_of(deployment_name: str, deployment_spec: InferenceDeploymentSpec,
+                          owner: str = "") -> LocalDeployment:
+            new = LocalDeployment(deployment_name, deployment_spec, resolve(deployment_spec), model_arg, adapters,
+                                  owner=owner)
+            if deployment_name in succeeding:
+                new.source = succeeding[deployment_name].source
+                new.next_index = succeeding[deployment_name].next_index
+            self.deployments[deployment_name] = new
+            self.scale(deployment_name, deployment_spec.replicas)
+            return new
+
+        deployment = deployment_of(name, spec)
         if spec.disaggregation.enabled:  # its prefill pool: processes of their own, as pods of their own
-            pool = prefill_spec(spec)
-            self.deployments[prefill_pool_name(name)] = LocalDeployment(
-                prefill_pool_name(name), pool, resolve(pool), model_arg, adapters, owner=name)
-            self.scale(prefill_pool_name(name), pool.replicas)
+            deployment_of(prefill_pool_name(name), prefill_spec(spec), owner=name)
         return deployment
+
+    def take(self, name: str) -> dict[str, LocalDeployment]:
+        """Removes `name` and its prefill pool from the running set, still running: a rollout passes
+        them to `add(succeeding=...)` and retires them once the new replicas serve."""
+        return {n: self.deployments.pop(n) for n in (name, prefill_pool_name(name)) if n in self.deployments}
+
+    def retire(self, deployments: Collection[LocalDeployment]) -> None:
+        """Each replica leaves the router, then drains what it has in flight and exits; `stop` still
+        waits for them."""
+        for deployment in deployments:
+            self._retired.append(deployment)
+            for replica in deployment.replicas:
+                self._retire(deployment, replica)
 
     def scale(self, name: str, replicas: int, *, load: Callable[[str], int] | None = None,
               first: Collection[str] = ()) -> None:
@@ -207,6 +233,20 @@ class Supervisor:
         deployment.source.remove(replica.address)
         if replica.process is not None and replica.process.poll() is None:
             replica.process.send_signal(signal.SIGTERM)  # the worker drains in-flight requests, then exits
+            # Reaped once it has (no zombie left behind), killed if it outlives its drain grace as a
+            # pod outlives terminationGracePeriodSeconds.
+            grace = deployment.spec.drain_grace_seconds + 10.0
+            self._track(asyncio.get_running_loop().create_task(self._reap(replica.process, grace)))
+
+    @staticmethod
+    async def _reap(process: subprocess.Popen, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        while process.poll() is None:
+            if time.monotonic() > deadline:
+                process.kill()
+                process.wait()
+                return
+            await asyncio.sleep(0.25)
 
     async def stop(self, timeout: float = 30.0) -> None:
         self._stopping = True
@@ -214,7 +254,7 @@ class Supervisor:
             for replica in deployment.replicas:
                 self._retire(deployment, replica)
         deadline = time.monotonic() + timeout
-        for deployment in self.deployments.values():
+        for deployment in [*self.deployments.values(), *self._retired]:
             for replica in deployment.replicas:
                 process = replica.process
                 while process is not None and process.poll() is None and time.monotonic() < deadline:

@@ -68,3 +68,11 @@ def test_up_makes_the_models_folder(tmp_path: Path) -> None:
         assert running.gateway.context.model_roots == (str(tmp_path / "home" / "models"),)
     finally:
         running.gateway.engine.dispose()
+
+
+def test_with_only_an_embedding_model_the_example_is_an_embedding(tmp_path: Path) -> None:
+    script = examples(banner(platform(tmp_path, model("minilm", template=None, kind="embedding")), "127.0.0.1",
+                             8080, None))
+    (body,) = check_shell(script)
+    assert "/v1/embeddings" in script and body == {"model": "minilm", "input": "The capital of France is Paris."}
+    assert "embeddings.create(model='minilm'" in script

@@ -21,6 +21,9 @@ def add_db_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"database URL (default: ${ENV_DB_URL}, else sqlite:///<home>/inferplane.db)",
     )
     parser.add_argument("--home", default=None, help="state folder (default: ~/.inferplane)")
+    from inferplane.control_plane.cli.remote import add_remote_arguments
+
+    add_remote_arguments(parser)
 
 
 def sessions_from_args(args: argparse.Namespace) -> Any:
@@ -42,12 +45,22 @@ def cli_actor() -> str:
         return f"cli:{os.getuid()}"
 
 
-def run_cli_command(command: Any, args: argparse.Namespace) -> int:
+def run_cli_command(command: Any, args: argparse.Namespace, remote: Any = None) -> int:
     """Runs `command(args, sessions)` and turns control plane errors into a message and exit code 1,
-    so a typo in a model name prints one line instead of a traceback."""
+    so a typo in a model name prints one line instead of a traceback. With `--url`, runs
+    `remote(args, api)` against that gateway's admin API instead (cli/remote.py); a command without
+    a remote form says so rather than quietly using the database."""
     from inferplane.control_plane.db import DatabaseUnusable
     from inferplane.control_plane.errors import ControlPlaneError
 
+    if getattr(args, "gateway_url", None):
+        from inferplane.control_plane.cli.remote import run_remote
+
+        if remote is None:
+            print("error: this command works on the database only; leave out --url (and $INFERPLANE_URL)",
+                  file=sys.stderr)
+            return 2
+        return run_remote(remote, args)
     try:
         sessions = sessions_from_args(args)
     except DatabaseUnusable as e:  # a damaged SQLite file: one line naming it, not a traceback
@@ -78,6 +91,8 @@ def print_json(value: Any) -> None:
             return dataclasses.asdict(o)
         if isinstance(o, datetime):
             return o.isoformat()
+        if hasattr(o, "__dict__"):  # an API answer as cli/remote.record gives it
+            return vars(o)
         raise TypeError(f"cannot serialize {type(o).__name__}")
 
     print(json.dumps(value, default=default, indent=2))

@@ -1,6 +1,9 @@
-"""`inferplane keys create|list|revoke`: API keys straight on the database (platform admin).
+"""`inferplane keys create|list|revoke`: API keys straight on the database (platform admin), or
+with `--url` through a running gateway's admin API (cli/remote.py).
 
-`create` prints the key once; nothing can show it again.
+`create` prints the key once; nothing can show it again. Either way the key works at once: the
+gateway that created it refreshed its key cache, and one that has not seen it yet catches up on the
+first request with it (auth.KeyCache.catch_up).
 """
 
 from __future__ import annotations
@@ -76,19 +79,36 @@ def _create(args: argparse.Namespace, sessions: Any) -> int:
             priority=args.priority,
             max_concurrent_sequences=args.max_concurrent_sequences,
         )
+    _print_created(args, created.secret, created.info)
+    return 0
+
+
+def _print_created(args: argparse.Namespace, secret: str, info: Any) -> None:
     if args.json:
-        print_json({"key": created.secret, **_as_dict(created.info)})
+        print_json({"key": secret, **_as_dict(info)})
     else:
-        print(created.secret)
-        print(f"# key id {created.info.id} for tenant {created.info.tenant_id}, scopes "
-              f"{' '.join(created.info.scopes)}; store it now, it cannot be shown again")  # fmt: skip
+        print(secret)
+        print(f"# key id {info.id} for tenant {info.tenant_id}, scopes "
+              f"{' '.join(info.scopes)}; store it now, it cannot be shown again")  # fmt: skip
+
+
+def _create_remote(args: argparse.Namespace, api: Any) -> int:
+    from inferplane.control_plane.cli.remote import record
+
+    body = {"tenant_id": args.tenant, "scopes": [s for s in args.scopes.split(",") if s], "name": args.name,
+            "expires_in_seconds": int(args.expires_in.total_seconds()) if args.expires_in else None,
+            "requests_per_minute": args.rpm, "tokens_per_minute": args.tpm, "priority": args.priority,
+            "max_concurrent_sequences": args.max_concurrent_sequences}
+    answer = api.call("POST", "/admin/v1/keys", json={k: v for k, v in body.items() if v is not None})
+    secret = answer.pop("key")
+    _print_created(args, secret, record(answer))
     return 0
 
 
 def _as_dict(info: Any) -> dict[str, Any]:
     import dataclasses
 
-    return dataclasses.asdict(info)
+    return dataclasses.asdict(info) if dataclasses.is_dataclass(info) else vars(info)
 
 
 def _list(args: argparse.Namespace, sessions: Any) -> int:
@@ -96,9 +116,22 @@ def _list(args: argparse.Namespace, sessions: Any) -> int:
 
     with sessions() as s:
         keys = list_keys(s, args.tenant if args.tenant else ALL_TENANTS)
+    _print_keys(args, keys)
+    return 0
+
+
+def _list_remote(args: argparse.Namespace, api: Any) -> int:
+    from inferplane.control_plane.cli.remote import record
+
+    params = {"tenant_id": args.tenant} if args.tenant else {}
+    _print_keys(args, [record(k) for k in api.call("GET", "/admin/v1/keys", params=params)["data"]])
+    return 0
+
+
+def _print_keys(args: argparse.Namespace, keys: list[Any]) -> None:
     if args.json:
         print_json(keys)
-        return 0
+        return
     print(f"{'KEY ID':<18} {'TENANT':<20} {'STATE':<8} {'SCOPES':<28} {'REQ/MIN':>9} {'TOK/MIN':>10} {'SEQS':>6} "
           f"{'BAND':<10} {'EXPIRES':<17} {'LAST USED':<17} NAME")
     for k in keys:
@@ -109,21 +142,31 @@ def _list(args: argparse.Namespace, sessions: Any) -> int:
               f"{limit_cell(k.requests_per_minute):>9} {limit_cell(k.tokens_per_minute):>10} "
               f"{limit_cell(k.max_concurrent_sequences):>6} {k.priority or '-':<10} "
               f"{expires:<17} {used:<17} {k.name or ''}")  # fmt: skip
-    return 0
 
 
 def _revoke(args: argparse.Namespace, sessions: Any) -> int:
-    from inferplane.control_plane.auth import ALL_TENANTS, parse_key, revoke_key
+    from inferplane.control_plane.auth import ALL_TENANTS, revoke_key
 
-    key_id = args.key_id
-    if key_id.startswith("ip_"):
-        key_id = parse_key(key_id)[0]
     with sessions.begin() as s:
-        info = revoke_key(s, key_id, ALL_TENANTS, actor=cli_actor())
+        info = revoke_key(s, _key_id(args.key_id), ALL_TENANTS, actor=cli_actor())
     print(f"revoked key {info.id} of tenant {info.tenant_id}")
     return 0
 
 
+def _key_id(text: str) -> str:
+    """The id of a key given as its id or whole (ip_<id>_<secret>)."""
+    from inferplane.control_plane.auth import parse_key
+
+    return parse_key(text)[0] if text.startswith("ip_") else text
+
+
+def _revoke_remote(args: argparse.Namespace, api: Any) -> int:
+    info = api.call("DELETE", f"/admin/v1/keys/{_key_id(args.key_id)}")
+    print(f"revoked key {info['id']} of tenant {info['tenant_id']}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
-    command = {"create": _create, "list": _list, "revoke": _revoke}[args.keys_command]
-    return run_cli_command(command, args)
+    command, remote = {"create": (_create, _create_remote), "list": (_list, _list_remote),
+                       "revoke": (_revoke, _revoke_remote)}[args.keys_command]
+    return run_cli_command(command, args, remote)

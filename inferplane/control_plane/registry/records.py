@@ -80,6 +80,7 @@ class ModelInfo:
     base_model: str | None = None  # an adapter's base ("name:version"); None for a model
     base_sha256: str | None = None  # that base version's digest
     lora_rank: int | None = None
+    chat_template: bool | None = None  # the tokenizer has one (a chat model); None: not read
 
     @property
     def path(self) -> Path:
@@ -98,7 +99,7 @@ def _info(row: Model) -> ModelInfo:
     return ModelInfo(
         row.id, row.name, row.version, row.uri, row.format, row.sha256, row.size_bytes, row.architecture,
         _kind(row), row.context_length, row.status, row.status_detail, row.owner_tenant_id, row.visibility,
-        row.created_at, row.updated_at, row.base_model, row.base_sha256, row.lora_rank,
+        row.created_at, row.updated_at, row.base_model, row.base_sha256, row.lora_rank, row.chat_template,
     )  # fmt: skip
 
 
@@ -243,6 +244,7 @@ def register_model(
         architecture=meta.architecture if meta else None,
         kind=meta.kind if meta else None,
         context_length=meta.context_length if meta else None,
+        chat_template=meta.chat_template if meta else None,
         status=inspected.status,
         status_detail=inspected.detail,
         owner_tenant_id=owner_tenant_id,
@@ -409,6 +411,7 @@ def verify_model(session: Session, tenant: TenantScope, ref: str, *, actor: str)
             row.status, row.status_detail = "verified", None
             row.sha256, row.size_bytes = meta.sha256, meta.size_bytes
             row.architecture, row.kind, row.context_length = meta.architecture, meta.kind, meta.context_length
+            row.chat_template = meta.chat_template
     row.updated_at = utcnow()
     session.flush()
     audit.record(

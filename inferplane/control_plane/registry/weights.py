@@ -76,6 +76,9 @@ class ModelMetadata:
     architecture: str | None  # canonical once `inspect_model` has checked it; None on a pvc:// entry
     context_length: int | None
     kind: str | None = None  # "generate" | "embedding" (api/architectures.py)
+    # Whether the tokenizer carries a chat template: a chat model answers /v1/chat/completions, a
+    # base model only /v1/completions (`models list` says which). None: not read (a pvc:// entry).
+    chat_template: bool | None = None
 
 
 def _shown(value: object) -> str:
@@ -100,21 +103,39 @@ def _scalar(field: GGUFField | None, where: str) -> object:
     return field.contents()
 
 
-def _read_gguf(path: Path) -> tuple[str | None, int | None]:
-    """(architecture, context length) from the header, read as the workers read it (api/gguf_reader.py):
-    two scalar keys; the arrays are only walked past."""
+def _read_gguf(path: Path) -> tuple[str | None, int | None, bool]:
+    """(architecture, context length, has a chat template) from the header, read as the workers read
+    it (api/gguf_reader.py): two scalar keys and whether `tokenizer.chat_template` is there (the
+    worker's tokenizer reads that key); the arrays are only walked past."""
     try:
         fields = open_gguf(path).fields
     except GGUFLimitError as e:
         raise InvalidMetadata(f"GGUF metadata over the registry's bounds: {e}") from None
+    chat = "tokenizer.chat_template" in fields
     arch = _scalar(fields.get("general.architecture"), f"{path}: general.architecture")
     if arch is not None and (not isinstance(arch, str) or len(arch) > 256):
         raise InvalidMetadata(f"{path}: general.architecture is {_shown(arch)}, not an architecture name")
     if not arch:
-        return None, None
+        return None, None, chat
     key = f"{arch}.context_length"
     ctx = _scalar(fields.get(key), f"{path}: {key}")
-    return arch, None if ctx is None else context_length(ctx, f"{path}: {key}")
+    return arch, None if ctx is None else context_length(ctx, f"{path}: {key}"), chat
+
+
+def _hf_chat_template(folder: Path) -> bool:
+    """Whether a Hugging Face folder's tokenizer has a chat template where the worker's tokenizer
+    looks (worker/model/tokenizer.load_hf_tokenizer): tokenizer_config.json's `chat_template`, else
+    chat_template.jinja. An unreadable tokenizer_config.json counts as none (the worker refuses it)."""
+    if (folder / "chat_template.jinja").is_file():
+        return True
+    config_file = folder / "tokenizer_config.json"
+    try:
+        if config_file.stat().st_size > MAX_CONFIG_BYTES:
+            return False
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
 
 
 def _read_hf_config(folder: Path) -> tuple[str | None, int | None]:
@@ -180,7 +201,8 @@ def inspect_model(path: Path, *, use_cache: bool = True) -> ModelMetadata:
     fmt = detect_format(path)
     if fmt == "hf":
         arch, ctx = _read_hf_config(path)
-        checked = _served(ModelMetadata("hf", "", 0, arch, ctx))  # refused before the folder is hashed
+        # refused before the folder is hashed
+        checked = _served(ModelMetadata("hf", "", 0, arch, ctx, chat_template=_hf_chat_template(path)))
         files = folder_files(path)
         size = sum(p.stat().st_size for p in files)
         return replace(checked, sha256=sha256_folder(path, files), size_bytes=size)
@@ -190,12 +212,12 @@ def inspect_model(path: Path, *, use_cache: bool = True) -> ModelMetadata:
         if use_cache and cache_key in _cache:
             return _cache[cache_key]
     try:
-        arch, ctx = _read_gguf(path)
+        arch, ctx, chat = _read_gguf(path)
     except InvalidMetadata:
         raise
     except Exception as e:  # a truncated or corrupt file: the reader raises GGUFFormatError
         raise CorruptWeights(f"unreadable GGUF metadata in {path}: {e}") from None
-    checked = _served(ModelMetadata("gguf", "", stat.st_size, arch, ctx))
+    checked = _served(ModelMetadata("gguf", "", stat.st_size, arch, ctx, chat_template=chat))
     meta = replace(checked, sha256=sha256_file(path))
     with _cache_lock:
         _cache[cache_key] = meta

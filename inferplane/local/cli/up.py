@@ -10,6 +10,11 @@ from pathlib import Path
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="*", help="InferenceDeployment YAML files (default: smollm2-135m on the CPU)")
+    add_platform_arguments(parser)
+
+
+def add_platform_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where and how the platform runs: `up` and `serve` take the same."""
     parser.add_argument("--home", default=os.environ.get("INFERPLANE_HOME", str(Path.home() / ".inferplane")),
                         help="state folder (SQLite database, keys, logs)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -36,33 +41,40 @@ def _inferplane() -> str:
     return f"{_python()} -m inferplane.cli"
 
 
-def _example_model(platform, deployments) -> tuple[str, bool]:
-    """The model the banner's examples call, and whether it has a chat template: the first generative
-    one (an embedding model answers neither call), asked as a chat where its tokenizer has a template,
-    else as a completion (a base model without one answers a chat call with a 400)."""
+def _example_model(platform, deployments) -> tuple[str, str]:
+    """The model the banner's examples call and how: the first generative one, asked as a "chat"
+    where its tokenizer has a template, else for a "completion" (a base model without one answers a
+    chat call with a 400); an "embedding" call only where every model is an embedding model."""
     from inferplane.control_plane.errors import ModelNotFound
 
+    embedding = None
     for deployment in deployments:
         try:
             served = platform.gateway.catalog.get(deployment.served_model_name, None)
         except ModelNotFound:
             continue
         if served.kind == "generate":
-            return served.name, served.tokenizer.chat_template is not None
-    return deployments[0].served_model_name, True
+            return served.name, "chat" if served.tokenizer.chat_template is not None else "completion"
+        embedding = embedding or served.name
+    return (embedding, "embedding") if embedding else (deployments[0].served_model_name, "chat")
 
 
-def _examples(base: str, model: str, chat: bool) -> list[str]:
-    """A curl and an `openai` client call of `model`, as a chat or as a completion."""
+def _examples(base: str, model: str, mode: str) -> list[str]:
+    """A curl and an `openai` client call of `model`: a chat, a completion or an embedding."""
     auth = "-H \"Authorization: Bearer $INFERPLANE_API_KEY\" -H 'Content-Type: application/json' \\"
     client = (f"  {_python()} -c \"import os; from openai import OpenAI; c = OpenAI(base_url='{base}/v1', "
               f"api_key=os.environ['INFERPLANE_API_KEY']); ")
-    if chat:
+    if mode == "chat":
         return [f"  curl -s {base}/v1/chat/completions {auth}",
                 f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
                 f"\"max_tokens\": 32}}'",
                 client + f"print(c.chat.completions.create(model='{model}', "
                 f"messages=[{{'role': 'user', 'content': 'Hello!'}}], max_tokens=32).choices[0].message.content)\""]
+    if mode == "embedding":
+        return [f"  curl -s {base}/v1/embeddings {auth}",
+                f"    -d '{{\"model\": \"{model}\", \"input\": \"The capital of France is Paris.\"}}'",
+                client + f"print(len(c.embeddings.create(model='{model}', "
+                f"input='The capital of France is Paris.').data[0].embedding))\""]
     return [f"  curl -s {base}/v1/completions {auth}",
             f"    -d '{{\"model\": \"{model}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 32}}'",
             client + f"print(c.completions.create(model='{model}', prompt='The capital of France is', "
@@ -74,7 +86,7 @@ def banner(platform, host: str, port: int, grpc_port: int | None) -> str:
     into a POSIX shell, in order: the first exports the tenant key the others use."""
     base = f"http://{host}:{port}"
     deployments = list(platform.supervisor.deployments.values())
-    model, chat = _example_model(platform, deployments)
+    model, mode = _example_model(platform, deployments)
     key = platform.tenant_key
     models = ", ".join(sorted(d.served_model_name for d in deployments))
     lines = ["", f"inferplane is up: {base}/v1  (models: {models})"]
@@ -92,7 +104,7 @@ def banner(platform, host: str, port: int, grpc_port: int | None) -> str:
     lines += [f"admin key: in {platform.home / 'admin-key'}",
               f"model files: copy weights into {platform.home / 'models'} to register them through the admin API",
               f"console: {base}/console/  (sign in with the tenant key, or the admin key for the operator pages)",
-              "", "try it:", f"  {export}", *_examples(base, model, chat), ""]
+              "", "try it:", f"  {export}", *_examples(base, model, mode), ""]
     if grpc_port:
         lines += [f"gRPC tenant API (inferplane.v1.Inference) on {host}:{grpc_port}"]
     gateway_metrics = platform.gateway_metrics_url
@@ -104,20 +116,31 @@ def banner(platform, host: str, port: int, grpc_port: int | None) -> str:
 
 
 async def _main(args: argparse.Namespace) -> int:
+    from inferplane.api.deployment import SpecError
+    from inferplane.local.deployment_control import kept_documents
+    from inferplane.local.platform import read_manifests
+
+    try:
+        # the built-in default only where nothing is given and nothing was kept from an earlier run
+        manifests = read_manifests(args.files, default=not kept_documents(Path(args.home).expanduser()))
+    except (OSError, SpecError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return await run_platform(args, manifests)
+
+
+async def run_platform(args: argparse.Namespace, manifests: list) -> int:
+    """Runs the platform with `manifests` (platform.Manifest) until a signal: the banner once the
+    workers serve; 2 for a model that cannot be served, 1 for workers that did not start."""
     import asyncio
     import signal
 
     from inferplane.api.deployment import SpecError
     from inferplane.api.model_resolution import ModelResolutionError
     from inferplane.control_plane.db import DatabaseUnusable
-    from inferplane.local.platform import LocalPlatform, read_manifests
+    from inferplane.local.platform import LocalPlatform
     from inferplane.storage.fetch import FetchError
 
-    try:
-        manifests = read_manifests(args.files)
-    except (OSError, SpecError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     grpc_port = args.grpc_port or None
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         print("error: --metrics-port must be 0..65535 (0: off)", file=sys.stderr)
@@ -126,7 +149,7 @@ async def _main(args: argparse.Namespace) -> int:
     try:
         platform = LocalPlatform(Path(args.home).expanduser(), manifests, args.host, args.port, grpc_port,
                                  metrics_port=metrics_port)
-    except DatabaseUnusable as exc:  # a damaged SQLite file: one line naming it and what to do
+    except (DatabaseUnusable, SpecError) as exc:  # a damaged SQLite file, a bad kept deployment: one line
         print(f"error: {exc}", file=sys.stderr)
         return 2
     stop = asyncio.Event()
@@ -163,9 +186,14 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    return run_async(_main(args))
+
+
+def run_async(main) -> int:
+    """`main` on the services' event loop, with warnings logged as the other services log them."""
     import logging
 
     from inferplane import aio
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return aio.run(_main(args))
+    return aio.run(main)
