@@ -37,6 +37,7 @@ class RequestOutput:
     outputs: list = field(default_factory=list, repr=False)
     # With params.prompt_logprobs: entry i scores prompt token i + 1 (sampling.TokenLogprob).
     prompt_logprobs: list | None = None
+    stop_reason: str | None = None  # the stop string that ended it (vLLM's name), else None
 
     def __post_init__(self) -> None:
         # vLLM users write out.outputs[0].text; one completion per prompt here.
@@ -140,4 +141,5 @@ class LLM:
             top_logprobs=list(seq.output_top_logprobs) if seq.params.logprobs and seq.params.top_logprobs else None,
             num_cached_tokens=seq.num_cached_tokens,
             prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
+            stop_reason=seq.stop_string,
         )

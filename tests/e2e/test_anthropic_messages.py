@@ -129,3 +129,28 @@ def test_bad_input_gets_anthropics_errors_naming_the_field(gateway, client) -> N
     with pytest.raises(anthropic.AuthenticationError) as caught:
         wrong.messages.create(model=SERVED_MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
     assert caught.value.body["error"]["type"] == "authentication_error"
+
+
+def test_a_stop_sequence_that_ends_the_answer_is_named(gateway, client) -> None:
+    messages = [{"role": "user", "content": "Say something."}]
+    greedy = {"temperature": 0}
+    free = client.messages.create(model=SERVED_MODEL, max_tokens=16, messages=messages, extra_body=greedy)
+    text = free.content[0].text
+    assert free.stop_sequence is None and len(text) >= 6
+    stop = text[3:5]  # in the answer, past its start: the answer ends where it begins
+    reply = client.messages.create(model=SERVED_MODEL, max_tokens=16, messages=messages, extra_body=greedy,
+                                   stop_sequences=["never-there", stop])
+    assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", stop)
+    answer = "".join(block.text for block in reply.content if block.type == "text")
+    assert answer == text[:text.index(stop)]  # nothing of the stop sequence leaks, even where it begins
+    with client.messages.stream(model=SERVED_MODEL, max_tokens=16, messages=messages, extra_body=greedy,
+                                stop_sequences=[stop]) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+    # the chat completion names it too (vLLM's stop_reason), and leaves the field out otherwise
+    chat = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=gateway.key, max_retries=0)
+    stopped = chat.chat.completions.create(model=SERVED_MODEL, max_tokens=16, temperature=0, messages=messages,
+                                           stop=[stop])
+    assert stopped.choices[0].model_extra.get("stop_reason") == stop
+    unstopped = chat.chat.completions.create(model=SERVED_MODEL, max_tokens=16, temperature=0, messages=messages)
+    assert "stop_reason" not in unstopped.choices[0].model_extra

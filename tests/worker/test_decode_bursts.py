@@ -74,6 +74,8 @@ def test_a_stop_string_inside_a_burst_cuts_the_text_where_single_steps_cut_it():
     got = burst.generate([prompt], params)[0]
     assert (got.text, got.token_ids, got.finish_reason) == (expected.text, expected.token_ids, "stop")
     assert stop not in got.text and free.text.startswith(got.text)
+    assert got.stop_reason == expected.stop_reason == stop  # which stop string ended it
+    assert free.stop_reason is None
     assert _bursts(burst) > 0
 
 

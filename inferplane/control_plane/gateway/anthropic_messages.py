@@ -9,10 +9,10 @@ content blocks, the answer's content blocks and stop reasons, the streamed event
 ({"type": "error", "error": {"type": ..., "message": ...}}), which is what the `anthropic` client reads.
 
 Not carried: images and documents in content (400 naming the block), extended thinking (400 unless
-disabled), code-execution containers (400), and `stop_sequence` in the answer: the worker reports
-that a stop ended the answer, not which stop string, so a stop sequence ends it with `end_turn`.
-Where Anthropic runs a request (service_tier, speed, inference_geo) and cache hints are accepted
-and not used: there is nothing here to choose.
+disabled) and code-execution containers (400). A stop sequence that ends the answer is named in
+`stop_sequence` with `stop_reason: "stop_sequence"` (the worker reports which stop string matched:
+the chat choice's `stop_reason`). Where Anthropic runs a request (service_tier, speed,
+inference_geo) and cache hints are accepted and not used: there is nothing here to choose.
 """
 
 from __future__ import annotations
@@ -234,14 +234,22 @@ def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
     return blocks
 
 
+def _stop(choice: dict[str, Any]) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a chat choice: which stop sequence ended it, if one did."""
+    if choice.get("stop_reason"):
+        return "stop_sequence", choice["stop_reason"]
+    return STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn"), None
+
+
 def from_completion(completion: dict[str, Any], model: str) -> dict[str, Any]:
     """A chat completion (one choice) as a Messages answer."""
     choice = completion["choices"][0]
     usage = completion.get("usage") or {}
+    reason, sequence = _stop(choice)
     return {"id": message_id(), "type": "message", "role": "assistant", "model": model,
             "content": _blocks(choice["message"]),
-            "stop_reason": STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn"),
-            "stop_sequence": None,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
             "usage": {"input_tokens": usage.get("prompt_tokens", 0),
                       "output_tokens": usage.get("completion_tokens", 0)}}
 
@@ -260,7 +268,7 @@ async def stream_events(chunks: AsyncIterator[str | bytes], model: str) -> Async
     index = -1  # the open content block's index (-1: none yet)
     open_kind: str | None = None
     open_call: int | None = None  # the OpenAI tool call index the open tool_use block is
-    reason, usage = "end_turn", {"input_tokens": 0, "output_tokens": 0}
+    reason, sequence, usage = "end_turn", None, {"input_tokens": 0, "output_tokens": 0}
 
     def close() -> str:
         return _event("content_block_stop", {"index": index})
@@ -301,8 +309,8 @@ async def stream_events(chunks: AsyncIterator[str | bytes], model: str) -> Async
                     yield _event("content_block_delta", {"index": index, "delta": {
                         "type": "input_json_delta", "partial_json": function["arguments"]}})
             if choice.get("finish_reason"):
-                reason = STOP_REASONS.get(choice["finish_reason"], "end_turn")
+                reason, sequence = _stop(choice)
     if open_kind is not None:
         yield close()
-    yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": None}, "usage": usage})
+    yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage})
     yield _event("message_stop", {})

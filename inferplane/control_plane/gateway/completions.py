@@ -77,6 +77,15 @@ def _reason(msg: Message | None) -> str | None:
     return {"abort": "stop"}.get(msg.finish_reason, msg.finish_reason) or None
 
 
+def _stop_reason(style: JsonStyle, msg: Message | None) -> list[tuple[str, str]]:
+    """vLLM's `stop_reason` field, on a choice that a stop string of the request ended: which one
+    (Anthropic's Messages API answers it as `stop_sequence`). Left out otherwise, as OpenAI has no
+    such field."""
+    if msg is None or not msg.stop_string:
+        return []
+    return [("stop_reason", style.dumps(msg.stop_string))]
+
+
 class _Shape:
     """What one endpoint's responses look like: the whole answer, stream chunks, the usage chunk.
     A request has `prepared.choices` choices (n per prompt); every message names its `index`.
@@ -259,7 +268,8 @@ class _TextShape(_Shape):
     def whole_choice(self, index: int, choice: _Choice) -> list[bytes]:
         s = self.json
         head = s.obj([("index", str(index)), ("text", s.dumps(self._take_echo(index) + "".join(choice.text))),
-                      ("finish_reason", s.dumps(_reason(choice.final)))])[:-1] + s.item + s.field("logprobs")
+                      ("finish_reason", s.dumps(_reason(choice.final))), *_stop_reason(s, choice.final)])[:-1] \
+            + s.item + s.field("logprobs")
         if self.body.logprobs is None:
             return [(head + "null}").encode()]
         # The logprobs object as _logprobs writes it, its arrays' items as they were absorbed.
@@ -284,7 +294,7 @@ class _TextShape(_Shape):
 
     def final_choice(self, msg: Message) -> dict:
         return {"index": msg.index, "text": self._take_echo(msg.index), "finish_reason": _reason(msg),
-                "logprobs": None}
+                **({"stop_reason": msg.stop_string} if msg.stop_string else {}), "logprobs": None}
 
 
 class _ChatShape(_Shape):
@@ -347,7 +357,8 @@ class _ChatShape(_Shape):
         if calls:
             message["tool_calls"] = calls
         head = s.obj([("index", str(index)), ("message", s.dumps(message)),
-                      ("finish_reason", s.dumps(reason))])[:-1] + s.item + s.field("logprobs")
+                      ("finish_reason", s.dumps(reason)), *_stop_reason(s, choice.final)])[:-1] \
+            + s.item + s.field("logprobs")
         if not self.body.logprobs:
             return [(head + "null}").encode()]
         return [(head + "{" + s.field("content") + "[").encode(), *choice.pieces(0), b"]}}"]
@@ -371,15 +382,16 @@ class _ChatShape(_Shape):
 
     def final_choice(self, msg: Message) -> dict:
         index = msg.index
+        stop = {"stop_reason": msg.stop_string} if msg.stop_string else {}
         if not (self.calling or self.parsing):
-            return {"index": index, "delta": {}, "finish_reason": _reason(msg)}
+            return {"index": index, "delta": {}, "finish_reason": _reason(msg), **stop}
         # The held-back answer in one delta: its calls (a forced one cut off by max_tokens with
         # the arguments written so far), or, without a call in the template's format, the text.
         content, calls, reason = self._answer("".join(self.call_text.get(index, [])), _reason(msg))
         delta: dict = {"role": "assistant", "content": content}
         if calls:
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-        return {"index": index, "delta": delta, "finish_reason": reason}
+        return {"index": index, "delta": delta, "finish_reason": reason, **stop}
 
 
 async def _opened(first: Message, stream: AsyncIterator[Message]) -> AsyncIterator[Message | str]:

@@ -14,6 +14,7 @@ import torch
 
 from inferplane.api.tokenizer import IncrementalDetokenizer
 from inferplane.worker.engine.kv.block_pool import blocks_for
+from inferplane.worker.engine.outputs import held_back
 from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.engine.sequence import Sequence
 from inferplane.worker.model.loader import LoadedModel
@@ -120,3 +121,5 @@ class RequestIntake:
             for token in resumed:
                 detokenizer.add(token)  # the same state the earlier replica's detokenizer reached
             seq.output_text = detokenizer.text
+            if seq.params.stop:  # what the earlier replica held back, as it did: it goes out from here
+                seq.text_sent = len(seq.output_text) - held_back(seq.output_text, seq.params.stop)

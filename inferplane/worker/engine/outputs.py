@@ -27,6 +27,7 @@ class StepOutput:
     text_delta: str
     finished: bool
     finish_reason: str | None = None
+    stop_string: str | None = None  # on the finished output, when a stop string ended it
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -94,9 +95,10 @@ class TokenAppender:
                 return out
             if not stop_token and seq.grammar.is_terminated():
                 reason = "stop"  # the document is complete: no need to spend a step on EOS
+        hit = False
         if stop_token:
             reason, delta = "stop", ""
-        elif delta and seq.params.stop:
+        elif seq.params.stop:
             delta, hit = cut_at_stop(seq, delta)
             if hit:
                 reason = "stop"
@@ -105,6 +107,9 @@ class TokenAppender:
         if reason is None and (len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
+            if seq.params.stop and not hit:  # ended otherwise: the text held back for a stop string goes out
+                delta += seq.output_text[seq.text_sent:]
+                seq.text_sent = len(seq.output_text)
             self._finish(seq, reason)
         if stop_token:
             out = step_output(seq, [], [], "")
@@ -117,22 +122,35 @@ class TokenAppender:
 
 
 def cut_at_stop(seq: Sequence, delta: str) -> tuple[str, bool]:
-    """Appends delta to the output text unless a stop string completes in it; the stop string
-    and what follows are not returned (vLLM's default)."""
-    before = len(seq.output_text)
+    """Appends `delta` to the output text, and says what of it may be sent and whether a stop
+    string completed. A stop string and what follows are not part of the answer (vLLM's default),
+    and no part of one is ever sent: text that could begin a stop string is held back until the
+    next token shows whether it does (`held_back`), so a stop spanning tokens never leaks its start."""
+    sent = seq.text_sent
     text = seq.output_text + delta
-    window = max(len(s) for s in seq.params.stop) + len(delta)
-    search_from = max(0, len(text) - window)
+    # A stop cannot begin in text already sent: that text was no stop's beginning when it went out.
     cut = None
     for stop in seq.params.stop:
-        idx = text.find(stop, search_from)
+        idx = text.find(stop, sent)
         if idx != -1 and (cut is None or idx < cut):
-            cut = idx
-    if cut is None:
-        seq.output_text = text
-        return delta, False
-    seq.output_text = text[:cut]
-    return seq.output_text[before:], True
+            cut, seq.stop_string = idx, stop
+    if cut is not None:
+        seq.output_text = text[:cut]
+        seq.text_sent = cut
+        return text[sent:cut], True
+    seq.output_text = text
+    seq.text_sent = max(sent, len(text) - held_back(text, seq.params.stop))
+    return text[sent:seq.text_sent], False
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How many characters at the end of `text` could begin a stop string: the longest suffix that
+    is a stop's proper prefix."""
+    for k in range(min(len(text), max(len(s) for s in stops) - 1), 0, -1):
+        tail = text[-k:]
+        if any(stop.startswith(tail) for stop in stops):
+            return k
+    return 0
 
 
 def step_output(seq: Sequence, tokens: list[int], logprobs: list[float], delta: str) -> StepOutput:
@@ -155,6 +173,7 @@ def step_output(seq: Sequence, tokens: list[int], logprobs: list[float], delta: 
         text_delta=delta,
         finished=seq.is_finished,
         finish_reason=seq.finish_reason,
+        stop_string=seq.stop_string if seq.is_finished else None,
         num_prompt_tokens=seq.num_prompt_tokens,
         num_output_tokens=len(seq.output_token_ids),
         num_cached_tokens=seq.num_cached_tokens,

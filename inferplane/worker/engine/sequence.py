@@ -37,11 +37,15 @@ class Sequence:
     window_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it (vLLM's stop_reason; Anthropic's stop_sequence)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
     output_text: str = ""
+    # With stop strings: how much of output_text has gone out (the rest could begin a stop string
+    # and is held back until the next token shows: outputs.cut_at_stop).
+    text_sent: int = 0
     # Radix bookkeeping: tree nodes this sequence holds locked (kv/radix.py).
     locked_nodes: list = field(default_factory=list)
     # Structured output: the grammar state (worker/structured/state.py) that has accepted every output token.

@@ -85,7 +85,8 @@ def _constraint(kind: str, spec: str):
 def _response(out: StepOutput) -> worker_pb2.GenerateResponse:
     msg = worker_pb2.GenerateResponse(text=out.text_delta, token_ids=out.new_token_ids,
                                       logprobs=out.new_logprobs, finished=out.finished,
-                                      finish_reason=out.finish_reason or "", index=out.index)
+                                      finish_reason=out.finish_reason or "", index=out.index,
+                                      stop_string=out.stop_string or "")
     for alternatives in out.new_top_logprobs:
         msg.top_logprobs.add(token_ids=[t for t, _ in alternatives], logprobs=[lp for _, lp in alternatives])
     for scored in out.prompt_logprobs or ():
