@@ -25,6 +25,7 @@ BENCHMARKS = {
     "spec": ("inferplane.bench.spec", "speculative decoding (ngram, suffix) vs none: code editing, RAG, agent, "
                                       "chat; batch 1 and 8, greedy and sampled"),
     "footprint": ("inferplane.bench.footprint", "a CPU worker's measured peak and served memory vs its estimate"),
+    "serve": ("inferplane.bench.serve", "OpenAI-compatible load test of a running endpoint: TTFT, ITL, TPOT, goodput"),
 }
 
 

@@ -101,6 +101,8 @@ class SamplingRequest(_Base):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, description="vLLM's extension; 1 is off")
     logit_bias: dict[str, float] | None = Field(default=None, description="token id (as a string) -> [-100, 100]")
     min_tokens: int = Field(default=0, ge=0, le=UINT32_MAX, description="vLLM's extension")
+    ignore_eos: bool = Field(default=False, description="vLLM's extension: decode past end-of-sequence tokens "
+                                                        "until max_tokens (load tests)")
     user: str | None = None
     structured_outputs: StructuredOutputs | None = Field(
         default=None, description="vLLM's extension: {json | regex | choice}")
@@ -183,13 +185,15 @@ class SamplingRequest(_Base):
                         ignore_eos: bool = False) -> worker_pb2.SamplingParams:
         """The worker's sampling parameters, every field set here and only here. `max_tokens` is
         the one `prepare` settled (asked for and checked against the context, or worked out);
-        `stop_token_ids` and `ignore_eos` are the gRPC API's own fields, which no REST body has."""
+        `stop_token_ids` is the gRPC API's own field; `ignore_eos` the gRPC API's, or a REST body's
+        (vLLM's extension)."""
         kind, spec = self.constraint()
         want_logprobs = self.logprobs_wanted()
         return worker_pb2.SamplingParams(
             constraint_kind=kind, constraint_spec=spec,
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0,
-            seed=self.seed, stop=list(self.stop or []), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+            seed=self.seed, stop=list(self.stop or []), stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos or self.ignore_eos,
             logprobs=want_logprobs, top_logprobs=self.top_logprobs_wanted() if want_logprobs else 0,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
