@@ -91,8 +91,6 @@ def print_json(value: Any) -> None:
             return dataclasses.asdict(o)
         if isinstance(o, datetime):
             return o.isoformat()
-        if hasattr(o, "__dict__"):  # an API answer as cli/remote.record gives it
-            return vars(o)
         raise TypeError(f"cannot serialize {type(o).__name__}")
 
     print(json.dumps(value, default=default, indent=2))

@@ -93,6 +93,7 @@ def _print_created(args: argparse.Namespace, secret: str, info: Any) -> None:
 
 
 def _create_remote(args: argparse.Namespace, api: Any) -> int:
+    from inferplane.control_plane.auth import KeyInfo
     from inferplane.control_plane.cli.remote import record
 
     body = {"tenant_id": args.tenant, "scopes": [s for s in args.scopes.split(",") if s], "name": args.name,
@@ -101,14 +102,14 @@ def _create_remote(args: argparse.Namespace, api: Any) -> int:
             "max_concurrent_sequences": args.max_concurrent_sequences}
     answer = api.call("POST", "/admin/v1/keys", json={k: v for k, v in body.items() if v is not None})
     secret = answer.pop("key")
-    _print_created(args, secret, record(answer))
+    _print_created(args, secret, record(answer, KeyInfo))
     return 0
 
 
 def _as_dict(info: Any) -> dict[str, Any]:
     import dataclasses
 
-    return dataclasses.asdict(info) if dataclasses.is_dataclass(info) else vars(info)
+    return dataclasses.asdict(info)
 
 
 def _list(args: argparse.Namespace, sessions: Any) -> int:
@@ -121,10 +122,11 @@ def _list(args: argparse.Namespace, sessions: Any) -> int:
 
 
 def _list_remote(args: argparse.Namespace, api: Any) -> int:
+    from inferplane.control_plane.auth import KeyInfo
     from inferplane.control_plane.cli.remote import record
 
     params = {"tenant_id": args.tenant} if args.tenant else {}
-    _print_keys(args, [record(k) for k in api.call("GET", "/admin/v1/keys", params=params)["data"]])
+    _print_keys(args, [record(k, KeyInfo) for k in api.call("GET", "/admin/v1/keys", params=params)["data"]])
     return 0
 
 

@@ -129,11 +129,34 @@ def _register(args: argparse.Namespace, sessions: Any) -> int:
             expected_sha256=args.sha256,
             outbound=outbound,
         )
-    if args.json:
-        print_json(model)
-    else:
-        _print_one(model)
+    return _registered(args, model)
+
+
+def _registered(args: argparse.Namespace, model: Any) -> int:
+    """Prints a registered version; exit 1 unless it can be served (verified, or a pvc:// entry)."""
+    print_json(model) if args.json else _print_one(model)
     return 0 if model.status == "verified" or (model.status == "registered" and model.uri.startswith("pvc://")) else 1
+
+
+def _no_tenant_remotely(args: argparse.Namespace) -> None:
+    """Through the gateway the caller is the platform admin, whose registrations are platform models:
+    acting for a tenant takes that tenant's admin key, so --tenant is the database form's only."""
+    from inferplane.control_plane.cli.remote import RemoteError
+
+    if getattr(args, "tenant", None) or getattr(args, "public", False):
+        raise RemoteError(400, "--tenant and --public work on the database only; through --url the platform "
+                               "admin registers platform models (a tenant admin's key registers that tenant's)")
+
+
+def _register_remote(args: argparse.Namespace, api: Any) -> int:
+    from inferplane.control_plane.cli.remote import record
+    from inferplane.control_plane.registry.records import ModelInfo
+
+    _no_tenant_remotely(args)
+    body = {"source": args.uri or args.source, "name": args.source if args.uri else args.name,
+            "version": args.version, "sha256": args.sha256, "format": args.format}
+    return _registered(args, record(api.call("POST", "/admin/v1/models",
+                                              json={k: v for k, v in body.items() if v is not None}), ModelInfo))
 
 
 def _register_adapter(args: argparse.Namespace, sessions: Any) -> int:
@@ -144,6 +167,19 @@ def _register_adapter(args: argparse.Namespace, sessions: Any) -> int:
         adapter = register_adapter(s, args.source, actor=cli_actor(), base=args.base, name=args.name,
                                    version=args.version, owner_tenant_id=args.tenant, expected_sha256=args.sha256,
                                    outbound=OutboundPolicy.from_env())
+    print_json(adapter) if args.json else _print_one(adapter)
+    return 0
+
+
+def _register_adapter_remote(args: argparse.Namespace, api: Any) -> int:
+    from inferplane.control_plane.cli.remote import record
+    from inferplane.control_plane.registry.records import ModelInfo
+
+    _no_tenant_remotely(args)
+    body = {"source": args.source, "base": args.base, "name": args.name, "version": args.version,
+            "sha256": args.sha256}
+    adapter = record(api.call("POST", "/admin/v1/adapters", json={k: v for k, v in body.items() if v is not None}),
+                     ModelInfo)
     print_json(adapter) if args.json else _print_one(adapter)
     return 0
 
@@ -214,15 +250,48 @@ def _list(args: argparse.Namespace, sessions: Any) -> int:
     return 0
 
 
-def _list_remote(args: argparse.Namespace, api: Any) -> int:
-    """The registry as the gateway serves it (a platform admin sees every tenant's; `--tenant` is
-    the database form's only)."""
-    from inferplane.control_plane.cli.remote import RemoteError, record
+def _remote_models(args: argparse.Namespace, api: Any) -> list[Any]:
+    """The registry as the gateway serves it to the platform admin (every tenant's models)."""
+    from inferplane.control_plane.cli.remote import record
+    from inferplane.control_plane.registry.records import ModelInfo
 
-    if args.tenant:
-        raise RemoteError(400, "--tenant works on the database only; with --url, list as the platform admin")
-    models = [record(m) for m in api.call("GET", "/admin/v1/models")["data"]]
+    _no_tenant_remotely(args)
+    return [record(m, ModelInfo) for m in api.call("GET", "/admin/v1/models")["data"]]
+
+
+def _list_remote(args: argparse.Namespace, api: Any) -> int:
+    models = _remote_models(args, api)
     print_json(models) if args.json else _print_table(models)
+    return 0
+
+
+def _versions_remote(args: argparse.Namespace, api: Any) -> int:
+    from inferplane.control_plane.registry.records import parse_ref
+
+    name, _ = parse_ref(args.ref)
+    models = [m for m in _remote_models(args, api) if m.name == name]
+    print_json(models) if args.json else _print_table(models)
+    return 0
+
+
+def _show_remote(args: argparse.Namespace, api: Any) -> int:
+    """One version (a bare name: the latest registered, as `show` on the database picks it)."""
+    from inferplane.control_plane.cli.remote import RemoteError
+    from inferplane.control_plane.registry.records import parse_ref
+
+    name, version = parse_ref(args.ref)
+    found = [m for m in _remote_models(args, api) if m.name == name and version in (None, m.version)]
+    if not found:
+        raise RemoteError(404, f"no model {args.ref!r}")
+    model = max(found, key=lambda m: m.id)
+    print_json(model) if args.json else _print_one(model)
+    return 0
+
+
+def _delete_remote(args: argparse.Namespace, api: Any) -> int:
+    _no_tenant_remotely(args)
+    for ref in api.call("DELETE", f"/admin/v1/models/{args.ref}")["deleted"]:
+        print(f"deleted {ref}")
     return 0
 
 
@@ -266,5 +335,6 @@ def _verify(args: argparse.Namespace, sessions: Any) -> int:
 def run(args: argparse.Namespace) -> int:
     commands = {"pull": _pull, "register": _register, "register-adapter": _register_adapter, "list": _list,
                 "show": _show, "versions": _versions, "delete": _delete, "verify": _verify}  # fmt: skip
-    remote = {"list": _list_remote}.get(args.models_command)
+    remote = {"register": _register_remote, "register-adapter": _register_adapter_remote, "list": _list_remote,
+              "show": _show_remote, "versions": _versions_remote, "delete": _delete_remote}.get(args.models_command)
     return run_cli_command(commands[args.models_command], args, remote)

@@ -13,7 +13,6 @@ import argparse
 import os
 from datetime import datetime
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from inferplane.control_plane.db_url import default_home
@@ -62,6 +61,11 @@ class AdminAPI:
         self.url = url
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        """The answer's body; RemoteError for a refusal."""
+        return self.exchange(method, path, **kwargs)[1]
+
+    def exchange(self, method: str, path: str, **kwargs: Any) -> tuple[int, Any]:
+        """(status, body) of a call the gateway accepted (2xx); RemoteError for a refusal."""
         import httpx
 
         try:
@@ -76,16 +80,18 @@ class AdminAPI:
             error = body.get("error") if isinstance(body, dict) else None
             message = error.get("message") if isinstance(error, dict) else response.text[:500]
             raise RemoteError(response.status_code, message or response.reason_phrase)
-        return body
+        return response.status_code, body
 
     def close(self) -> None:
         self._client.close()
 
 
-def record(data: dict[str, Any]) -> SimpleNamespace:
-    """An API answer as the table printers read a database record: attributes, `*_at` as datetimes."""
-    return SimpleNamespace(**{k: datetime.fromisoformat(v) if k.endswith("_at") and isinstance(v, str) else v
-                              for k, v in data.items()})
+def record(data: dict[str, Any], kind: type) -> Any:
+    """An API answer as the database form's record: an instance of `kind`, the record's own
+    dataclass (the admin API answers with its fields; its properties, such as a key's `active`,
+    then hold as they do on the database), `*_at` as datetimes."""
+    return kind(**{k: datetime.fromisoformat(v) if k.endswith("_at") and isinstance(v, str) else v
+                   for k, v in data.items()})
 
 
 def run_remote(command: Any, args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """`inferplane tenants create|update|list|set-webhook|list-webhooks|remove-webhook`: platform-admin
-tenant management straight on the database (`create` and `list` also through a running gateway,
-`--url`: cli/remote.py). `update` changes a tenant's flow control (priority band,
+tenant management straight on the database, or with `--url` through a running gateway's admin API
+(cli/remote.py). `update` changes a tenant's flow control (priority band,
 concurrent-sequence limit). The webhook commands manage where a tenant's alerts are sent (see
 `control_plane.alerts`), with the same URL validation as the admin API."""
 
@@ -106,12 +106,13 @@ def _print_created(args: argparse.Namespace, tenant: Any) -> None:
 
 def _create_remote(args: argparse.Namespace, api: Any) -> int:
     from inferplane.control_plane.cli.remote import record
+    from inferplane.control_plane.tenants import TenantInfo
 
     body = {"id": args.tenant_id, "display_name": args.display_name, "monthly_token_quota": args.quota,
             "key_requests_per_minute_max": args.key_rpm_max, "key_tokens_per_minute_max": args.key_tpm_max,
             "priority": args.priority, "max_concurrent_sequences": args.max_concurrent_sequences}
     _print_created(args, record(api.call("POST", "/admin/v1/tenants",
-                                         json={k: v for k, v in body.items() if v is not None})))
+                                         json={k: v for k, v in body.items() if v is not None}), TenantInfo))
     return 0
 
 
@@ -125,12 +126,16 @@ def _update(args: argparse.Namespace, sessions: Any) -> int:
         limit = getattr(args, "max_concurrent_sequences", tenant.max_concurrent_sequences)
         tenant = set_flow_control(s, args.tenant_id, actor=cli_actor(), priority=priority,
                                   max_concurrent_sequences=limit)
+    _print_updated(args, tenant)
+    return 0
+
+
+def _print_updated(args: argparse.Namespace, tenant: Any) -> None:
     if args.json:
         print_json(tenant)
     else:
         print(f"updated tenant {tenant.id}: priority {tenant.priority or 'unset'}, max concurrent sequences "
               f"{tenant.max_concurrent_sequences or 'unlimited'}")
-    return 0
 
 
 def _list(args: argparse.Namespace, sessions: Any) -> int:
@@ -144,8 +149,9 @@ def _list(args: argparse.Namespace, sessions: Any) -> int:
 
 def _list_remote(args: argparse.Namespace, api: Any) -> int:
     from inferplane.control_plane.cli.remote import record
+    from inferplane.control_plane.tenants import TenantInfo
 
-    _print_tenants(args, [record(t) for t in api.call("GET", "/admin/v1/tenants")["data"]])
+    _print_tenants(args, [record(t, TenantInfo) for t in api.call("GET", "/admin/v1/tenants")["data"]])
     return 0
 
 
@@ -170,13 +176,24 @@ def _set_webhook(args: argparse.Namespace, sessions: Any) -> int:
     outbound = OutboundPolicy.from_env()
     with sessions.begin() as s:
         result = set_webhook(s, args.tenant_id, args.url, actor=cli_actor(), secret=args.secret, outbound=outbound)
+    _print_set_webhook(args, result.webhook.__dict__, result.created, result.generated_secret)
+    return 0
+
+
+def _print_set_webhook(args: argparse.Namespace, webhook: dict[str, Any], created: bool, secret: str | None) -> None:
     if args.json:
-        print_json({**result.webhook.__dict__, "created": result.created, "secret": result.generated_secret})
-        return 0
-    verb = "added" if result.created else "updated"
-    print(f"{verb} webhook {result.webhook.id} of tenant {args.tenant_id}: {result.webhook.url}")
-    if result.generated_secret is not None:
-        print(f"signing secret (shown once): {result.generated_secret}")
+        print_json({**webhook, "created": created, "secret": secret})
+        return
+    print(f"{'added' if created else 'updated'} webhook {webhook['id']} of tenant {args.tenant_id}: {webhook['url']}")
+    if secret is not None:
+        print(f"signing secret (shown once): {secret}")
+
+
+def _set_webhook_remote(args: argparse.Namespace, api: Any) -> int:
+    body = {"url": args.url, **({"secret": args.secret} if args.secret is not None else {})}
+    status, answer = api.exchange("PUT", f"/admin/v1/tenants/{args.tenant_id}/webhooks", json=body)
+    secret = answer.pop("secret", None)
+    _print_set_webhook(args, answer, status == 201, secret)  # 201: added; 200: a new secret for an existing URL
     return 0
 
 
@@ -185,12 +202,28 @@ def _list_webhooks(args: argparse.Namespace, sessions: Any) -> int:
 
     with sessions() as s:
         hooks = list_webhooks(s, args.tenant_id)
+    _print_webhooks(args, hooks)
+    return 0
+
+
+def _print_webhooks(args: argparse.Namespace, hooks: list[Any]) -> None:
     if args.json:
         print_json(hooks)
-        return 0
+        return
     print(f"{'ID':>6}  {'CREATED':<20} URL")
     for h in hooks:
         print(f"{h.id:>6}  {h.created_at:%Y-%m-%d %H:%M:%S}  {h.url}")
+
+
+def _webhooks_remote(api: Any, tenant_id: str) -> list[Any]:
+    from inferplane.control_plane.alerts.webhooks import WebhookInfo
+    from inferplane.control_plane.cli.remote import record
+
+    return [record(h, WebhookInfo) for h in api.call("GET", f"/admin/v1/tenants/{tenant_id}/webhooks")["data"]]
+
+
+def _list_webhooks_remote(args: argparse.Namespace, api: Any) -> int:
+    _print_webhooks(args, _webhooks_remote(api, args.tenant_id))
     return 0
 
 
@@ -203,8 +236,39 @@ def _remove_webhook(args: argparse.Namespace, sessions: Any) -> int:
     return 0
 
 
+def _remove_webhook_remote(args: argparse.Namespace, api: Any) -> int:
+    """By id, or by its exact URL (looked up in the tenant's list, as the database form does)."""
+    from inferplane.control_plane.cli.remote import RemoteError
+
+    webhook = args.webhook
+    if not webhook.isdigit():
+        found = [h.id for h in _webhooks_remote(api, args.tenant_id) if h.url == webhook]
+        if not found:
+            raise RemoteError(404, f"tenant {args.tenant_id!r} has no webhook {webhook!r}")
+        webhook = str(found[0])
+    removed = api.call("DELETE", f"/admin/v1/tenants/{args.tenant_id}/webhooks/{webhook}")
+    print(f"removed webhook {removed['id']} of tenant {args.tenant_id}: {removed['url']}")
+    return 0
+
+
+def _update_remote(args: argparse.Namespace, api: Any) -> int:
+    """Only the options given are sent (PATCH); "none" sends null, which removes the band or limit."""
+    from inferplane.control_plane.cli.remote import record
+    from inferplane.control_plane.tenants import TenantInfo
+
+    body: dict[str, Any] = {}
+    if args.priority is not None:
+        body["priority"] = None if args.priority == NONE else args.priority
+    if hasattr(args, "max_concurrent_sequences"):
+        body["max_concurrent_sequences"] = args.max_concurrent_sequences
+    _print_updated(args, record(api.call("PATCH", f"/admin/v1/tenants/{args.tenant_id}", json=body), TenantInfo))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     command = {"create": _create, "update": _update, "list": _list, "set-webhook": _set_webhook,
                "list-webhooks": _list_webhooks, "remove-webhook": _remove_webhook}[args.tenants_command]
-    remote = {"create": _create_remote, "list": _list_remote}.get(args.tenants_command)
+    remote = {"create": _create_remote, "update": _update_remote, "list": _list_remote,
+              "set-webhook": _set_webhook_remote, "list-webhooks": _list_webhooks_remote,
+              "remove-webhook": _remove_webhook_remote}[args.tenants_command]
     return run_cli_command(command, args, remote)
