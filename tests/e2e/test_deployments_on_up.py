@@ -121,7 +121,7 @@ def test_deployments_change_on_a_running_up_with_no_request_failed(tmp_path: Pat
         assert "default" in cli(home, "tenants", "list", "--url", base).stdout
         models = cli(home, "models", "list", "--url", base)
         assert models.returncode == 0 and models.stdout.startswith("NAME"), models.stderr
-        assert cli(home, "tenants", "update", "default", "--url", base).returncode == 2  # the database's only
+        assert cli(home, "models", "verify", "smollm2-135m", "--url", base).returncode == 2  # the database's only
 
         other_pids = [r["pid"] for d in runstate.read(home)["deployments"] if d["name"] == "other"
                       for r in d["replicas"]]
