@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -26,26 +25,14 @@ import yaml
 from inferplane.api.deployment import SpecError
 from inferplane.api.model_resolution import ModelResolutionError
 from inferplane.control_plane.errors import InvalidInput, NotFound
+from inferplane.local.manifests import API_VERSION, Manifest, check_prefill_pool_names, kept_folder, manifest_of
 
 if TYPE_CHECKING:
-    from inferplane.local.platform import LocalPlatform, Manifest
+    from inferplane.local.platform import LocalPlatform
     from inferplane.local.supervisor import LocalDeployment
 
 log = logging.getLogger(__name__)
-API_VERSION = "inferplane.io/v1alpha1"
 ROLLOUT_TIMEOUT_S = 600.0  # as `inferplane up --ready-timeout`'s default
-
-
-def kept_folder(home: Path) -> Path:
-    return home / "deployments"
-
-
-def kept_documents(home: Path) -> list[tuple[str, dict[str, Any]]]:
-    """(file, document) of each deployment applied through the API and kept, in name order."""
-    folder = kept_folder(home)
-    if not folder.is_dir():
-        return []
-    return [(str(path), yaml.safe_load(path.read_text())) for path in sorted(folder.glob("*.yaml"))]
 
 
 def _invalid(exc: SpecError | ModelResolutionError) -> Exception:
@@ -104,8 +91,6 @@ class LocalDeploymentControl:
         os.replace(partial, path)
 
     async def apply(self, document: dict[str, Any]) -> dict[str, Any]:
-        from inferplane.local.platform import check_prefill_pool_names, manifest_of
-
         try:
             manifest = manifest_of(document, "the body")
         except SpecError as exc:

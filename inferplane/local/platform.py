@@ -10,16 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import secrets
 import stat
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import yaml
-
-from inferplane.api.deployment import InferenceDeploymentSpec, SpecError, prefill_pool_name
 from inferplane.api.model_resolution import BUILTIN_MODELS, ModelResolutionError, ResolvedAdapter, ResolvedModel
 from inferplane.control_plane import auth, registry, tenants
 from inferplane.control_plane.autoscale.autoscaler import Autoscaler, AutoscalerMetrics
@@ -29,7 +23,7 @@ from inferplane.control_plane.gateway.served_routes import ResourceRoute, catalo
 from inferplane.control_plane.gateway.server import Gateway, GatewaySettings
 from inferplane.control_plane.outbound import ENV_OUTBOUND_ALLOW, split_entries
 from inferplane.local import runstate
-from inferplane.local.deployment_control import LocalDeploymentControl, kept_documents
+from inferplane.local.manifests import Manifest, check_prefill_pool_names, kept_documents, manifest_of
 from inferplane.local.supervisor import LocalDeployment, Replica, Supervisor, SupervisorScaler
 from inferplane.storage.fetch import FetchResult, fetch_model
 from inferplane.v1 import worker_pb2
@@ -37,86 +31,6 @@ from inferplane.v1 import worker_pb2
 log = logging.getLogger(__name__)
 
 BOOTSTRAP_TENANT = "default"
-DEFAULT_DEPLOYMENT = {
-    "apiVersion": "inferplane.io/v1alpha1",
-    "kind": "InferenceDeployment",
-    "metadata": {"name": "smollm2-135m"},
-    "spec": {"model": {"name": "smollm2-135m"}, "runtime": "auto", "replicas": 1,
-             "resources": {"cpu": "2", "memory": "4Gi"}, "engine": {"kvCacheMemory": "512Mi"}},
-}
-
-
-@dataclass
-class Manifest:
-    name: str
-    spec: InferenceDeploymentSpec
-
-
-# A Kubernetes object name (RFC 1123 subdomain): also what names the processes' log files and folders.
-OBJECT_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
-
-
-def resource_name(text: str) -> str:
-    """`text` (a file or folder name) as an InferenceDeployment name: lower case, runs of anything
-    but letters and digits as one "-", at most 63 characters (a DNS label, as a cluster needs)."""
-    name = "-".join(piece for piece in re.split(r"[^a-z0-9]+", text.lower()) if piece)[:63].strip("-")
-    if not name:
-        raise SpecError("metadata.name", f"cannot make a deployment name of {text!r}; pass --name")
-    return name
-
-
-def served_manifest(name: str, model: dict, *, runtime: str = "auto", kind: str = "generate",
-                    replicas: int = 1, served_name: str | None = None) -> Manifest:
-    """The deployment `inferplane serve` generates: the built-in default's resources and engine,
-    with this model, runtime, kind and replica count, checked as any manifest is. `served_name`:
-    the model id clients use, where it is not the registry name (serving.servedModelName)."""
-    spec = {**DEFAULT_DEPLOYMENT["spec"], "model": model, "runtime": runtime, "kind": kind, "replicas": replicas}
-    if served_name is not None:
-        spec["serving"] = {"servedModelName": served_name}
-    if kind == "embedding":
-        spec.pop("engine")  # the KV cache budget is a generative model's
-    return Manifest(name, InferenceDeploymentSpec.from_dict(spec))
-
-
-def manifest_of(doc: Any, where: str) -> Manifest:
-    """One InferenceDeployment document (a file's, or an admin API body) checked as the API server
-    would: SpecError naming the field."""
-    if not isinstance(doc, dict) or doc.get("kind") != "InferenceDeployment":
-        got = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
-        raise SpecError("kind", f"{where}: expected kind InferenceDeployment, got {got!r}")
-    name = (doc.get("metadata") or {}).get("name")
-    if not name:
-        raise SpecError("metadata.name", f"{where}: required")
-    if not isinstance(name, str) or not OBJECT_NAME.fullmatch(name):
-        raise SpecError("metadata.name", f"{where}: {name!r} is not a Kubernetes object name (lower case "
-                                         "letters, digits, '-' and '.', at most 253)")
-    return Manifest(name, InferenceDeploymentSpec.from_dict(doc.get("spec")))
-
-
-def check_prefill_pool_names(manifests: list[Manifest]) -> None:
-    """SpecError where a prefill pool's processes would take another deployment's name."""
-    names = {m.name for m in manifests}
-    for manifest in manifests:  # a prefill pool's processes are named after their deployment
-        pool = prefill_pool_name(manifest.name)
-        if manifest.spec.disaggregation.enabled and pool in names:
-            raise SpecError("disaggregation.enabled", f"{manifest.name}'s prefill pool would be named {pool}, "
-                                                      "which another InferenceDeployment is; rename one of them")
-
-
-def read_manifests(paths: list[str], *, default: bool = True) -> list[Manifest]:
-    """The same YAML `kubectl apply -f` takes (several documents per file allowed); none given: the
-    built-in default deployment, unless `default` is False."""
-    docs = []
-    for path in paths:
-        with open(path) as f:
-            docs.extend((path, d) for d in yaml.safe_load_all(f) if d)
-    if not docs and default:
-        docs = [("(built-in default)", DEFAULT_DEPLOYMENT)]
-    manifests = [manifest_of(doc, path) for path, doc in docs]
-    check_prefill_pool_names(manifests)
-    return manifests
-
-
 def _secret_file(path: Path, value: str) -> None:
     path.write_text(value + "\n")
     os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
@@ -171,8 +85,6 @@ class LocalPlatform:
         self.digests: dict[str, str | None] = {}  # deployment name -> its weights' digest (what adapters bind to)
         # served model name -> its deployments' routes: the mapping the cluster sync uses (served_routes)
         self.routes = route_table(ResourceRoute.of(m.name, m.spec) for m in self.manifests)
-        # Deployments changed through the admin API while this runs (/admin/v1/deployments).
-        self.gateway.context.deployment_control = LocalDeploymentControl(self)
 
     def bootstrap(self) -> None:
         """First start only: the default tenant and its key (printed once, never stored)."""

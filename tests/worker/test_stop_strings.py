@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import random
 
-from inferplane.worker.engine.outputs import cut_at_stop, held_back
 from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.engine.sequence import Sequence
+from inferplane.worker.engine.stop_strings import cut_at_stop, held_back
 
 
 def sequence(*stops: str) -> Sequence:

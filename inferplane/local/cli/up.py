@@ -117,8 +117,7 @@ def banner(platform, host: str, port: int, grpc_port: int | None) -> str:
 
 async def _main(args: argparse.Namespace) -> int:
     from inferplane.api.deployment import SpecError
-    from inferplane.local.deployment_control import kept_documents
-    from inferplane.local.platform import read_manifests
+    from inferplane.local.manifests import kept_documents, read_manifests
 
     try:
         # the built-in default only where nothing is given and nothing was kept from an earlier run
@@ -138,6 +137,7 @@ async def run_platform(args: argparse.Namespace, manifests: list) -> int:
     from inferplane.api.deployment import SpecError
     from inferplane.api.model_resolution import ModelResolutionError
     from inferplane.control_plane.db import DatabaseUnusable
+    from inferplane.local.deployment_control import LocalDeploymentControl
     from inferplane.local.platform import LocalPlatform
     from inferplane.storage.fetch import FetchError
 
@@ -149,6 +149,8 @@ async def run_platform(args: argparse.Namespace, manifests: list) -> int:
     try:
         platform = LocalPlatform(Path(args.home).expanduser(), manifests, args.host, args.port, grpc_port,
                                  metrics_port=metrics_port)
+        # deployments added, changed and removed through the admin API while it runs
+        platform.gateway.context.deployment_control = LocalDeploymentControl(platform)
     except (DatabaseUnusable, SpecError) as exc:  # a damaged SQLite file, a bad kept deployment: one line
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -14,9 +14,9 @@ import torch
 
 from inferplane.api.tokenizer import IncrementalDetokenizer
 from inferplane.worker.engine.kv.block_pool import blocks_for
-from inferplane.worker.engine.outputs import held_back
 from inferplane.worker.engine.sampling import SamplingParams
 from inferplane.worker.engine.sequence import Sequence
+from inferplane.worker.engine.stop_strings import held_back
 from inferplane.worker.model.loader import LoadedModel
 
 

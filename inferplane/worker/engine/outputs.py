@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from inferplane.api.tokenizer import IncrementalDetokenizer
 from inferplane.worker.engine.sequence import Sequence
 from inferplane.worker.engine.stats import EngineCounters
+from inferplane.worker.engine.stop_strings import cut_at_stop
 
 
 @dataclass
@@ -119,38 +120,6 @@ class TokenAppender:
         if new_logprobs and seq.params.top_logprobs:
             out.new_top_logprobs = [alternatives or []]
         return out
-
-
-def cut_at_stop(seq: Sequence, delta: str) -> tuple[str, bool]:
-    """Appends `delta` to the output text, and says what of it may be sent and whether a stop
-    string completed. A stop string and what follows are not part of the answer (vLLM's default),
-    and no part of one is ever sent: text that could begin a stop string is held back until the
-    next token shows whether it does (`held_back`), so a stop spanning tokens never leaks its start."""
-    sent = seq.text_sent
-    text = seq.output_text + delta
-    # A stop cannot begin in text already sent: that text was no stop's beginning when it went out.
-    cut = None
-    for stop in seq.params.stop:
-        idx = text.find(stop, sent)
-        if idx != -1 and (cut is None or idx < cut):
-            cut, seq.stop_string = idx, stop
-    if cut is not None:
-        seq.output_text = text[:cut]
-        seq.text_sent = cut
-        return text[sent:cut], True
-    seq.output_text = text
-    seq.text_sent = max(sent, len(text) - held_back(text, seq.params.stop))
-    return text[sent:seq.text_sent], False
-
-
-def held_back(text: str, stops: list[str]) -> int:
-    """How many characters at the end of `text` could begin a stop string: the longest suffix that
-    is a stop's proper prefix."""
-    for k in range(min(len(text), max(len(s) for s in stops) - 1), 0, -1):
-        tail = text[-k:]
-        if any(stop.startswith(tail) for stop in stops):
-            return k
-    return 0
 
 
 def step_output(seq: Sequence, tokens: list[int], logprobs: list[float], delta: str) -> StepOutput:
