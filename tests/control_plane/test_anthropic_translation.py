@@ -8,6 +8,7 @@ import json
 import pytest
 
 from inferplane.control_plane.gateway import anthropic_messages as am
+from tests.control_plane.chat_stream_chunks import sse, text_then_tool_call
 
 
 def request(**body) -> am.MessagesRequest:
@@ -87,21 +88,8 @@ async def events(*chunks: str) -> list[dict]:
     return out
 
 
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
 async def test_a_stream_of_text_then_a_tool_call() -> None:
-    got = await events(
-        ": queued\n\n",
-        sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, "finish_reason": None}]}),
-        sse({"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": None}]})[:10],  # split mid-event
-        sse({"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": None}]})[10:],
-        sse({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c1", "type": "function",
-                                                               "function": {"name": "f", "arguments": '{"x"'}}]}}]}),
-        sse({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}}]}),
-        sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}),
-        sse({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4}}), "data: [DONE]\n\n")
+    got = await events(*text_then_tool_call())
     kinds = [e["type"] for e in got]
     assert kinds == ["message_start", "ping", "content_block_start", "content_block_delta", "content_block_delta",
                      "content_block_stop", "content_block_start", "content_block_delta", "content_block_delta",

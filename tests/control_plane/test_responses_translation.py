@@ -12,6 +12,7 @@ from pydantic import TypeAdapter
 
 from inferplane.control_plane.gateway import responses_output as ro
 from inferplane.control_plane.gateway import responses_request as rq
+from tests.control_plane.chat_stream_chunks import sse, text_then_tool_call
 
 
 def request(**body) -> rq.ResponsesRequest:
@@ -187,21 +188,8 @@ async def events(*chunks: str, base: dict = BASE) -> tuple[list[dict], ro.Respon
     return out, stream
 
 
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
 async def test_a_stream_of_text_then_a_tool_call_in_order_with_sequence_numbers() -> None:
-    got, stream = await events(
-        ": queued\n\n",
-        sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, "finish_reason": None}]}),
-        sse({"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": None}]})[:10],  # split mid-event
-        sse({"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": None}]})[10:],
-        sse({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c1", "type": "function",
-                                                               "function": {"name": "f", "arguments": '{"x"'}}]}}]}),
-        sse({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}}]}),
-        sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}),
-        sse({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4}}), "data: [DONE]\n\n")
+    got, stream = await events(*text_then_tool_call())
     events_only = [e for e in got if e["type"] != "comment"]
     assert [e["type"] for e in events_only] == [
         "response.created", "response.in_progress",

@@ -7,8 +7,10 @@ to build `inferplane --help`, so importing SQLAlchemy here would slow down `infe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from inferplane.control_plane.db_url import ENV_DB_URL
@@ -51,7 +53,6 @@ def run_cli_command(command: Any, args: argparse.Namespace, remote: Any = None) 
     `remote(args, api)` against that gateway's admin API instead (cli/remote.py); a command without
     a remote form says so rather than quietly using the database."""
     from inferplane.control_plane.db import DatabaseUnusable
-    from inferplane.control_plane.errors import ControlPlaneError
 
     if getattr(args, "gateway_url", None):
         from inferplane.control_plane.cli.remote import run_remote
@@ -61,18 +62,25 @@ def run_cli_command(command: Any, args: argparse.Namespace, remote: Any = None) 
                   file=sys.stderr)
             return 2
         return run_remote(remote, args)
-    try:
+    with one_line_errors(DatabaseUnusable):  # a damaged SQLite file: one line naming it, not a traceback
         sessions = sessions_from_args(args)
-    except DatabaseUnusable as e:  # a damaged SQLite file: one line naming it, not a traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        try:
+            return int(command(args, sessions) or 0)
+        finally:
+            sessions.kw["bind"].dispose()
+    return 1
+
+
+@contextlib.contextmanager
+def one_line_errors(*also: type[Exception]) -> Iterator[None]:
+    """A control plane error (and any of `also`) printed as one line, `error: ...`, not a traceback;
+    the caller exits 1 after the block when it was left that way."""
+    from inferplane.control_plane.errors import ControlPlaneError
+
     try:
-        return int(command(args, sessions) or 0)
-    except ControlPlaneError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        sessions.kw["bind"].dispose()
+        yield
+    except (ControlPlaneError, *also) as exc:
+        print(f"error: {exc}", file=sys.stderr)
 
 
 def limit_cell(value: int | None) -> str:

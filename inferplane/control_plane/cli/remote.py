@@ -96,17 +96,12 @@ def record(data: dict[str, Any], kind: type) -> Any:
 
 def run_remote(command: Any, args: argparse.Namespace) -> int:
     """Runs `command(args, api)` against `args.gateway_url`; a refusal prints one line and exits 1."""
-    import sys
+    from contextlib import closing
 
-    try:
+    from inferplane.control_plane.cli.common import one_line_errors
+
+    with one_line_errors():
         api = AdminAPI(args.gateway_url, admin_credential(args))
-    except RemoteError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    try:
-        return int(command(args, api) or 0)
-    except ControlPlaneError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        api.close()
+        with closing(api):
+            return int(command(args, api) or 0)
+    return 1
