@@ -22,7 +22,7 @@ BASE = {ChatCompletionRequest: {"model": "m", "messages": MESSAGES}, CompletionR
 CARRIED: dict[str, Any] = {
     "max_tokens": 7, "max_completion_tokens": 7, "temperature": 0.3, "top_p": 0.5, "top_k": 5, "stop": ["x"],
     "seed": 3, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.3,
-    "logit_bias": {"1": 2.0}, "min_tokens": 2, "ignore_eos": True, "logprobs": None, "top_logprobs": 2,
+    "logit_bias": {"1": 2.0}, "min_tokens": 2, "ignore_eos": True, "min_p": 0.1, "logprobs": None, "top_logprobs": 2,
     "response_format": {"type": "json_object"},
     "tool_choice": "required", "n": 3,
     "structured_outputs": {"regex": "[0-9]+"}, "guided_regex": "a+", "guided_choice": ["a", "b"],

@@ -11,7 +11,7 @@ import torch
 from inferplane.worker.engine.sampling import (
     SamplingParams,
     _draw_rows,
-    _filter_top_k_top_p,
+    _filter_rows,
     sample,
     uniform_draw,
 )
@@ -31,9 +31,10 @@ def logits_of(vocab: int, seed: int) -> torch.Tensor:
     return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 2
 
 
-def expected(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """The distribution sampling.py defines: temperature, then top-k, then top-p over what is left."""
-    scaled = _filter_top_k_top_p((logits / temperature)[None], torch.tensor([top_k]), torch.tensor([top_p]))
+def expected(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """The distribution sampling.py defines: temperature, then top-k and min-p, then top-p over what is left."""
+    scaled = _filter_rows((logits / temperature)[None], torch.tensor([top_k]), torch.tensor([top_p]),
+                          torch.tensor([min_p]))
     return scaled.softmax(dim=-1)[0].double()
 
 
@@ -133,3 +134,41 @@ def test_a_draw_depends_on_the_key_and_the_position_alone() -> None:
     alone = sample(logits[:1].clone(), params[:1], [uniform_draw(5, 0)], False).tokens[0]
     batched = sample(logits.clone(), params, [uniform_draw(5, 0), 0.0, uniform_draw(6, 0)], False).tokens
     assert batched[0] == alone and batched[1] == int(logits[0].argmax())
+
+
+MIN_P_CASES = [  # (temperature, top_k, top_p, min_p): min-p alone, and with top-k and top-p
+    (1.0, 0, 1.0, 0.05),
+    (0.8, 0, 0.95, 0.1),
+    (1.3, 20, 0.8, 0.1),
+]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), MIN_P_CASES)
+def test_min_p_draws_from_the_filtered_distribution(isa: str, temperature: float, top_k: int, top_p: float,
+                                                    min_p: float) -> None:
+    """The kernel and the torch path, each against the distribution _filter_rows defines: what min-p
+    leaves (a real cut here: the expected support is smaller than top-k and top-p alone leave)."""
+    logits = logits_of(64, seed=31)
+    probs = expected(logits, temperature, top_k, top_p, min_p)
+    assert int((probs > 0).sum()) < int((expected(logits, temperature, top_k, top_p) > 0).sum())
+    rows = logits[None].expand(DRAWS, -1).contiguous()
+    tokens = native.kernels_for(isa).sample_rows(rows, torch.full((DRAWS,), temperature), torch.full((DRAWS,), top_k),
+                                                 torch.full((DRAWS,), top_p), torch.full((DRAWS,), min_p),
+                                                 uniforms(DRAWS))
+    assert_follows(tokens, probs)
+    torch_tokens = _draw_rows(rows / temperature, torch.full((DRAWS,), top_k), torch.full((DRAWS,), top_p),
+                              uniforms(DRAWS), torch.full((DRAWS,), min_p))
+    assert_follows(torch_tokens, probs)
+
+
+def test_min_p_reaches_the_sampler_and_is_checked() -> None:
+    """SamplingParams.min_p is what sample() filters by (C path here), and out of range is refused
+    naming the field."""
+    logits = torch.zeros(1, 1000)
+    logits[0, 600] = 5.0
+    drawn = {sample(logits.clone(), [SamplingParams(temperature=1.0, min_p=0.5)], [uniform_draw(1, p)], False).tokens[0]
+             for p in range(200)}
+    assert drawn == {600}
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5).validate(4, 64)

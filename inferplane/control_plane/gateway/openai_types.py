@@ -101,6 +101,8 @@ class SamplingRequest(_Base):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, description="vLLM's extension; 1 is off")
     logit_bias: dict[str, float] | None = Field(default=None, description="token id (as a string) -> [-100, 100]")
     min_tokens: int = Field(default=0, ge=0, le=UINT32_MAX, description="vLLM's extension")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="vLLM's extension: tokens below min_p x the top "
+                                                                  "token's probability are out; 0 disables")
     ignore_eos: bool = Field(default=False, description="vLLM's extension: decode past end-of-sequence tokens "
                                                         "until max_tokens (load tests)")
     user: str | None = None
@@ -192,6 +194,7 @@ class SamplingRequest(_Base):
         return worker_pb2.SamplingParams(
             constraint_kind=kind, constraint_spec=spec,
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0,
+            min_p=self.min_p,
             seed=self.seed, stop=list(self.stop or []), stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos or self.ignore_eos,
             logprobs=want_logprobs, top_logprobs=self.top_logprobs_wanted() if want_logprobs else 0,

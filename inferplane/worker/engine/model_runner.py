@@ -260,7 +260,7 @@ def burst_draws(batch: list[ScheduledSequence], steps: int) -> BurstDraws | None
         temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
-        min_p=torch.zeros(len(params), dtype=torch.float32),
+        min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
         uniform=torch.tensor([[0.0 if item.seq.params.greedy else
                                uniform_draw(item.seq.rng_key, len(item.seq.output_token_ids) + s) for item in batch]
                               for s in range(steps)], dtype=torch.float64))

@@ -35,6 +35,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # tokens below min_p x the top token's probability are out (0: off)
     seed: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
@@ -81,6 +82,8 @@ class SamplingParams:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k: must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: must be in [0, 1] (0 disables it), got {self.min_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop: stop strings must not be empty")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -127,13 +130,19 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Masks (to -inf) what top-k and top-p exclude; rows are requests, k=0 and p=1 disable."""
+def _filter_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Masks (to -inf) what top-k, min-p and top-p exclude, in csrc/sample.c's order: top-k and min-p
+    (a token whose probability is below min_p x the top token's) first, then top-p over what is
+    left. `logits` are temperature-scaled, rows are requests; k=0, p=1 and min_p=0 disable."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k, vocab)[:, None]
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    if min_p is not None and bool((min_p > 0).any()):
+        cut = sorted_logits[:, :1] + torch.log(min_p.to(sorted_logits.dtype))[:, None]  # -inf where off
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < cut, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
     sorted_logits = sorted_logits.masked_fill(before >= top_p[:, None], float("-inf"))
@@ -154,10 +163,11 @@ def uniform_draw(key: int, position: int) -> float:
     return ((z >> 11) + 1) / float(1 << 53)
 
 
-def _draw_rows(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def _draw_rows(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
+               min_p: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's token by inverse CDF at its uniform (float64, (0, 1]) from softmax(scaled) filtered
-    by top-k and top-p: the torch path (a GPU, or a CPU without the C kernels)."""
-    probs = _filter_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+    by top-k, min-p and top-p: the torch path (a GPU, or a CPU without the C kernels)."""
+    probs = _filter_rows(scaled, top_k, top_p, min_p).softmax(dim=-1)
     cdf = probs.double().cumsum(dim=-1)
     target = (uniforms.to(cdf.device) * cdf[:, -1])[:, None]
     chosen = torch.searchsorted(cdf, target).squeeze(-1)
@@ -262,13 +272,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], uniforms: Sequenc
         temps = torch.tensor([params[i].temperature for i in random_rows], device=dev, dtype=logits.dtype)
         top_k = torch.tensor([params[i].top_k for i in random_rows], device=dev)
         top_p = torch.tensor([params[i].top_p for i in random_rows], device=dev, dtype=logits.dtype)
+        min_p = torch.tensor([params[i].min_p for i in random_rows], device=dev, dtype=logits.dtype)
         draws = torch.tensor([uniforms[i] for i in random_rows], dtype=torch.float64)
         kernels = native.kernels() if dev.type == "cpu" and logits.dtype == torch.float32 else None
         if kernels is not None:
-            min_p = torch.zeros(len(random_rows), dtype=torch.float32)
             chosen[rows] = kernels.sample_rows(logits[rows], temps, top_k.to(torch.int64), top_p, min_p, draws)
         else:
-            chosen[rows] = _draw_rows(logits[rows] / temps[:, None], top_k, top_p, draws)
+            chosen[rows] = _draw_rows(logits[rows] / temps[:, None], top_k, top_p, draws, min_p)
     result = Sampled(chosen.tolist())
     if raw is not None:
         result.logprobs = raw.gather(-1, chosen[:, None]).squeeze(-1).tolist()

@@ -50,6 +50,7 @@ def params_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
         temperature=p.temperature,
         top_p=p.top_p or 1.0,
         top_k=max(p.top_k, 0),
+        min_p=p.min_p,
         seed=p.seed if p.HasField("seed") else None,
         stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids),
