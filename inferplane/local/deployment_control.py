@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from inferplane.api.deployment import SpecError
+from inferplane.api.deployment import SpecError, prefill_pool_name
 from inferplane.api.model_resolution import ModelResolutionError
 from inferplane.control_plane.errors import InvalidInput, NotFound
 from inferplane.local.manifests import API_VERSION, Manifest, check_prefill_pool_names, kept_folder, manifest_of
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from inferplane.local.supervisor import LocalDeployment
 
 log = logging.getLogger(__name__)
-ROLLOUT_TIMEOUT_S = 600.0  # as `inferplane up --ready-timeout`'s default
 
 
 def _invalid(exc: SpecError | ModelResolutionError) -> Exception:
@@ -46,9 +45,15 @@ def _invalid(exc: SpecError | ModelResolutionError) -> Exception:
 
 
 class LocalDeploymentControl:
-    def __init__(self, platform: LocalPlatform):
+    def __init__(self, platform: LocalPlatform, ready_timeout: float):
+        """`ready_timeout`: how long new replicas may take to serve before a rollout is stalled
+        (`inferplane up --ready-timeout`, the time the first start gives them)."""
         self.platform = platform
+        self.ready_timeout = ready_timeout
         self.rollouts: dict[str, str] = {}  # name -> "progressing", "complete" or "stalled: why"
+        # name -> the replica sets its rollouts replaced, serving until a newer set serves in full (a
+        # stalled rollout's stay), then retired; a delete retires them with the rest
+        self.superseded: dict[str, list[LocalDeployment]] = {}
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
 
@@ -122,8 +127,9 @@ class LocalDeploymentControl:
                                        "metadata": {"name": manifest.name}, "spec": document.get("spec")})
             self.platform.sync_routes()
             if old:
+                self.superseded.setdefault(manifest.name, []).extend(old.values())
                 self.rollouts[manifest.name] = "progressing"
-                self._track(self._finish_rollout(manifest.name, old))
+                self._track(self._finish_rollout(manifest.name))
             log.info("deployment %s %s", manifest.name, "configured" if old else "created")
             return {**self._view(manifest), "action": "configured" if index is not None else "created"}
 
@@ -134,7 +140,7 @@ class LocalDeploymentControl:
             self._keep(name, None)
             taken = self.platform.supervisor.take(name)
             self.platform.sync_routes()  # off the routes before the replicas are told to drain
-            self.platform.supervisor.retire(taken.values())
+            self.platform.supervisor.retire([*taken.values(), *self.superseded.pop(name, [])])
             self.rollouts.pop(name, None)
             view = self._view(manifest)
             log.info("deployment %s deleted", name)
@@ -145,29 +151,31 @@ class LocalDeploymentControl:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _finish_rollout(self, name: str, old: dict[str, LocalDeployment]) -> None:
-        """Retires `old` once every replica of the deployment now named `name` serves (a later apply
-        or a delete before then: as soon as that one has taken over, or at once)."""
+    async def _finish_rollout(self, name: str) -> None:
+        """Retires what `name`'s rollouts replaced once every replica of its current set serves; if
+        none does within the ready timeout, the rollout is stalled and the replaced sets serve on
+        (a later apply, or a delete, settles them)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + ROLLOUT_TIMEOUT_S
+        deadline = loop.time() + self.ready_timeout
         supervisor = self.platform.supervisor
         while True:
             current = supervisor.deployments.get(name)
-            pools = [d for d in supervisor.deployments.values() if d.owner == name]
-            members = [current, *pools] if current is not None else []
+            if current is None:
+                return  # deleted meanwhile: the delete retired everything
+            members = [current, *(d for d in supervisor.deployments.values() if d.owner == name)]
             if all(r.ready for d in members for r in d.replicas):
                 break
             if loop.time() > deadline:
-                problems = "; ".join(supervisor.failed_to_start()) or "no replica served in time"
+                problems = "; ".join(p for p in supervisor.failed_to_start()
+                                     if p.startswith((f"{name}[", f"{prefill_pool_name(name)}["))) \
+                    or "no replica served in time"
                 self.rollouts[name] = f"stalled: {problems}"
                 log.warning("deployment %s: rollout stalled, the old replicas keep serving: %s", name, problems)
                 return
             await asyncio.sleep(0.25)
-        if current is not None:
-            ready = next((r for r in current.replicas if r.ready), None)
-            if ready is not None and not current.owner:
-                await self.platform.publish(current, ready)  # the entry as the new replicas serve it
-        supervisor.retire(old.values())
-        if self.rollouts.get(name) == "progressing":
-            self.rollouts[name] = "complete"
+        ready = next((r for r in current.replicas if r.ready), None)
+        if ready is not None:
+            await self.platform.publish(current, ready)  # the entry as the new replicas serve it
+        supervisor.retire(self.superseded.pop(name, []))
+        self.rollouts[name] = "complete"
         log.info("deployment %s: rollout complete", name)

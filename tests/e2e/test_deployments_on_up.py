@@ -4,13 +4,15 @@ API and `inferplane deployments`, and the admin CLI against the running gateway 
 A change rolls over while requests keep coming, streamed and not: none fails, and the new spec is
 what serves afterwards (a prompt over the old context length is refused before and answered
 after). A second deployment is added and removed; what is applied comes back after a restart; a
-bad spec is refused naming its field; only a platform admin may deploy. A key made with
+bad spec is refused naming its field; a change whose replicas never serve stalls while the old
+ones serve on; only a platform admin may deploy. A key made with
 `keys create --url` answers at once.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -42,6 +44,22 @@ def write(path: Path, *docs: dict) -> Path:
 def cli(home: Path, *argv: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "inferplane.cli", *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "INFERPLANE_HOME": str(home), **(env or {})})
+
+
+def pids_of(home: Path, deployment: str) -> list[int]:
+    return [r["pid"] for d in runstate.read(home)["deployments"] if d["name"] == deployment for r in d["replicas"]
+            if r["pid"] is not None]
+
+
+def running_with(folder: Path) -> bool:
+    """Whether a process of this machine has `folder` on its command line (a worker loading it)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(folder).encode() in cmdline.read_bytes():
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def complete(base: str, key: str, model: str, prompt: str = "Hi", stream: bool = False) -> httpx.Response:
@@ -79,7 +97,9 @@ class Traffic:
 def test_deployments_change_on_a_running_up_with_no_request_failed(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "tiny")
     home = tmp_path / "home"
-    up = Up(write(tmp_path / "tiny.yaml", manifest("tiny", model, 256)), home)
+    # --ready-timeout also bounds how long a rollout waits for its new replicas before it is stalled
+    up = Up(None, home, command=("up", str(write(tmp_path / "tiny.yaml", manifest("tiny", model, 256))),
+                                 "--ready-timeout", "40"))
     try:
         base, key = f"http://127.0.0.1:{up.port}", up.key
         long_prompt = "x" * 400  # one token a byte: over 256, under 512
@@ -123,8 +143,22 @@ def test_deployments_change_on_a_running_up_with_no_request_failed(tmp_path: Pat
         assert models.returncode == 0 and models.stdout.startswith("NAME"), models.stderr
         assert cli(home, "models", "verify", "smollm2-135m", "--url", base).returncode == 2  # the database's only
 
-        other_pids = [r["pid"] for d in runstate.read(home)["deployments"] if d["name"] == "other"
-                      for r in d["replicas"]]
+        # a change whose replicas never serve (weights that register but do not load) stalls; the old
+        # ones keep serving
+        first_other = pids_of(home, "other")
+        broken = tmp_path / "broken"
+        shutil.copytree(model, broken)
+        (broken / "model.safetensors").write_bytes(b"not a safetensors file" * 100)
+        stalled = cli(home, "deployments", "apply", "-f",
+                      str(write(tmp_path / "broken.yaml", manifest("other", str(broken), 256))), "--wait")
+        assert stalled.returncode == 1 and "deployment/other: stalled" in stalled.stderr, stalled.stderr
+        assert complete(base, key, "other").status_code == 200 and not gone(first_other, timeout=1)
+        # applying working weights again settles it: the stalled set and the first one both go
+        fixed = cli(home, "deployments", "apply", "-f", str(tmp_path / "b.yaml"), "--wait")
+        assert fixed.returncode == 0 and "deployment/other ready" in fixed.stdout, fixed.stderr
+        assert gone(first_other) and not running_with(broken)
+
+        other_pids = pids_of(home, "other")
         deleted = cli(home, "deployments", "delete", "other")
         assert deleted.returncode == 0 and complete(base, key, "other").status_code == 404
         assert gone(other_pids)

@@ -150,7 +150,7 @@ async def run_platform(args: argparse.Namespace, manifests: list) -> int:
         platform = LocalPlatform(Path(args.home).expanduser(), manifests, args.host, args.port, grpc_port,
                                  metrics_port=metrics_port)
         # deployments added, changed and removed through the admin API while it runs
-        platform.gateway.context.deployment_control = LocalDeploymentControl(platform)
+        platform.gateway.context.deployment_control = LocalDeploymentControl(platform, args.ready_timeout)
     except (DatabaseUnusable, SpecError) as exc:  # a damaged SQLite file, a bad kept deployment: one line
         print(f"error: {exc}", file=sys.stderr)
         return 2
