@@ -122,14 +122,21 @@ def walk_the_guide(up: Up) -> None:
     assert "serving" in out and '"id":"default"' in out, out  # inferplane status; the admin API's tenants
 
 
+def _any_interpreter(line: str) -> str:
+    """The line with a leading Python interpreter's path as one word: the banner names the one it
+    runs under (.venv/bin/python under `make up`, an absolute path from elsewhere)."""
+    return re.sub(r"^(\s*)\S*python3?(?= )", r"\1PYTHON", line)
+
+
 def banner_matches_the_page(up: Up) -> None:
     """Each line of the page's banner example begins as a line of the real banner does, up to the
-    first thing that differs by machine (a path, a port, the key)."""
-    real = [line.rstrip("\n") for line in up.lines]
+    first thing that differs by machine (a path, a port, the key, the interpreter's path) or that the
+    page elides ("...")."""
+    real = [_any_interpreter(line.rstrip("\n")) for line in up.lines]
     for line in fenced_block_after(LOCAL_PAGE, "## The banner").splitlines():
         if line.startswith("gRPC tenant API"):
             continue  # printed only with the gRPC API on, and Up runs with --grpc-port 0
-        prefix = re.split(r"[/0-9]|ip_", line, maxsplit=1)[0]
+        prefix = re.split(r"[/0-9]|ip_|\.\.\.", _any_interpreter(line), maxsplit=1)[0]  # "...": elided
         assert any(r.startswith(prefix) for r in real), f"the page's {line!r} is not in the banner:\n" + "\n".join(real)
 
 
